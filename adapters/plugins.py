@@ -1,0 +1,34 @@
+"""The built-in adapters as pluggy plugins, published under the ``tnt_snapshot_plugin`` entry-point
+group like any third-party plugin. They name their classes by dotted path, so loading them
+imports no framework; :mod:`tnt_snapshot_plugin.plugins` blocks each one whose framework is missing.
+"""
+
+from __future__ import annotations
+
+from tnt_snapshot_plugin.plugins import AdapterInfo, hookimpl
+
+
+class TorchtntAdapterPlugin:
+    @hookimpl
+    def tnt_snapshot_plugin_adapters(self) -> AdapterInfo:
+        return AdapterInfo(
+            name="torchtnt",
+            framework="torchtnt",
+            saver="tnt_snapshot_plugin.adapters.torchtnt:TorchSnapshotSaver",
+            demo="tnt_snapshot_plugin.demo:torchtnt_demo",
+        )
+
+
+class LightningAdapterPlugin:
+    @hookimpl
+    def tnt_snapshot_plugin_adapters(self) -> AdapterInfo:
+        return AdapterInfo(
+            name="lightning",
+            framework="pytorch_lightning",
+            saver="tnt_snapshot_plugin.adapters.lightning:TorchSnapshotSaver",
+            demo="tnt_snapshot_plugin.demo:lightning_demo",
+        )
+
+
+torchtnt = TorchtntAdapterPlugin()
+lightning = LightningAdapterPlugin()

@@ -1,0 +1,65 @@
+"""tnt_snapshot_plugin: crash-safe, asynchronous torchsnapshot checkpoints for torchtnt and Lightning.
+
+The core (this package) is framework-neutral: it never imports torchtnt or Lightning. The adapters
+live in :mod:`tnt_snapshot_plugin.adapters.torchtnt` and :mod:`tnt_snapshot_plugin.adapters.lightning`.
+
+Importing this package is cheap: torch and torchsnapshot load only when a saver or restore runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    ConfigError,
+    DistributedError,
+    KeyCollisionError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotFailedWarning,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    StateMismatchError,
+)
+from .naming import SnapshotName
+from .plugins import hookimpl
+from .plugins_name import PROJECT_NAME
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROJECT_NAME",
+    "ConfigError",
+    "DistributedError",
+    "KeyCollisionError",
+    "SnapshotConfig",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotFailedWarning",
+    "SnapshotName",
+    "SnapshotNotFoundError",
+    "SnapshotWriteError",
+    "Snapshotter",
+    "StateMismatchError",
+    "hookimpl",
+    "latest_snapshot",
+    "restore",
+    "restore_from_latest",
+]
+
+_LAZY = {
+    "SnapshotConfig": ("config", "SnapshotConfig"),
+    "Snapshotter": ("snapshotter", "Snapshotter"),
+    "latest_snapshot": ("restoring", "latest_snapshot"),
+    "restore": ("restoring", "restore"),
+    "restore_from_latest": ("restoring", "restore_from_latest"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

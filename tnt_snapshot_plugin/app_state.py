@@ -1,0 +1,261 @@
+"""The application state a snapshot holds: reserved entries, RNG, collisions, staging copies.
+
+A snapshot holds the framework's state (given by an adapter as ``key -> Stateful``) plus the
+plugin's own entries:
+
+* ``rng_state``: torch's CPU generator, Python's ``random``, numpy's global generator (when numpy
+  imports) and every initialised CUDA device's generator, so resume is bitwise;
+* ``train_dataloader``: the train loader's own state in mid-epoch snapshots, when the loader has
+  ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import random
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from .errors import KeyCollisionError
+
+RNG_STATE_KEY = "rng_state"
+TRAIN_DATALOADER_KEY = "train_dataloader"
+RESERVED_KEYS = (RNG_STATE_KEY, TRAIN_DATALOADER_KEY)
+
+#: Entries that differ between ranks by nature and are therefore never marked replicated.
+NEVER_REPLICATED_SUFFIX = "_progress"
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def check_collisions(
+    unit_keys: Iterable[str],
+    extra: Iterable[tuple[str, Iterable[str]]] = (),
+) -> None:
+    """Raise KeyCollisionError naming the key if the unit uses a reserved key or two sources clash.
+
+    ``extra`` lists (source, keys) pairs, e.g. each plugin's extra-state keys.
+    """
+    owner: dict[str, str] = {key: "tnt_snapshot_plugin (reserved)" for key in RESERVED_KEYS}
+    for key in unit_keys:
+        if key in owner:
+            raise KeyCollisionError(
+                f"Detected collision for key in app state: {key!r} is reserved by "
+                f"tnt_snapshot_plugin for its own entries {RESERVED_KEYS}; rename that attribute "
+                "of your unit"
+            )
+        owner[key] = "the unit"
+    for source, keys in extra:
+        for key in keys:
+            if key in owner:
+                raise KeyCollisionError(
+                    f"Detected collision for key in app state: {key!r} from {source} is already "
+                    f"used by {owner[key]}; give one of them another key"
+                )
+            owner[key] = source
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG
+
+
+def _numpy() -> Optional[Any]:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+class RNGState:
+    """A Stateful over every RNG a training step draws from.
+
+    ``state_dict()`` captures the generators now; ``load_state_dict()`` sets them. Everything is
+    stored as tensors and plain numbers, so loading unpickles nothing.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": {
+                "version": version,
+                "state": torch.tensor(internal, dtype=torch.int64),
+                "has_gauss": gauss is not None,
+                "gauss": float(gauss) if gauss is not None else 0.0,
+            },
+        }
+        np = _numpy()
+        if np is not None:
+            algo, keys, pos, has_gauss, cached = np.random.get_state()
+            state["numpy"] = {
+                "algorithm": str(algo),
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].to(torch.uint8))
+        py = state["python"]
+        random.setstate(
+            (
+                int(py["version"]),
+                tuple(int(x) for x in py["state"].tolist()),
+                float(py["gauss"]) if py["has_gauss"] else None,
+            )
+        )
+        np = _numpy()
+        if np is not None and "numpy" in state:
+            nps = state["numpy"]
+            np.random.set_state(
+                (
+                    nps["algorithm"],
+                    nps["keys"].numpy().astype(np.uint32),
+                    int(nps["pos"]),
+                    int(nps["has_gauss"]),
+                    float(nps["cached_gaussian"]),
+                )
+            )
+        if "cuda" in state and torch.cuda.is_available():
+            cuda_states = [s.to(torch.uint8).cpu() for s in state["cuda"]]
+            if len(cuda_states) != torch.cuda.device_count():
+                raise RuntimeError(
+                    f"the snapshot holds RNG states for {len(cuda_states)} CUDA devices, this "
+                    f"process sees {torch.cuda.device_count()}"
+                )
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+# ------------------------------------------------------------------------------------------------
+# Frozen state: what the background writer sees
+
+
+class Frozen:
+    """A read-only Stateful holding an already captured state dict."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
+
+    def load_state_dict(self, state: Any) -> None:
+        raise TypeError("a frozen snapshot entry cannot be loaded into")
+
+
+def _plain_tensor(obj: Any) -> bool:
+    return (
+        isinstance(obj, torch.Tensor)
+        and type(obj) in (torch.Tensor, torch.nn.Parameter)
+        and obj.layout == torch.strided
+        and not obj.is_quantized
+    )
+
+
+class Stager:
+    """Copies state dicts into staging buffers that are reused from one snapshot to the next.
+
+    The training thread is blocked only for these copies; the write then runs from the
+    copies while training mutates the originals. Tensors on a GPU are copied into pinned host
+    memory with one synchronisation at the end. A buffer is reallocated only when the tensor at
+    that place in the state changes shape, dtype or device.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._used: set[tuple[Any, ...]] = set()
+        self._cuda = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, app_state: Mapping[str, Any]) -> dict[str, Frozen]:
+        """Frozen copies of every entry's ``state_dict()``."""
+        self._used = set()
+        self._cuda = False
+        staged = {key: Frozen(self._copy(obj.state_dict(), (key,))) for key, obj in app_state.items()}
+        if self._cuda:
+            torch.cuda.synchronize()
+        for stale in set(self._buffers) - self._used:
+            del self._buffers[stale]
+        return staged
+
+    def _copy(self, obj: Any, where: tuple[Any, ...]) -> Any:
+        if _plain_tensor(obj):
+            buf = self._buffers.get(where)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype or (
+                buf.is_pinned() != obj.is_cuda
+            ):
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                self._buffers[where] = buf
+            self._used.add(where)
+            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
+            self._cuda = self._cuda or obj.is_cuda
+            return buf
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().clone()
+        if isinstance(obj, dict):
+            out = type(obj)() if type(obj) is not dict else {}
+            for k, v in obj.items():
+                out[k] = self._copy(v, where + (k,))
+            return out
+        if isinstance(obj, list):
+            return [self._copy(v, where + (i,)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._copy(v, where + (i,)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+
+def freeze_without_copy(app_state: Mapping[str, Any]) -> dict[str, Frozen]:
+    """Each entry's ``state_dict()`` as is: for synchronous snapshots, where nothing runs meanwhile."""
+    return {key: Frozen(obj.state_dict()) for key, obj in app_state.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Replicated entries
+
+
+def replicated_patterns(
+    patterns: Optional[list[str]],
+    frozen: Mapping[str, Frozen],
+    auto_replicated: Iterable[str] = (),
+) -> list[str]:
+    """torchsnapshot ``replicated`` globs for this snapshot.
+
+    The user's globs are matched against every saved path, but the RNG, the dataloader and the
+    progress entries are never marked replicated: they differ between ranks, and marking them would
+    restore rank 0's copy everywhere. An entry matched whole becomes ``key/**``; a partly matched
+    one lists its matched paths.
+    """
+    from torchsnapshot.flatten import flatten
+
+    out = [f"{_escape(key)}/**" for key in auto_replicated if key in frozen]
+    if not patterns:
+        return out
+    for key, entry in frozen.items():
+        if key in RESERVED_KEYS or key.endswith(NEVER_REPLICATED_SUFFIX) or key in auto_replicated:
+            continue
+        _, flat = flatten(entry.state_dict(), prefix=key)
+        paths = list(flat)
+        matched = [p for p in paths if any(fnmatch.fnmatch(p, g) for g in patterns)]
+        if matched and len(matched) == len(paths):
+            out.append(f"{_escape(key)}/**")
+        else:
+            out.extend(_escape(p) for p in matched)
+    return out
+
+
+def _escape(path: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)

@@ -1,0 +1,140 @@
+"""Checkpoint collectives on a dedicated gloo group.
+
+Snapshots are written on a background thread while training may run its own collectives on the
+default group; sharing a group between two threads can pair up the wrong operations. Every
+collective of the plugin therefore runs on a gloo group of its own (created once, by all ranks,
+in the saver's constructor or setup), with a finite timeout so a failed rank never leaves the
+others waiting forever. Without an initialised process group every method is a local no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError, SnapshotError
+
+T = TypeVar("T")
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Collectives:
+    """The collectives the plugin needs, on ``group`` (None: a single process)."""
+
+    def __init__(self, group: Optional[Any]) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+
+    @classmethod
+    def create(cls, process_group: Optional[Any], timeout_s: float) -> "Collectives":
+        """A new gloo group over ``process_group``'s ranks (default: all); collective on WORLD."""
+        if not is_initialized():
+            return cls(None)
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        group = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        return cls(group)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 and give every rank its result.
+
+        If ``fn`` raises on rank 0, rank 0 re-raises it and every other rank raises a
+        :class:`DistributedError` carrying its message, instead of waiting for a result that
+        never comes.
+        """
+        if self.group is None:
+            return fn()
+        outcome: tuple[bool, Any]
+        error: Optional[BaseException] = None
+        if self.rank == 0:
+            try:
+                outcome = (True, fn())
+            except Exception as exc:  # every rank must hear about it; re-raised below
+                error = exc
+                outcome = (False, f"{type(exc).__name__}: {exc}")
+        else:
+            outcome = (True, None)
+        outcome = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        ok, value = outcome
+        if not ok:
+            raise DistributedError(f"rank 0 failed in a checkpoint step: {value}")
+        return value
+
+
+class AgreedFlag:
+    """A per-step "any rank raised this flag?" agreement that costs no wait on the hot path.
+
+    Each call starts a non-blocking MAX all-reduce of this rank's flag and returns the result of
+    the previous call's reduction, which has long completed by then. All ranks call it once per
+    step, so all ranks see a raised flag at the same step, one step after it was raised.
+    """
+
+    def __init__(self, collectives: Collectives) -> None:
+        self._coll = collectives
+        self._work: Optional[Any] = None
+        self._value = torch.zeros(1, dtype=torch.int32)
+
+    def poll(self, local: bool) -> bool:
+        if self._coll.group is None:
+            return local
+        agreed = False
+        if self._work is not None:
+            self._work.wait()
+            agreed = bool(self._value.item())
+        self._value = torch.tensor([int(local)], dtype=torch.int32)
+        self._work = dist.all_reduce(
+            self._value, op=dist.ReduceOp.MAX, group=self._coll.group, async_op=True
+        )
+        return agreed
+
+    def drain(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def raise_if_any_failed(coll: Collectives, error: Optional[BaseException], what: str) -> None:
+    """Tell every rank whether any rank failed ``what``; raise the same error kind everywhere."""
+    reports = coll.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+    if not failed:
+        return
+    if error is not None and len(failed) == 1:
+        raise error
+    detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+    if isinstance(error, SnapshotError):
+        raise type(error)(f"{what} failed: {detail}") from error
+    raise DistributedError(f"{what} failed: {detail}") from error

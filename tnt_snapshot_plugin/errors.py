@@ -1,0 +1,45 @@
+"""The plugin's error hierarchy.
+
+Every error this library raises on purpose is a :class:`SnapshotError`. Each also derives from
+the built-in exception that callers of the original torchtnt saver already catch
+(``ValueError`` for bad arguments, ``RuntimeError`` for key collisions), so switching to this
+plugin does not break existing ``except`` clauses.
+"""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Base class of every error raised by tnt_snapshot_plugin."""
+
+
+class ConfigError(SnapshotError, ValueError):
+    """An argument has a value the plugin cannot work with; raised before any work is done."""
+
+
+class KeyCollisionError(SnapshotError, RuntimeError):
+    """Two entries of the application state would be saved under the same key."""
+
+
+class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
+    """A path given to restore does not exist or holds no complete snapshot."""
+
+
+class StateMismatchError(SnapshotError, RuntimeError):
+    """The objects to restore into do not match what the snapshot holds (keys, shapes, dtypes)."""
+
+
+class SnapshotCorruptError(SnapshotError, RuntimeError):
+    """A committed snapshot could not be read back (a truncated or damaged file)."""
+
+
+class SnapshotWriteError(SnapshotError, RuntimeError):
+    """Writing a snapshot failed; the snapshot was not committed and older snapshots are intact."""
+
+
+class DistributedError(SnapshotError, RuntimeError):
+    """Another rank failed in a checkpoint collective; raised on every rank instead of hanging."""
+
+
+class SnapshotFailedWarning(UserWarning):
+    """Issued at every hook after a failed snapshot until a snapshot succeeds again."""

@@ -1,0 +1,75 @@
+"""Preemption: on a configured signal, finish the step, snapshot, then exit as the signal asked.
+
+The handler only sets a flag (nothing else is safe inside a signal handler). The saver polls it at
+each step end; under torch.distributed the ranks agree on it through :class:`AgreedFlag`, so all
+ranks snapshot at the same step even if only some received the signal. After the final snapshot
+the previous handler of the signal runs: the default action terminates the process with that
+signal, a Python handler is called, an ignored signal is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any, Optional
+
+from .distributed import AgreedFlag, Collectives
+
+logger = logging.getLogger(__name__)
+
+
+class PreemptionHandler:
+    def __init__(self, signals: tuple[signal.Signals, ...], collectives: Collectives) -> None:
+        self._signals = signals
+        self._received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+        self._flag = AgreedFlag(collectives) if collectives.distributed else None
+
+    def install(self) -> None:
+        if not self._signals or self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "tnt_snapshot_plugin: training runs outside the main thread; signals %s cannot "
+                "be handled there, so no snapshot is taken on preemption",
+                [s.name for s in self._signals],
+            )
+            return
+        for sig in self._signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._flag is not None:
+            self._flag.drain()
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self._received is None:
+            self._received = signum
+
+    def poll(self) -> bool:
+        """Whether to stop now (all ranks get the same answer at the same step)."""
+        local = self._received is not None
+        if self._flag is None:
+            return local
+        return self._flag.poll(local)
+
+    def finish(self) -> None:
+        """After the final snapshot: hand the signal to whoever handled it before us."""
+        sig = self._received if self._received is not None else self._signals[0]
+        previous = self._previous.get(sig, signal.SIG_DFL)
+        self.uninstall()
+        self._received = None
+        if callable(previous):
+            previous(sig, None)
+        elif previous == signal.SIG_DFL or previous is None:
+            logger.info("tnt_snapshot_plugin: snapshot saved; exiting on %s", signal.Signals(sig).name)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)

@@ -1,0 +1,224 @@
+"""Restoring snapshots: one chosen path, or the latest complete one in a directory.
+
+Snapshots are trusted input, as a pickle is: torchsnapshot stores non-tensor objects with
+``torch.save`` and reads them back with ``torch.load``. Restore only snapshots you (or your own
+jobs) wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Iterable, Mapping, Optional
+
+import pluggy
+
+from .app_state import RNG_STATE_KEY, RNGState, check_collisions
+from .distributed import Collectives
+from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError, StateMismatchError
+from .plugins import get_plugin_manager
+from .storage import Store, open_store, split_snapshot_path
+
+logger = logging.getLogger(__name__)
+
+
+def latest_snapshot(
+    dirpath: str,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+) -> Optional[str]:
+    """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None."""
+    coll = collectives or Collectives(None)
+    store = open_store(dirpath, storage_options)
+
+    def newest() -> Optional[str]:
+        found = store.complete_snapshots()
+        return store.child(found[-1].text) if found else None
+
+    return coll.on_rank0(newest)
+
+
+def restore(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    optional_keys: Iterable[str] = (),
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+    plugin_manager: Optional[pluggy.PluginManager] = None,
+    strict: bool = True,
+) -> list[str]:
+    """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the RNG state last.
+
+    ``optional_keys`` may be absent from the snapshot (a warning names them); any other key the
+    snapshot lacks raises :class:`StateMismatchError` when ``strict``. Modules are checked
+    against the snapshot (keys, shapes, dtypes) before anything is loaded.
+    Returns the keys that were loaded.
+    """
+    coll = collectives or Collectives(None)
+    pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
+    dirpath, name = split_snapshot_path(path)
+    store = open_store(dirpath, storage_options)
+    _require_complete(store, name, path, coll)
+
+    sources = [
+        (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
+        for i, r in enumerate(pm.hook.tnt_snapshot_plugin_extra_state(event="restore", epoch=-1, step=-1))
+        if r
+    ]
+    check_collisions(app_state.keys(), sources)
+    wanted = dict(app_state)
+    for _source, entries in sources:
+        wanted.update(entries)
+
+    from torchsnapshot import Snapshot
+    from torchsnapshot.manifest_ops import get_manifest_for_rank
+
+    snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group)
+    try:
+        manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
+    except Exception as exc:
+        raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
+    present = {key.split("/", 1)[0] for key in manifest}
+
+    optional = set(optional_keys)
+    load: dict[str, Any] = {}
+    missing = []
+    for key, obj in wanted.items():
+        if key in present:
+            load[key] = obj
+        elif key in optional:
+            warnings.warn(
+                f"{key} was passed to restore but snapshot {path} holds no {key} state "
+                "(snapshots taken at epoch ends hold none); it was not restored",
+                stacklevel=3,
+            )
+        else:
+            missing.append(key)
+    if missing and strict:
+        raise StateMismatchError(
+            f"snapshot {path} holds no entries {sorted(missing)} (it holds {sorted(present)}); "
+            "restore into the same kind of unit that was saved, or pass strict=False to skip them"
+        )
+    for key in missing:
+        warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=3)
+    if strict:
+        _check_modules(path, load, manifest)
+
+    try:
+        snapshot.restore(load, strict=strict)
+        if RNG_STATE_KEY in present:
+            snapshot.restore({RNG_STATE_KEY: RNGState()})
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotCorruptError(
+            f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    keys = sorted(load) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
+    pm.hook.tnt_snapshot_plugin_after_restore(path=path, keys=keys)
+    return keys
+
+
+def restore_from_latest(
+    dirpath: str,
+    app_state: Mapping[str, Any],
+    *,
+    optional_keys: Iterable[str] = (),
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+    plugin_manager: Optional[pluggy.PluginManager] = None,
+    strict: bool = True,
+    fallback: bool = True,
+) -> Optional[str]:
+    """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
+
+    A snapshot whose files are missing or truncated, or that fails to load, is skipped with a
+    warning naming it, and the previous one is tried (``fallback=False`` raises instead). Under
+    torch.distributed rank 0 chooses; a load error on any rank is raised, not fallen back from.
+    """
+    coll = collectives or Collectives(None)
+    store = open_store(dirpath, storage_options)
+    candidates: list[str] = coll.on_rank0(
+        lambda: [s.text for s in reversed(store.complete_snapshots())]
+    )
+    for name in candidates:
+        path = store.child(name)
+        problem = coll.on_rank0(lambda: store.verify(name))
+        if problem is None:
+            try:
+                restore(
+                    path,
+                    app_state,
+                    optional_keys=optional_keys,
+                    storage_options=storage_options,
+                    collectives=coll,
+                    plugin_manager=plugin_manager,
+                    strict=strict,
+                )
+                return path
+            except SnapshotCorruptError as exc:
+                if coll.distributed:
+                    raise
+                problem = str(exc)
+        if not fallback:
+            raise SnapshotCorruptError(
+                f"the newest snapshot {path} is damaged: {problem}; pass fallback=True to restore "
+                "the previous one instead"
+            )
+        warnings.warn(
+            f"skipping damaged snapshot {path}: {problem}; falling back to the previous snapshot",
+            stacklevel=2,
+        )
+    return None
+
+
+def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> None:
+    def check() -> Optional[str]:
+        if store.is_complete(name):
+            return None
+        if name in store.list_names():
+            return (
+                f"{path} is not a complete snapshot (it has no .snapshot_metadata: an interrupted "
+                "write?); pass a committed snapshot directory"
+            )
+        return f"snapshot {path} does not exist; pass a directory written by the saver"
+
+    problem = coll.on_rank0(check)
+    if problem is not None:
+        raise SnapshotNotFoundError(problem)
+
+
+def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> None:
+    import torch
+
+    problems: list[str] = []
+    for key, obj in load.items():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        expected = {
+            name: t for name, t in obj.state_dict().items() if isinstance(t, torch.Tensor)
+        }
+        saved = {
+            entry_path[len(key) + 1:]: entry
+            for entry_path, entry in manifest.items()
+            if entry_path.startswith(key + "/") and hasattr(entry, "shape")
+        }
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if missing:
+            problems.append(f"{key}: the module has {missing} that the snapshot lacks")
+        if unexpected:
+            problems.append(f"{key}: the snapshot has {unexpected} that the module lacks")
+        for name in sorted(set(expected) & set(saved)):
+            shape = list(saved[name].shape)
+            if list(expected[name].shape) != shape:
+                problems.append(
+                    f"{key}.{name}: shape {list(expected[name].shape)} in the module, "
+                    f"{shape} in the snapshot"
+                )
+    if problems:
+        raise StateMismatchError(
+            f"cannot restore {path}: the modules do not match the snapshot: " + "; ".join(problems)
+        )

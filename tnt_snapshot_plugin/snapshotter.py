@@ -1,0 +1,432 @@
+"""The framework-neutral engine every adapter drives.
+
+An adapter translates its framework's events into four calls, each given the progress
+(``epoch`` = epochs completed, ``step`` = train steps completed across all epochs) and a
+``collect(intra_epoch) -> {key: Stateful}`` function that is only called when a snapshot is taken:
+
+* :meth:`Snapshotter.train_start` - collision checks, leftover staging cleanup, signal handlers;
+* :meth:`Snapshotter.step_end` / :meth:`Snapshotter.epoch_end` - cadence, preemption;
+* :meth:`Snapshotter.train_end` - the final snapshot, then wait for it;
+* :meth:`Snapshotter.exception` - wait for the pending snapshot, keep what is committed.
+
+How a snapshot is taken (asynchronous mode):
+
+1. on the training thread: wait for the previous snapshot (one in flight at most), call every
+   entry's ``state_dict()`` and copy the tensors into reused staging buffers. This copy is the
+   whole stall; training then mutates its tensors freely.
+2. on a background thread: torchsnapshot writes the copies under a staging name through the
+   plugin's storage layer (every file fsynced, ``.snapshot_metadata`` held back, errors recorded);
+   the ranks agree whether every rank wrote everything; rank 0 commits (index and metadata
+   written last, then an atomic rename on disk); retention deletes older snapshots only then.
+3. at the next hook on the training thread: the outcome is reaped - the ``snapshot_committed``
+   hook runs, or the failure is reported with its step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import pluggy
+
+from .app_state import (
+    RNG_STATE_KEY,
+    RNGState,
+    Stager,
+    check_collisions,
+    freeze_without_copy,
+    replicated_patterns,
+)
+from .config import SnapshotConfig
+from .distributed import Collectives, is_initialized, raise_if_any_failed
+from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
+from .naming import SnapshotName, is_staging_name
+from .plugins import get_plugin_manager, implemented
+from .preemption import PreemptionHandler
+from .storage import Store, WriteRecorder, open_store, recording
+
+logger = logging.getLogger(__name__)
+
+Collect = Callable[[bool], Mapping[str, Any]]
+
+
+@dataclass
+class _Job:
+    """One snapshot being written."""
+
+    name: SnapshotName
+    path: str
+    staging: str
+    frozen: dict[str, Any]
+    replicated: list[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    warnings: list[str] = field(default_factory=list)
+    stall_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    durable_s: float = 0.0
+
+
+@dataclass
+class SnapshotStats:
+    """Figures of the last snapshots, for logs, the demo and the benchmark."""
+
+    committed: list[str] = field(default_factory=list)
+    last_stall_s: float = 0.0
+    last_durable_s: float = 0.0
+    failures: int = 0
+
+
+class Snapshotter:
+    """Cadence, naming, async bookkeeping, commit and retention for one snapshot directory."""
+
+    def __init__(
+        self,
+        dirpath: str,
+        config: SnapshotConfig,
+        *,
+        process_group: Optional[Any] = None,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
+        self._process_group = process_group
+        self._store: Store = open_store(dirpath, config.storage_options)
+        self._coll: Optional[Collectives] = None
+        self._stager = Stager()
+        self._pending: Optional[_Job] = None
+        self._failure: Optional[str] = None
+        self._last_name: Optional[str] = None
+        self._preemption: Optional[PreemptionHandler] = None
+        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        self._every_n_steps = config.save_every_n_train_steps
+        self._every_n_epochs = config.save_every_n_epochs
+        self.stats = SnapshotStats()
+        self.attach()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @property
+    def dirpath(self) -> str:
+        return self._store.url
+
+    @property
+    def collectives(self) -> Collectives:
+        self.attach()
+        assert self._coll is not None
+        return self._coll
+
+    def attach(self) -> None:
+        """Join torch.distributed if it is initialised now (collective); idempotent.
+
+        Creates the checkpoint gloo group, takes rank 0's dirpath, checks it can be written.
+        """
+        if self._coll is not None and (self._coll.distributed or not is_initialized()):
+            return
+        self._coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
+        dirpath = self._coll.broadcast(self._store.url)
+        if dirpath != self._store.url:
+            self._store = open_store(dirpath, self.config.storage_options)
+        self._coll.on_rank0(self._store.check_writable)
+
+    def train_start(self, unit_keys: Iterable[str]) -> None:
+        """Check the app state keys, clear leftover staging directories, watch for preemption."""
+        self.attach()
+        check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
+        self.collectives.on_rank0(self._remove_leftovers)
+        if self.config.preemption_signals and self._preemption is None:
+            self._preemption = PreemptionHandler(self.config.preemption_signals, self.collectives)
+            self._preemption.install()
+
+    def _remove_leftovers(self) -> None:
+        for name in self._store.list_names():
+            if is_staging_name(name):
+                try:
+                    self._store.remove(name)
+                    logger.info("removed staging directory %s left by an interrupted snapshot", name)
+                except (OSError, SnapshotError) as exc:
+                    warnings.warn(
+                        f"could not remove staging directory {self._store.child(name)} left by an "
+                        f"interrupted snapshot: {exc}; restore ignores it, delete it by hand",
+                        stacklevel=3,
+                    )
+
+    # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
+
+    def step_end(self, epoch: int, step: int, collect: Collect) -> None:
+        if self._pending is not None and self._pending.done.is_set():
+            self._reap()
+        if self._failure is not None:
+            self._warn_failure(step)
+        if self._preemption is not None and self._preemption.poll():
+            self._preempt(epoch, step, collect)
+            return
+        n = self._every_n_steps
+        due = n is not None and step % n == 0
+        if self._ask_should:
+            due = self._should("step", epoch, step, due)
+        if due:
+            self.save(epoch, step, collect(True), event="step")
+
+    def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
+        if self._pending is not None and self._pending.done.is_set():
+            self._reap()
+        if self._failure is not None:
+            self._warn_failure(step)
+        n = self._every_n_epochs
+        due = n is not None and epoch % n == 0
+        if self._ask_should:
+            due = self._should("epoch", epoch, step, due)
+        if due:
+            self.save(epoch, step, collect(False), event="epoch")
+
+    def train_end(self, epoch: int, step: int, collect: Collect) -> None:
+        """Take the final snapshot unless this state is already saved, and wait for it."""
+        try:
+            if self.config.save_on_train_end:
+                self.save(epoch, step, collect(False), event="train_end")
+            self.wait()
+        finally:
+            self._stop_watching()
+
+    def exception(self) -> None:
+        """Training failed: let the pending snapshot finish; never raise over the user's error."""
+        try:
+            self.wait(raise_errors=False)
+        finally:
+            self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
+
+    def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
+        assert self._preemption is not None
+        logger.warning("tnt_snapshot_plugin: preemption signal received; snapshotting step %d", step)
+        self.save(epoch, step, collect(True), event="preemption")
+        self.wait()
+        preemption, self._preemption = self._preemption, None
+        preemption.finish()
+
+    def _should(self, event: str, epoch: int, step: int, default: bool) -> bool:
+        answer = self.plugin_manager.hook.tnt_snapshot_plugin_should_snapshot(
+            event=event, epoch=epoch, step=step, default=default
+        )
+        return default if answer is None else bool(answer)
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, epoch: int, step: int, app_state: Mapping[str, Any], *, event: str = "manual") -> bool:
+        """Snapshot ``app_state`` as of (epoch, step). False if that name is already saved."""
+        name = self._name(epoch, step)
+        if name.text == self._last_name:
+            return False
+        self.wait(warn_busy=True)
+        self._last_name = name.text
+        if self.collectives.on_rank0(lambda: self._store.is_complete(name.text)):
+            logger.info("snapshot %s already exists; not writing it again", name.text)
+            return False
+        extra = self._extra_state(event, epoch, step, app_state.keys())
+        entries = {**app_state, **extra, RNG_STATE_KEY: RNGState()}
+
+        started = time.perf_counter()
+        if self.config.async_snapshot:
+            frozen = self._stager.stage(entries)
+        else:
+            frozen = freeze_without_copy(entries)
+        auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
+        job = _Job(
+            name=name,
+            path=self._store.child(name.text),
+            staging=self._store.staging_for(name.text),
+            frozen=frozen,
+            replicated=replicated_patterns(self.config.replicated, frozen, auto),
+        )
+        job.stall_s = time.perf_counter() - started
+        if self.config.async_snapshot:
+            self._pending = job
+            threading.Thread(
+                target=self._run, args=(job,), name=f"tnt-snapshot-{name.text}", daemon=True
+            ).start()
+            self.stats.last_stall_s = job.stall_s
+        else:
+            self._pending = job
+            self._run(job)
+            self._reap()
+            self.stats.last_stall_s = time.perf_counter() - started
+        logger.info("snapshot %s: training blocked %.3fs", name.text, self.stats.last_stall_s)
+        return True
+
+    def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
+        """Block until the pending snapshot (if any) is committed or failed, and reap it."""
+        job = self._pending
+        if job is None:
+            return
+        if warn_busy and not job.done.is_set():
+            warnings.warn(
+                f"snapshot {job.name} is still being written; waiting for it before taking the "
+                "next one (consider snapshotting less often)",
+                stacklevel=4,
+            )
+        job.done.wait()
+        if raise_errors:
+            self._reap()
+        else:
+            try:
+                self._reap()
+            except SnapshotError as exc:
+                logger.error("tnt_snapshot_plugin: %s", exc)
+
+    def _name(self, epoch: int, step: int) -> SnapshotName:
+        default = SnapshotName.of(epoch, step)
+        chosen = self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_name(
+            epoch=epoch, step=step, default=default.text
+        )
+        if chosen is None or chosen == default.text:
+            return default
+        parsed = SnapshotName.parse(chosen) if isinstance(chosen, str) else None
+        if parsed is None or parsed.phase_aware or (parsed.epoch, parsed.step) != (epoch, step):
+            raise ConfigError(
+                f"a tnt_snapshot_plugin_snapshot_name hook returned {chosen!r}; it must be "
+                f"{default.text!r}, optionally followed by '_metric=value', so restore can find it"
+            )
+        return parsed
+
+    def _extra_state_sources(self, event: str, epoch: int, step: int) -> list[tuple[str, dict[str, Any]]]:
+        results = self.plugin_manager.hook.tnt_snapshot_plugin_extra_state(
+            event=event, epoch=epoch, step=step
+        )
+        return [
+            (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
+            for i, r in enumerate(results)
+            if r
+        ]
+
+    def _extra_state(self, event: str, epoch: int, step: int, unit_keys: Iterable[str]) -> dict[str, Any]:
+        sources = self._extra_state_sources(event, epoch, step)
+        check_collisions(unit_keys, sources)
+        merged: dict[str, Any] = {}
+        for _source, entries in sources:
+            merged.update(entries)
+        return merged
+
+    # -- the background write -----------------------------------------------------------------
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self._write(job)
+        except BaseException as exc:  # reaped on the training thread
+            job.error = exc
+        finally:
+            job.durable_s = time.perf_counter() - job.started
+            job.done.set()
+
+    def _write(self, job: _Job) -> None:
+        from torchsnapshot import Snapshot
+
+        coll = self.collectives
+        store = self._store
+        if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
+            store.remove(job.staging)  # a partial write of this name on an object store
+        recorder = WriteRecorder()
+        with recording(recorder):
+            Snapshot.take(
+                store.torchsnapshot_url(job.staging),
+                app_state=job.frozen,
+                pg=coll.group,
+                replicated=job.replicated,
+            )
+        error: Optional[BaseException] = None
+        if recorder.error is not None:
+            error = SnapshotWriteError(
+                f"writing {recorder.error_path} failed: {type(recorder.error).__name__}: "
+                f"{recorder.error}"
+            )
+        sizes = coll.all_gather(recorder.sizes)
+        try:
+            raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
+        except SnapshotError:
+            if coll.rank == 0:
+                try:
+                    store.remove(job.staging)
+                except Exception as exc:  # the failed write stays invisible to restore anyway
+                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+            raise
+
+        def commit() -> None:
+            assert recorder.metadata is not None, "torchsnapshot wrote no metadata on rank 0"
+            files: dict[str, int] = {}
+            for rank_sizes in sizes:
+                files.update(rank_sizes)
+            index = json.dumps(
+                {"format": 1, "epoch": job.name.epoch, "step": job.name.step, "files": files},
+                sort_keys=True,
+            ).encode()
+            store.commit(job.staging, job.name.text, recorder.metadata, index)
+            self._retain(job)
+
+        coll.on_rank0(commit)
+
+    def _retain(self, job: _Job) -> None:
+        keep = self.config.keep_last_n_snapshots
+        if keep is None:
+            return
+        try:
+            complete = [s for s in self._store.complete_snapshots() if not s.phase_aware]
+        except Exception as exc:
+            job.warnings.append(f"retention could not list {self.dirpath}: {exc}")
+            return
+        if not complete:
+            return
+        newest = complete[-1]
+        for old in complete[:-keep]:
+            if old == newest:
+                continue
+            try:
+                self._store.remove(old.text)
+            except Exception as exc:  # never fail training over a deletion
+                job.warnings.append(f"retention could not delete {self._store.child(old.text)}: {exc}")
+
+    def _reap(self) -> None:
+        job, self._pending = self._pending, None
+        if job is None:
+            return
+        for message in job.warnings:
+            warnings.warn(message, stacklevel=3)
+        if job.error is not None:
+            self.stats.failures += 1
+            message = (
+                f"snapshot {job.path} (epoch {job.name.epoch}, step {job.name.step}) failed and was "
+                f"not committed: {type(job.error).__name__}: {job.error}. Older snapshots are intact."
+            )
+            if self.config.on_save_error == "raise":
+                raise SnapshotWriteError(message) from job.error
+            self._failure = message
+            warnings.warn(message, SnapshotFailedWarning, stacklevel=3)
+            return
+        self._failure = None
+        self.stats.committed.append(job.path)
+        self.stats.last_durable_s = job.durable_s
+        logger.info("snapshot %s committed in %.3fs", job.path, job.durable_s)
+        self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
+            path=job.path, epoch=job.name.epoch, step=job.name.step
+        )
+
+    def _warn_failure(self, step: int) -> None:
+        warnings.warn(
+            f"{self._failure} No snapshot has succeeded since; training is at step {step}.",
+            SnapshotFailedWarning,
+            stacklevel=3,
+        )
+
+
+def _is_ddp(obj: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(obj, DistributedDataParallel)

@@ -1,0 +1,481 @@
+"""Where snapshots live: listing, committing and guarded deletion, on local disk and S3.
+
+Two layers:
+
+* :class:`Store` (``LocalStore``, ``S3Store``) works on a snapshot *directory* ``dirpath``: it lists
+  the snapshot names in it, tells whether one is complete, commits one, and deletes one. Deletion
+  only ever removes a child of ``dirpath`` whose name this plugin could have written (a snapshot
+  or staging name), never follows a symlink, and never touches anything else.
+* The torchsnapshot storage plugins registered under torchsnapshot's ``storage_plugins``
+  entry-point group (``tntfs://``, ``tnts3://``) carry the bytes. While a snapshot is written they
+  fsync every file, remember its size, hold back ``.snapshot_metadata`` (torchsnapshot's commit
+  marker) and record a write error instead of raising it, so every rank reaches the end of the
+  write and the ranks can agree whether to commit. The saver then writes the metadata itself, last.
+
+Work-arounds for torchsnapshot-nightly 2024.7.26, both tested in tests/test_storage.py:
+
+* its S3 plugin ignores ``storage_options`` (no endpoint, no credentials; upstream
+  ``# TODO: read AWS tokens from storage_options?``) and ``s3://`` cannot be overridden through the
+  entry-point group, so ``s3://`` paths are handed to torchsnapshot as ``tnts3://``, served by
+  :class:`_S3Plugin` which builds its boto3 client from ``storage_options``;
+* its fs plugin never fsyncs, so a "complete" snapshot could be lost by a power cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import ConfigError, SnapshotError
+from .naming import SnapshotName, is_staging_name
+
+METADATA_FNAME = ".snapshot_metadata"
+INDEX_FNAME = ".tnt_snapshot_index.json"
+
+S3_OPTION_KEYS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The write recorder: how the saver and the torchsnapshot plugins talk during one write.
+
+
+@dataclass
+class WriteRecorder:
+    """What one rank's write of one snapshot produced."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    metadata: Optional[bytes] = None
+    error: Optional[BaseException] = None
+    error_path: Optional[str] = None
+
+
+_active = threading.local()
+
+
+class recording:
+    """Route the torchsnapshot plugins created on this thread to ``recorder`` while active."""
+
+    def __init__(self, recorder: WriteRecorder) -> None:
+        self._recorder = recorder
+
+    def __enter__(self) -> WriteRecorder:
+        _active.recorder = self._recorder
+        return self._recorder
+
+    def __exit__(self, *exc: object) -> None:
+        _active.recorder = None
+
+
+def _current_recorder() -> Optional[WriteRecorder]:
+    return getattr(_active, "recorder", None)
+
+
+def _write_durably(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _RecordingPlugin:
+    """Shared write logic of the committing torchsnapshot plugins."""
+
+    def __init__(self) -> None:
+        self.recorder = _current_recorder()
+
+    async def _put(self, rel_path: str, buf: Any) -> None:
+        raise NotImplementedError
+
+    async def write(self, write_io: Any) -> None:
+        rec = self.recorder
+        if rec is None:
+            await self._put(write_io.path, write_io.buf)
+            return
+        if write_io.path == METADATA_FNAME:
+            rec.metadata = bytes(write_io.buf)
+            return
+        if rec.error is not None:
+            return  # this rank already failed; the others learn it when the ranks agree
+        try:
+            await self._put(write_io.path, write_io.buf)
+        except Exception as exc:  # recorded, and raised on every rank by the saver
+            rec.error, rec.error_path = exc, write_io.path
+            return
+        rec.sizes[write_io.path] = memoryview(write_io.buf).nbytes
+
+
+def _storage_plugin_base() -> type:
+    from torchsnapshot.io_types import StoragePlugin
+
+    return StoragePlugin
+
+
+def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = None) -> Any:
+    """torchsnapshot ``storage_plugins`` entry point ``tntfs``: local files, fsynced."""
+    from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+
+    class _FSPlugin(_RecordingPlugin, FSStoragePlugin):  # type: ignore[misc]
+        def __init__(self, root: str) -> None:
+            FSStoragePlugin.__init__(self, root=root)
+            _RecordingPlugin.__init__(self)
+
+        async def _put(self, rel_path: str, buf: Any) -> None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, _write_durably, os.path.join(self.root, rel_path), buf)
+
+    return _FSPlugin(path)
+
+
+def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise ConfigError(
+            "s3:// snapshots need boto3: pip install 'tnt-snapshot-plugin[s3]'"
+        ) from None
+    options = dict(storage_options or {})
+    unknown = set(options) - S3_OPTION_KEYS
+    if unknown:
+        raise ConfigError(
+            f"storage_options has keys {sorted(unknown)} that the S3 storage does not know; "
+            f"expected some of {sorted(S3_OPTION_KEYS)}"
+        )
+    return boto3.session.Session().client("s3", **options)
+
+
+def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = None) -> Any:
+    """torchsnapshot ``storage_plugins`` entry point ``tnts3``: S3 honouring storage_options."""
+    base = _storage_plugin_base()
+    bucket, _, root = path.partition("/")
+
+    class _S3Plugin(_RecordingPlugin, base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            _RecordingPlugin.__init__(self)
+            self.client = s3_client(storage_options)
+
+        def _key(self, rel_path: str) -> str:
+            return f"{root}/{rel_path}" if root else rel_path
+
+        async def _put(self, rel_path: str, buf: Any) -> None:
+            body = bytes(buf)
+            await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: self.client.put_object(Bucket=bucket, Key=self._key(rel_path), Body=body),
+            )
+
+        async def read(self, read_io: Any) -> None:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": self._key(read_io.path)}
+            if read_io.byte_range is not None:
+                start, end = read_io.byte_range
+                kwargs["Range"] = f"bytes={start}-{end - 1}"
+
+            def get() -> bytes:
+                return self.client.get_object(**kwargs)["Body"].read()
+
+            read_io.buf = io.BytesIO(await asyncio.get_running_loop().run_in_executor(None, get))
+
+        async def delete(self, path: str) -> None:
+            self.client.delete_object(Bucket=bucket, Key=self._key(path))
+
+        async def delete_dir(self, path: str) -> None:
+            pass  # S3 has no directories
+
+        async def close(self) -> None:
+            pass
+
+    return _S3Plugin()
+
+
+# --------------------------------------------------------------------------------------------
+# Stores: the snapshot directory.
+
+
+class Store:
+    """A snapshot directory (``dirpath``) on some storage."""
+
+    url: str
+
+    def child(self, name: str) -> str:
+        """The user-facing path of child ``name``."""
+        raise NotImplementedError
+
+    def torchsnapshot_url(self, name: str) -> str:
+        """The URL torchsnapshot is given for child ``name`` (served by our plugins)."""
+        raise NotImplementedError
+
+    def list_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def has_file(self, name: str, rel: str) -> bool:
+        raise NotImplementedError
+
+    def read_file(self, name: str, rel: str) -> bytes:
+        raise NotImplementedError
+
+    def file_size(self, name: str, rel: str) -> Optional[int]:
+        raise NotImplementedError
+
+    def check_writable(self) -> None:
+        raise NotImplementedError
+
+    def staging_for(self, final: str) -> str:
+        """Where to write snapshot ``final`` before its commit."""
+        raise NotImplementedError
+
+    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+        """Make ``final`` complete: index, then metadata last (and the rename, on disk)."""
+        raise NotImplementedError
+
+    def _remove(self, name: str) -> None:
+        raise NotImplementedError
+
+    # -- shared logic ------------------------------------------------------------------------
+
+    def is_complete(self, name: str) -> bool:
+        return self.has_file(name, METADATA_FNAME)
+
+    def complete_snapshots(self) -> list[SnapshotName]:
+        """Complete snapshots in ``dirpath``, oldest first (by epoch, then step)."""
+        found = []
+        for text in self.list_names():
+            parsed = SnapshotName.parse(text)
+            if parsed is not None and self.is_complete(text):
+                found.append(parsed)
+        return sorted(found)
+
+    def remove(self, name: str) -> None:
+        """Delete child ``name``: only a name this plugin writes, only inside ``dirpath``."""
+        if (
+            not name
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+            or (SnapshotName.parse(name) is None and not is_staging_name(name))
+        ):
+            raise SnapshotError(
+                f"refusing to delete {name!r} in {self.url}: it is not a snapshot or staging "
+                "directory name this plugin writes"
+            )
+        self._remove(name)
+
+    def verify(self, name: str) -> Optional[str]:
+        """Why snapshot ``name`` is damaged (a file missing or of the wrong size), or None.
+
+        Only snapshots this plugin wrote carry the size index; others are trusted as complete.
+        """
+        if not self.has_file(name, INDEX_FNAME):
+            return None
+        try:
+            index = json.loads(self.read_file(name, INDEX_FNAME))
+            files = index["files"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"its index {INDEX_FNAME} is unreadable ({exc})"
+        for rel, size in files.items():
+            actual = self.file_size(name, rel)
+            if actual is None:
+                return f"file {rel} is missing"
+            if actual != size:
+                return f"file {rel} has {actual} bytes, {size} were written"
+        return None
+
+
+class LocalStore(Store):
+    def __init__(self, dirpath: str) -> None:
+        self.url = dirpath
+        self.root = os.path.abspath(dirpath)
+
+    def child(self, name: str) -> str:
+        return os.path.join(self.url, name)
+
+    def torchsnapshot_url(self, name: str) -> str:
+        return "tntfs://" + os.path.join(self.root, name)
+
+    def list_names(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def has_file(self, name: str, rel: str) -> bool:
+        return os.path.isfile(os.path.join(self.root, name, rel))
+
+    def read_file(self, name: str, rel: str) -> bytes:
+        with open(os.path.join(self.root, name, rel), "rb") as f:
+            return f.read()
+
+    def file_size(self, name: str, rel: str) -> Optional[int]:
+        try:
+            return os.stat(os.path.join(self.root, name, rel)).st_size
+        except FileNotFoundError:
+            return None
+
+    def check_writable(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError(f"dirpath {self.url!r} exists and is not a directory; pass a directory")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            probe = os.path.join(self.root, f".tnt_write_probe.{uuid.uuid4().hex}")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise ConfigError(
+                f"dirpath {self.url!r} cannot be written ({exc.strerror or exc}); "
+                "pass a directory this process can create files in"
+            ) from exc
+
+    def staging_for(self, final: str) -> str:
+        from .naming import staging_name
+
+        return staging_name(final, uuid.uuid4().hex[:12])
+
+    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+        staged = os.path.join(self.root, staging)
+        _write_durably(os.path.join(staged, INDEX_FNAME), index)
+        _write_durably(os.path.join(staged, METADATA_FNAME), metadata)
+        for parent, _dirs, _files in os.walk(staged, topdown=False):
+            fsync_dir(parent)
+        os.rename(staged, os.path.join(self.root, final))
+        fsync_dir(self.root)
+
+    def _remove(self, name: str) -> None:
+        path = os.path.join(self.root, name)
+        if os.path.islink(path):
+            raise SnapshotError(f"refusing to delete {path}: it is a symlink")
+        if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.root):
+            raise SnapshotError(f"refusing to delete {path}: it resolves outside {self.url}")
+        if os.path.exists(path):
+            shutil.rmtree(path)
+
+
+class S3Store(Store):
+    def __init__(self, url: str, storage_options: Optional[dict[str, Any]]) -> None:
+        self.url = url.rstrip("/")
+        rest = self.url[len("s3://"):]
+        self.bucket, _, self.prefix = rest.partition("/")
+        if not self.bucket:
+            raise ConfigError(f"dirpath {url!r} names no bucket; expected s3://BUCKET/PREFIX")
+        self.client = s3_client(storage_options)
+
+    def _key(self, name: str, rel: str = "") -> str:
+        parts = [p for p in (self.prefix, name, rel) if p]
+        return "/".join(parts)
+
+    def child(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def torchsnapshot_url(self, name: str) -> str:
+        return f"tnts3://{self.bucket}/{self._key(name)}"
+
+    def list_names(self) -> list[str]:
+        prefix = self._key("") + "/" if self.prefix else ""
+        names: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for common in page.get("CommonPrefixes", []):
+                names.append(common["Prefix"][len(prefix):].rstrip("/"))
+        return names
+
+    def has_file(self, name: str, rel: str) -> bool:
+        return self.file_size(name, rel) is not None
+
+    def read_file(self, name: str, rel: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name, rel))["Body"].read()
+
+    def file_size(self, name: str, rel: str) -> Optional[int]:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(name, rel))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return int(head["ContentLength"])
+
+    def check_writable(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as exc:
+            raise ConfigError(
+                f"dirpath {self.url!r}: bucket {self.bucket!r} is not reachable ({exc}); check "
+                "the bucket name and storage_options (endpoint_url, credentials)"
+            ) from exc
+
+    def staging_for(self, final: str) -> str:
+        # Object stores cannot rename atomically: write in place, commit by writing the
+        # metadata last. A leftover partial write of the same name is cleared first.
+        return final
+
+    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(final, INDEX_FNAME), Body=index)
+        self.client.put_object(Bucket=self.bucket, Key=self._key(final, METADATA_FNAME), Body=metadata)
+
+    def _remove(self, name: str) -> None:
+        prefix = self._key(name) + "/"
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        ):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+
+
+def open_store(dirpath: str, storage_options: Optional[dict[str, Any]] = None) -> Store:
+    """The store for ``dirpath``: a local path, ``file://`` URL or ``s3://`` URL."""
+    if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
+        raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
+    dirpath = os.fspath(dirpath)
+    if "://" not in dirpath:
+        return LocalStore(dirpath)
+    protocol = dirpath.split("://", 1)[0]
+    if protocol == "file":
+        return LocalStore(dirpath[len("file://"):])
+    if protocol == "s3":
+        return S3Store(dirpath, storage_options)
+    raise ConfigError(
+        f"dirpath {dirpath!r} uses storage protocol {protocol!r}, which tnt_snapshot_plugin does "
+        "not support; use a local path, file:// or s3://"
+    )
+
+
+def split_snapshot_path(path: str) -> tuple[str, str]:
+    """(dirpath, name) of a snapshot path or URL."""
+    path = os.fspath(path).rstrip("/")
+    head, _, name = path.rpartition("/")
+    if not name:
+        raise ConfigError(f"{path!r} is not a snapshot path (expected DIRPATH/epoch_E_step_S)")
+    return head or ".", name
