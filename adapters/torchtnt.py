@@ -37,8 +37,9 @@ class TorchSnapshotSaver(Callback):
 
     The snapshot holds the unit's tracked modules, optimizers, LR schedulers, progress (train and,
     under ``fit()``, eval) and other stateful attributes, the RNG state (torch CPU and CUDA,
-    Python, numpy), and in mid-epoch snapshots the train dataloader's state when the loader has
-    ``state_dict``/``load_state_dict``. Snapshots are written to
+    Python, numpy), and the train dataloader's state when the loader has
+    ``state_dict``/``load_state_dict`` (at epoch ends too, so a loader that reshuffles by epoch
+    resumes exactly). Snapshots are written to
     ``dirpath/epoch_{epoch}_step_{step}`` (``step``: train steps completed across all epochs),
     asynchronously by default, and become visible to restore only once complete.
 
@@ -220,8 +221,10 @@ def _unit_state(unit: AppStateMixin) -> dict[str, Any]:
 
 def _collector(state: State, unit: AppStateMixin) -> Callable[[bool], dict[str, Any]]:
     def collect(intra_epoch: bool) -> dict[str, Any]:
+        # The loader's state is saved at epoch ends too (torchtnt's saver only saves it mid-epoch):
+        # a loader that reshuffles by epoch would otherwise replay the first epoch's order.
         app_state = _unit_state(unit)
-        if intra_epoch and state.train_state is not None:
+        if state.train_state is not None:
             loader = state.train_state.dataloader
             if is_stateful(loader):
                 app_state[TRAIN_DATALOADER_KEY] = loader

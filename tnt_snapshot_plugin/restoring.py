@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import pluggy
 
-from .app_state import RNG_STATE_KEY, RNGState, check_collisions
+from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, check_collisions
 from .distributed import Collectives
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError, StateMismatchError
 from .plugins import get_plugin_manager
@@ -67,7 +67,8 @@ def restore(
         for i, r in enumerate(pm.hook.tnt_snapshot_plugin_extra_state(event="restore", epoch=-1, step=-1))
         if r
     ]
-    check_collisions(app_state.keys(), sources)
+    # Adapters check the unit's own keys before adding reserved entries (the train dataloader).
+    check_collisions([k for k in app_state if k not in RESERVED_KEYS], sources)
     wanted = dict(app_state)
     for _source, entries in sources:
         wanted.update(entries)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import pluggy
 
 from .app_state import (
+    RESERVED_KEYS,
     RNG_STATE_KEY,
     RNGState,
     Stager,
@@ -232,7 +233,11 @@ class Snapshotter:
         if self.collectives.on_rank0(lambda: self._store.is_complete(name.text)):
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
-        extra = self._extra_state(event, epoch, step, app_state.keys())
+        # The unit's own keys were checked at train start; the adapter may add reserved entries
+        # (the train dataloader), so only plugin entries are checked against everything here.
+        extra = self._extra_state(
+            event, epoch, step, [k for k in app_state if k not in RESERVED_KEYS]
+        )
         entries = {**app_state, **extra, RNG_STATE_KEY: RNGState()}
 
         started = time.perf_counter()
@@ -269,10 +274,10 @@ class Snapshotter:
         if job is None:
             return
         if warn_busy and not job.done.is_set():
-            warnings.warn(
-                f"snapshot {job.name} is still being written; waiting for it before taking the "
-                "next one (consider snapshotting less often)",
-                stacklevel=4,
+            logger.warning(
+                "snapshot %s is still being written; waiting for it before taking the next one "
+                "(consider snapshotting less often)",
+                job.name,
             )
         job.done.wait()
         if raise_errors:
