@@ -3,59 +3,17 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 from torchtnt.framework.state import State
 from torchtnt.framework.unit import EvalUnit, TrainUnit
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+from tnt_snapshot_plugin.demo_data import Batch, ResumableLoader, make_data
 
-
-def make_data(n: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
-    return x, y
-
-
-class StatefulLoader:
-    """A shuffling loader that can resume mid-epoch (``state_dict``/``load_state_dict``).
-
-    Each epoch draws a permutation from its own generator; the state is (epoch, batches served).
-    """
-
-    def __init__(self, data: tuple[torch.Tensor, torch.Tensor], batch_size: int = 4, seed: int = 0):
-        self.x, self.y = data
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._resuming = False
-
-    def __len__(self) -> int:
-        return (len(self.x) + self.batch_size - 1) // self.batch_size
-
-    def __iter__(self) -> Iterator[Batch]:
-        if not self._resuming:
-            self.position = 0
-        self._resuming = False
-        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        while self.position < len(self):
-            idx = perm[self.position * self.batch_size : (self.position + 1) * self.batch_size]
-            self.position += 1
-            yield self.x[idx], self.y[idx]
-        self.epoch += 1
-        self.position = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._resuming = self.position > 0
+# The tests' name for the package's resumable loader.
+StatefulLoader = ResumableLoader
 
 
 class ToyUnit(TrainUnit[Batch], EvalUnit[Batch]):
@@ -75,9 +33,10 @@ class ToyUnit(TrainUnit[Batch], EvalUnit[Batch]):
         if self.fail_at_step is not None and self.train_progress.num_steps_completed == self.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.fail_at_step}")
         x, y = data
-        # Python's and numpy's RNGs feed the step too, so their state must resume exactly.
-        noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
-        loss = torch.nn.functional.mse_loss(self.model(x), y) + noise
+        # Python's and numpy's RNGs scale the loss (and so the gradients): their state must
+        # resume exactly for the weights to match.
+        scale = 1.0 + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+        loss = torch.nn.functional.mse_loss(self.model(x), y) * scale
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()

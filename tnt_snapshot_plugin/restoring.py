@@ -73,7 +73,7 @@ def restore(
     for _source, entries in sources:
         wanted.update(entries)
 
-    from torchsnapshot import Snapshot
+    from .compat import Snapshot
     from torchsnapshot.manifest_ops import get_manifest_for_rank
 
     snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group)

@@ -73,13 +73,24 @@ class _Job:
     durable_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """One committed snapshot: where, and what it cost."""
+
+    path: str
+    epoch: int
+    step: int
+    #: how long the training thread was blocked taking it
+    stall_s: float
+    #: from the start of the snapshot until it was committed (durable and visible)
+    durable_s: float
+
+
 @dataclass
 class SnapshotStats:
-    """Figures of the last snapshots, for logs, the demo and the benchmark."""
+    """Figures of the snapshots taken so far, for logs, the demo and the benchmark."""
 
-    committed: list[str] = field(default_factory=list)
-    last_stall_s: float = 0.0
-    last_durable_s: float = 0.0
+    committed: list[SnapshotRecord] = field(default_factory=list)
     failures: int = 0
 
 
@@ -259,13 +270,12 @@ class Snapshotter:
             threading.Thread(
                 target=self._run, args=(job,), name=f"tnt-snapshot-{name.text}", daemon=True
             ).start()
-            self.stats.last_stall_s = job.stall_s
         else:
             self._pending = job
             self._run(job)
+            job.stall_s = time.perf_counter() - started
             self._reap()
-            self.stats.last_stall_s = time.perf_counter() - started
-        logger.info("snapshot %s: training blocked %.3fs", name.text, self.stats.last_stall_s)
+        logger.info("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
         return True
 
     def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
@@ -333,7 +343,7 @@ class Snapshotter:
             job.done.set()
 
     def _write(self, job: _Job) -> None:
-        from torchsnapshot import Snapshot
+        from .compat import Snapshot
 
         coll = self.collectives
         store = self._store
@@ -416,8 +426,9 @@ class Snapshotter:
             warnings.warn(message, SnapshotFailedWarning, stacklevel=3)
             return
         self._failure = None
-        self.stats.committed.append(job.path)
-        self.stats.last_durable_s = job.durable_s
+        self.stats.committed.append(
+            SnapshotRecord(job.path, job.name.epoch, job.name.step, job.stall_s, job.durable_s)
+        )
         logger.info("snapshot %s committed in %.3fs", job.path, job.durable_s)
         self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
             path=job.path, epoch=job.name.epoch, step=job.name.step
