@@ -15,7 +15,7 @@ class TorchtntAdapterPlugin:
             name="torchtnt",
             framework="torchtnt",
             saver="tnt_snapshot_plugin.adapters.torchtnt:TorchSnapshotSaver",
-            demo="tnt_snapshot_plugin.demo:torchtnt_demo",
+            demo="tnt_snapshot_plugin.adapters.demo_torchtnt:demo",
         )
 
 
