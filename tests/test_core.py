@@ -1,0 +1,153 @@
+"""Unit tests of the framework-neutral core: naming, ordering, collisions, replicated globs,
+configuration, plugin loading and the core's independence from the frameworks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tnt_snapshot_plugin import ConfigError, KeyCollisionError, SnapshotName
+from tnt_snapshot_plugin.app_state import Frozen, check_collisions, replicated_patterns
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.naming import is_staging_name, staging_name
+from tnt_snapshot_plugin.plugins import adapters, new_plugin_manager
+
+
+def test_name_round_trip():
+    name = SnapshotName.of(epoch=2, step=340)
+    assert name.text == "epoch_2_step_340"
+    assert SnapshotName.parse(name.text) == name
+
+
+@pytest.mark.parametrize(
+    "text, epoch, step, eval_step, metric",
+    [
+        ("epoch_1_train_step_10", 1, 10, None, None),
+        ("epoch_1_train_step_10_eval_step_4", 1, 10, 4, None),
+        ("epoch_3_train_step_30_eval_step_9_val_loss=0.125", 3, 30, 9, ("val_loss", 0.125)),
+        ("epoch_0_step_5_acc=-1e-3", 0, 5, None, ("acc", -1e-3)),
+    ],
+)
+def test_parses_torchtnt_phase_aware_and_metric_names(text, epoch, step, eval_step, metric):
+    parsed = SnapshotName.parse(text)
+    assert parsed is not None
+    assert (parsed.epoch, parsed.step, parsed.eval_step) == (epoch, step, eval_step)
+    if metric is None:
+        assert parsed.metric is None
+    else:
+        assert (parsed.metric, parsed.metric_value) == metric
+    assert parsed.phase_aware == ("train_step" in text)
+
+
+@pytest.mark.parametrize(
+    "text", ["epoch_1", "epoch_x_step_1", "step_3", "epoch_1_step_2.tmp", "notes", "epoch_-1_step_2", ""]
+)
+def test_rejects_other_names(text):
+    assert SnapshotName.parse(text) is None
+
+
+def test_orders_by_epoch_then_step_not_by_text():
+    names = ["epoch_10_step_100", "epoch_2_step_20", "epoch_2_step_9", "epoch_1_train_step_10"]
+    ordered = sorted(SnapshotName.parse(n) for n in names)
+    assert [n.text for n in ordered] == [
+        "epoch_1_train_step_10",
+        "epoch_2_step_9",
+        "epoch_2_step_20",
+        "epoch_10_step_100",
+    ]
+
+
+def test_staging_names_are_recognised_and_distinct_from_snapshots():
+    staged = staging_name("epoch_1_step_4", "abc123")
+    assert is_staging_name(staged)
+    assert SnapshotName.parse(staged) is None
+    assert not is_staging_name(".tnt_staging.notes.abc")
+    assert not is_staging_name("epoch_1_step_4")
+
+
+def test_keep_last_n_checkpoints_is_an_alias():
+    assert SnapshotConfig.build(keep_last_n_checkpoints=3).keep_last_n_snapshots == 3
+    with pytest.raises(ConfigError, match="alias of keep_last_n_snapshots"):
+        SnapshotConfig.build(keep_last_n_checkpoints=3, keep_last_n_snapshots=2)
+    with pytest.raises(ConfigError, match="keep_last_n_checkpoints must be a positive int"):
+        SnapshotConfig.build(keep_last_n_checkpoints=0)
+
+
+def test_collisions_name_the_key_and_its_owners():
+    check_collisions(["model", "optimizer"], [("plugin A", ["ema"])])
+    with pytest.raises(KeyCollisionError, match="'rng_state' is reserved"):
+        check_collisions(["model", "rng_state"])
+    with pytest.raises(KeyCollisionError, match="'ema' from plugin B is already used by plugin A"):
+        check_collisions(["model"], [("plugin A", ["ema"]), ("plugin B", ["ema"])])
+    with pytest.raises(KeyCollisionError, match="'model' from plugin A is already used by the unit"):
+        check_collisions(["model"], [("plugin A", ["model"])])
+
+
+def _frozen(**entries):
+    return {key: Frozen(value) for key, value in entries.items()}
+
+
+def test_replicated_never_marks_rng_progress_or_loader():
+    frozen = _frozen(
+        model={"w": torch.zeros(2), "b": torch.zeros(1)},
+        train_progress={"num_steps_completed": 3},
+        rng_state={"torch": torch.zeros(3, dtype=torch.uint8)},
+        train_dataloader={"position": 1},
+    )
+    assert replicated_patterns(["**"], frozen) == ["model/**"]
+
+
+def test_replicated_partial_match_lists_paths_and_escapes_glob_characters():
+    frozen = _frozen(model={"w[0]": torch.zeros(2), "b": torch.zeros(1)}, optim={"lr": torch.zeros(1)})
+    assert replicated_patterns(["model/w*"], frozen) == ["model/w[[]0]"]
+    assert replicated_patterns(None, frozen) == []
+    assert replicated_patterns(None, frozen, auto_replicated=["optim"]) == ["optim/**"]
+
+
+def test_core_never_imports_a_framework():
+    code = (
+        "import sys\n"
+        "import tnt_snapshot_plugin, tnt_snapshot_plugin.snapshotter, tnt_snapshot_plugin.restoring\n"
+        "import tnt_snapshot_plugin.storage, tnt_snapshot_plugin.compat, tnt_snapshot_plugin.demo\n"
+        "from tnt_snapshot_plugin.plugins import get_plugin_manager, adapters\n"
+        "assert sorted(adapters(get_plugin_manager())) == ['lightning', 'torchtnt']\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torchtnt', 'pytorch_lightning', 'lightning', 'lightning_fabric'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = "import sys, tnt_snapshot_plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_builtin_adapters_load_through_the_entry_point_group():
+    pm = new_plugin_manager()
+    assert sorted(name for name, _ in pm.list_name_plugin()) == ["lightning", "torchtnt"]
+    found = adapters(pm)
+    assert found["torchtnt"].load_saver().__module__ == "tnt_snapshot_plugin.adapters.torchtnt"
+    assert found["lightning"].framework == "pytorch_lightning"
+
+
+def test_adapter_whose_framework_is_missing_is_blocked_not_broken(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytorch_lightning" else real(name, *a)
+    )
+    pm = new_plugin_manager()
+    assert pm.is_blocked("lightning")
+    assert sorted(adapters(pm)) == ["torchtnt"]
+
+
+def test_a_plugin_can_be_blocked_by_name():
+    pm = new_plugin_manager(blocked=("torchtnt",))
+    assert sorted(adapters(pm)) == ["lightning"]
