@@ -149,6 +149,8 @@ class Snapshotter:
     def train_start(self, unit_keys: Iterable[str]) -> None:
         """Check the app state keys, clear leftover staging directories, watch for preemption."""
         self.attach()
+        from . import compat  # noqa: F401  (import torchsnapshot now, not during the first snapshot's stall)
+
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self.collectives.on_rank0(self._remove_leftovers)
         if self.config.preemption_signals and self._preemption is None:
