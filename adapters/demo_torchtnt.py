@@ -94,6 +94,8 @@ def demo(dirpath: str, *, epochs: int, steps_per_epoch: int, interrupt_at: int) 
     train(reference, _loader(steps_per_epoch), max_epochs=epochs)
     report["bitwise_identical"] = all(
         torch.equal(a, b)
-        for a, b in zip(reference.model.state_dict().values(), resumed.model.state_dict().values())
+        for a, b in zip(
+            reference.model.state_dict().values(), resumed.model.state_dict().values(), strict=True
+        )
     )
     return report

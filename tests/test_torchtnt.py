@@ -11,7 +11,6 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import KeyCollisionError, SnapshotNotFoundError, StateMismatchError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
 

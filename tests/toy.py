@@ -10,7 +10,7 @@ import torch
 from torchtnt.framework.state import State
 from torchtnt.framework.unit import EvalUnit, TrainUnit
 
-from tnt_snapshot_plugin.demo_data import Batch, ResumableLoader, make_data
+from tnt_snapshot_plugin.demo_data import Batch, ResumableLoader, make_data  # noqa: F401  (re-exported)
 
 # The tests' name for the package's resumable loader.
 StatefulLoader = ResumableLoader

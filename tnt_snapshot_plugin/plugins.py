@@ -8,11 +8,11 @@ missing optional dependency never breaks loading.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-import importlib
 
 import pluggy
 
@@ -80,7 +80,7 @@ def new_plugin_manager(*, load_entrypoints: bool = True, blocked: tuple[str, ...
     return pm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, built (and entry points loaded) on first call."""
     return new_plugin_manager()

@@ -7,6 +7,7 @@ jobs) wrote.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Iterable, Mapping, Optional
@@ -73,8 +74,9 @@ def restore(
     for _source, entries in sources:
         wanted.update(entries)
 
-    from .compat import Snapshot
     from torchsnapshot.manifest_ops import get_manifest_for_rank
+
+    from .compat import Snapshot
 
     snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group)
     try:
@@ -146,7 +148,7 @@ def restore_from_latest(
     )
     for name in candidates:
         path = store.child(name)
-        problem = coll.on_rank0(lambda: store.verify(name))
+        problem = coll.on_rank0(functools.partial(store.verify, name))
         if problem is None:
             try:
                 restore(
