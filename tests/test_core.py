@@ -3,6 +3,7 @@ configuration, plugin loading and the core's independence from the frameworks.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,7 @@ def test_replicated_partial_match_lists_paths_and_escapes_glob_characters():
     assert replicated_patterns(None, frozen, auto_replicated=["optim"]) == ["optim/**"]
 
 
+@pytest.mark.frameworks
 def test_core_never_imports_a_framework():
     code = (
         "import sys\n"
@@ -128,6 +130,7 @@ def test_importing_the_package_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.frameworks
 def test_builtin_adapters_load_through_the_entry_point_group():
     pm = new_plugin_manager()
     assert sorted(name for name, _ in pm.list_name_plugin()) == ["lightning", "torchtnt"]
@@ -136,6 +139,7 @@ def test_builtin_adapters_load_through_the_entry_point_group():
     assert found["lightning"].framework == "pytorch_lightning"
 
 
+@pytest.mark.frameworks
 def test_adapter_whose_framework_is_missing_is_blocked_not_broken(monkeypatch):
     import importlib.util
 
@@ -148,6 +152,40 @@ def test_adapter_whose_framework_is_missing_is_blocked_not_broken(monkeypatch):
     assert sorted(adapters(pm)) == ["torchtnt"]
 
 
+@pytest.mark.frameworks
 def test_a_plugin_can_be_blocked_by_name():
     pm = new_plugin_manager(blocked=("torchtnt",))
     assert sorted(adapters(pm)) == ["lightning"]
+
+
+HIDE_FRAMEWORKS = """
+import importlib.abc, importlib.util, sys
+HIDDEN = ("torchtnt", "pytorch_lightning", "lightning", "lightning_fabric")
+class _Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _Hide())
+_real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] in HIDDEN else _real_find_spec(name, *a)
+"""
+
+
+@pytest.mark.frameworks
+def test_core_unit_tests_pass_with_no_framework_installed(tmp_path):
+    """Run this file and the hook tests where torchtnt and Lightning cannot be imported."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_FRAMEWORKS)
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    pytest_exe = os.path.join(os.path.dirname(sys.executable), "pytest")
+    out = subprocess.run(
+        [pytest_exe, "-q", "-p", "no:cacheprovider", "-m", "not frameworks",
+         os.path.join(here, "test_core.py"), os.path.join(here, "test_hooks.py")],
+        capture_output=True, text=True, env=env, cwd=os.path.dirname(here),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
+    hidden = subprocess.run([sys.executable, "-c", "import torchtnt"], capture_output=True, env=env)
+    assert hidden.returncode != 0 and b"No module named 'torchtnt'" in hidden.stderr
+

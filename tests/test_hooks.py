@@ -156,6 +156,7 @@ def test_after_restore_is_told_what_was_loaded(tmp_path, pm):
     assert seen == [("epoch_0_step_4", ["model", "rng_state"])]
 
 
+@pytest.mark.frameworks
 def test_adapters_hook_lists_builtin_and_third_party_adapters():
     from tnt_snapshot_plugin.plugins import AdapterInfo, adapters, new_plugin_manager
 
