@@ -104,12 +104,25 @@ class Snapshotter:
         *,
         process_group: Optional[Any] = None,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        never_replicated: Iterable[str] = (),
+        on_preempted: Optional[Callable[[int], None]] = None,
     ) -> None:
+        """``never_replicated``: entry keys that differ between ranks by nature (beyond the
+        built-in reserved and ``*_progress`` keys), never marked replicated whatever the
+        ``replicated`` globs say. ``on_preempted(signum)``: called once the preemption snapshot is
+        durable, instead of handing the signal to the handler that was installed before the saver's,
+        for frameworks with their own way to stop on a signal (it may raise to stop training).
+        """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self._process_group = process_group
+        self._never_replicated = tuple(never_replicated)
+        self._on_preempted = on_preempted
         self._store: Store = open_store(dirpath, config.storage_options)
         self._coll: Optional[Collectives] = None
+        # The per-step preemption agreement runs on the training thread while the writer thread
+        # may be inside a collective on self._coll: it gets a group of its own.
+        self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
         self._pending: Optional[_Job] = None
         self._failure: Optional[str] = None
@@ -141,6 +154,11 @@ class Snapshotter:
         if self._coll is not None and (self._coll.distributed or not is_initialized()):
             return
         self._coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
+        self._flag_coll = (
+            Collectives.create(self._process_group, self.config.collective_timeout_s)
+            if self.config.preemption_signals
+            else Collectives(None)
+        )
         dirpath = self._coll.broadcast(self._store.url)
         if dirpath != self._store.url:
             self._store = open_store(dirpath, self.config.storage_options)
@@ -154,7 +172,8 @@ class Snapshotter:
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self.collectives.on_rank0(self._remove_leftovers)
         if self.config.preemption_signals and self._preemption is None:
-            self._preemption = PreemptionHandler(self.config.preemption_signals, self.collectives)
+            assert self._flag_coll is not None
+            self._preemption = PreemptionHandler(self.config.preemption_signals, self._flag_coll)
             self._preemption.install()
 
     def _remove_leftovers(self) -> None:
@@ -226,7 +245,12 @@ class Snapshotter:
         self.save(epoch, step, collect(True), event="preemption")
         self.wait()
         preemption, self._preemption = self._preemption, None
-        preemption.finish()
+        if self._on_preempted is None:
+            preemption.finish()
+            return
+        signum = preemption.received_signal
+        preemption.uninstall()
+        self._on_preempted(signum)
 
     def _should(self, event: str, epoch: int, step: int, default: bool) -> bool:
         answer = self.plugin_manager.hook.tnt_snapshot_plugin_should_snapshot(
@@ -243,7 +267,12 @@ class Snapshotter:
             return False
         self.wait(warn_busy=True)
         self._last_name = name.text
-        if self.collectives.on_rank0(lambda: self._store.is_complete(name.text)):
+        # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
+        # warns on every other rank whose path differs.
+        exists, staging = self.collectives.on_rank0(
+            lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
+        )
+        if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
         # The unit's own keys were checked at train start; the adapter may add reserved entries
@@ -262,9 +291,11 @@ class Snapshotter:
         job = _Job(
             name=name,
             path=self._store.child(name.text),
-            staging=self._store.staging_for(name.text),
+            staging=staging,
             frozen=frozen,
-            replicated=replicated_patterns(self.config.replicated, frozen, auto),
+            replicated=replicated_patterns(
+                self.config.replicated, frozen, auto, self._never_replicated
+            ),
         )
         job.stall_s = time.perf_counter() - started
         if self.config.async_snapshot:
