@@ -5,12 +5,20 @@ default group; sharing a group between two threads can pair up the wrong operati
 collective of the plugin therefore runs on a gloo group of its own (created once, by all ranks,
 in the saver's constructor or setup), with a finite timeout so a failed rank never leaves the
 others waiting forever. Without an initialised process group every method is a local no-op.
+
+One group serves one thread at a time: gloo pairs up the collectives of a group in the order each
+rank issues them, so two threads of one rank sharing a group can issue theirs in different orders
+on different ranks and deadlock (or exchange the wrong data). The per-step agreement that runs on
+the training thread while a snapshot is being written (:class:`AgreedFlag`) therefore gets a group
+of its own (the Snapshotter creates it next to the writer's).
+
+A collective that times out or loses a peer raises :class:`DistributedError` saying so.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -27,8 +35,9 @@ def is_initialized() -> bool:
 class Collectives:
     """The collectives the plugin needs, on ``group`` (None: a single process)."""
 
-    def __init__(self, group: Optional[Any]) -> None:
+    def __init__(self, group: Optional[Any], timeout_s: float = 600.0) -> None:
         self.group = group
+        self.timeout_s = timeout_s
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
 
@@ -36,12 +45,12 @@ class Collectives:
     def create(cls, process_group: Optional[Any], timeout_s: float) -> "Collectives":
         """A new gloo group over ``process_group``'s ranks (default: all); collective on WORLD."""
         if not is_initialized():
-            return cls(None)
+            return cls(None, timeout_s)
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
         group = dist.new_group(
             ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
-        return cls(group)
+        return cls(group, timeout_s)
 
     @property
     def distributed(self) -> bool:
@@ -52,19 +61,40 @@ class Collectives:
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        try:
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.group, 0), group=self.group
+            )
+        except RuntimeError as exc:  # a timeout or a lost peer, from the backend
+            raise self.failed("broadcast", exc) from exc
         return box[0]
 
     def all_gather(self, obj: T) -> list[T]:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise self.failed("all_gather", exc) from exc
         return out
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            try:
+                dist.barrier(group=self.group)
+            except RuntimeError as exc:
+                raise self.failed("barrier", exc) from exc
+
+    def failed(self, what: str, exc: BaseException) -> DistributedError:
+        """The typed error for a collective that timed out or lost a peer."""
+        return DistributedError(
+            f"checkpoint collective {what} on rank {self.rank} of {self.world_size} failed "
+            f"({type(exc).__name__}: {exc}). Another rank has probably stopped (crashed, or left "
+            f"training after an error) or is more than collective_timeout_s={self.timeout_s:g}s "
+            "behind; look for the first error in the other ranks' logs. This rank stops instead "
+            "of waiting for it."
+        )
 
     def on_rank0(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 and give every rank its result.
@@ -91,7 +121,7 @@ class Collectives:
         ok, value = outcome
         if not ok:
             raise DistributedError(f"rank 0 failed in a checkpoint step: {value}")
-        return value
+        return cast(T, value)
 
 
 class AgreedFlag:
@@ -100,6 +130,9 @@ class AgreedFlag:
     Each call starts a non-blocking MAX all-reduce of this rank's flag and returns the result of
     the previous call's reduction, which has long completed by then. All ranks call it once per
     step, so all ranks see a raised flag at the same step, one step after it was raised.
+
+    It runs on the training thread while snapshots are written on a background thread, so
+    ``collectives`` must be a group no other thread uses.
     """
 
     def __init__(self, collectives: Collectives) -> None:
@@ -111,8 +144,12 @@ class AgreedFlag:
         if self._coll.group is None:
             return local
         agreed = False
-        if self._work is not None:
-            self._work.wait()
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._coll.failed("all_reduce (per-step preemption agreement)", exc) from exc
             agreed = bool(self._value.item())
         self._value = torch.tensor([int(local)], dtype=torch.int32)
         self._work = dist.all_reduce(
@@ -121,9 +158,13 @@ class AgreedFlag:
         return agreed
 
     def drain(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        """Wait for the last reduction; a failed one was (or will be) reported elsewhere."""
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # cleanup after training: never raise over the error that ended it
 
 
 def raise_if_any_failed(coll: Collectives, error: Optional[BaseException], what: str) -> None:

@@ -1,0 +1,351 @@
+"""One rank of the 2-process gloo tests in tests/test_distributed.py.
+
+Run by the tests as ``python tests/dist_worker.py SCENARIO RANK WORLD_SIZE RENDEZVOUS OUTDIR``,
+one process per rank; they meet through a FileStore at RENDEZVOUS (a path that must not exist
+yet) and gloo connects them over the loopback interface only (127.0.0.1). Each scenario runs several phases in one process group (process
+start-up costs seconds) and writes what it observed to ``OUTDIR/rank{RANK}.json``; the test
+asserts on those records, so a failed expectation shows up there with the rank that saw it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torchtnt.framework.train import train
+
+import tnt_snapshot_plugin.storage as storage
+from tnt_snapshot_plugin import SnapshotError, SnapshotFailedWarning, SnapshotWriteError
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from toy import StatefulLoader, ToyUnit, make_data, seed_everything, weights
+
+#: The name the training process group's backend is registered under: a gloo process group
+#: that torch.distributed does not know as "gloo", standing in for NCCL on this CPU-only machine.
+TRAINING_BACKEND = "trainingbackend"
+STEPS_PER_EPOCH = 5
+
+
+class DDPUnit(ToyUnit):
+    """ToyUnit with its model wrapped in DistributedDataParallel (gradients averaged)."""
+
+    def __init__(self, seed: int = 0, fail_at_step: Any = None) -> None:
+        super().__init__(seed=seed, fail_at_step=fail_at_step)
+        self.model = DistributedDataParallel(self.model)
+
+
+def loader(rank: int) -> StatefulLoader:
+    """Each rank has its own data shard and shuffle order; 5 batches per epoch."""
+    return StatefulLoader(make_data(4 * STEPS_PER_EPOCH, seed=rank), seed=10 * rank)
+
+
+def rng_digest() -> dict[str, str]:
+    """A fingerprint of every generator the snapshot restores."""
+    np_state = np.random.get_state()
+    return {
+        "torch": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+        "python": hashlib.sha256(repr(random.getstate()).encode()).hexdigest(),
+        "numpy": hashlib.sha256(np_state[1].tobytes() + repr(np_state[2:]).encode()).hexdigest(),
+    }
+
+
+def weights_digest(unit: ToyUnit) -> str:
+    h = hashlib.sha256()
+    for key, value in sorted(weights(unit).items()):
+        h.update(key.encode())
+        h.update(value.numpy().tobytes())
+    return h.hexdigest()
+
+
+def list_tree(root: str) -> dict[str, int]:
+    """Relative path -> size of every file under ``root``."""
+    out = {}
+    for parent, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(parent, name)
+            out[os.path.relpath(path, root)] = os.path.getsize(path)
+    return out
+
+
+def manifest_of(path: str) -> dict[str, dict[str, Any]]:
+    """``rank/logical_path`` -> entry type, replicated flag and storage location."""
+    from torchsnapshot import Snapshot
+
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in Snapshot(path).metadata.manifest.items():
+        out[key] = {
+            "type": type(entry).__name__,
+            "replicated": bool(getattr(entry, "replicated", False)),
+            "location": getattr(entry, "location", None),
+            "byte_range": getattr(entry, "byte_range", None),
+        }
+    return out
+
+
+class CaptureSaver(TorchSnapshotSaver):
+    """Records every rank's RNG fingerprint and weights at the step it is told to watch."""
+
+    def __init__(self, *args: Any, capture_step: int = -1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.capture_step = capture_step
+        self.captured: dict[str, Any] = {}
+
+    def on_train_step_end(self, state: Any, unit: Any) -> None:
+        if unit.train_progress.num_steps_completed == self.capture_step:
+            self.captured = {"rng": rng_digest(), "weights": weights_digest(unit)}
+        super().on_train_step_end(state, unit)
+
+
+class WarningLog(logging.Handler):
+    """Collects the warnings a library logs (torchsnapshot logs, it does not warn)."""
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger(logger_name).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenarios
+
+
+def scenario_ddp(rank: int, out: str, record: dict[str, Any]) -> None:
+    """DDP + replicated=["**"] through the torchtnt adapter, training on a non-"gloo" backend."""
+    record["default_backend"] = str(dist.get_backend())
+    torchsnapshot_warnings = WarningLog("torchsnapshot")
+
+    # 1. The constructor broadcasts rank 0's dirpath; snapshots are written there only.
+    run_dirs = [os.path.join(out, f"run_rank{r}") for r in range(2)]
+    unit = DDPUnit(seed=0)
+    seed_everything(100 + rank)  # every rank draws different dropout masks / random / numpy
+    saver = CaptureSaver(
+        run_dirs[rank],
+        save_every_n_train_steps=2,
+        save_every_n_epochs=1,
+        replicated=["**"],
+        collective_timeout_s=30,
+        capture_step=4,
+    )
+    group = saver.snapshotter.collectives.group
+    record["dirpath"] = saver.dirpath
+    record["saver_group_backend"] = str(dist.get_backend(group))
+    record["saver_group_is_world"] = group is dist.group.WORLD
+    record["saver_group_ranks"] = dist.get_process_group_ranks(group)
+    train(unit, loader(rank), max_epochs=2, callbacks=[saver])
+    saver.snapshotter.wait()
+    record["captured"] = saver.captured
+    record["final_weights"] = weights_digest(unit)
+    dist.barrier()
+    if rank == 0:
+        record["run_dirs"] = {r: sorted(os.listdir(d)) if os.path.isdir(d) else None for r, d in enumerate(run_dirs)}
+        snap = os.path.join(run_dirs[0], "epoch_0_step_4")
+        record["manifest"] = manifest_of(snap)
+        record["files"] = list_tree(snap)
+
+    # 2. The same training state saved without replicated: the baseline for the size check.
+    baseline = TorchSnapshotSaver(os.path.join(out, "baseline"), async_snapshot=False)
+    baseline.snapshotter.save(0, 4, {"model": unit.model, "optimizer": unit.optimizer})
+    dist.barrier()
+    if rank == 0:
+        record["baseline_files"] = list_tree(os.path.join(out, "baseline", "epoch_0_step_4"))
+        record["baseline_manifest"] = manifest_of(os.path.join(out, "baseline", "epoch_0_step_4"))
+
+    # 3. Restore a mid-epoch snapshot into fresh units: each rank gets its own RNG state back.
+    fresh = DDPUnit(seed=50 + rank)
+    seed_everything(999)  # the same on both ranks: whatever differs afterwards came from the snapshot
+    TorchSnapshotSaver.restore(
+        os.path.join(saver.dirpath, "epoch_0_step_4"), fresh, train_dataloader=loader(rank)
+    )
+    record["restored"] = {
+        "rng": rng_digest(),
+        "weights": weights_digest(fresh),
+        "steps": fresh.train_progress.num_steps_completed,
+        "epochs": fresh.train_progress.num_epochs_completed,
+    }
+
+    # 4. Resume equivalence: interrupted at step 7 (mid-epoch 2), resumed from the latest
+    #    snapshot in fresh units with other seeds, ends bitwise equal to an uninterrupted run.
+    def fresh_run(fail_at_step: Any = None) -> DDPUnit:
+        u = DDPUnit(seed=0, fail_at_step=fail_at_step)
+        seed_everything(7 + rank)
+        return u
+
+    reference = fresh_run()
+    train(reference, loader(rank), max_epochs=2)
+    record["reference_weights"] = weights_digest(reference)
+
+    resume_dir = os.path.join(out, "resume")
+    interrupted = fresh_run(fail_at_step=7)
+    saver = TorchSnapshotSaver(resume_dir, save_every_n_train_steps=2, replicated=["**"])
+    try:
+        train(interrupted, loader(rank), max_epochs=2, callbacks=[saver])
+        record["interrupted_error"] = None
+    except RuntimeError as exc:
+        record["interrupted_error"] = str(exc)
+    resumed = DDPUnit(seed=321 + rank)
+    seed_everything(5)
+    resumed_loader = loader(rank)
+    record["resume_found"] = TorchSnapshotSaver.restore_from_latest(
+        resume_dir, resumed, train_dataloader=resumed_loader
+    )
+    record["resumed_from_step"] = resumed.train_progress.num_steps_completed
+    train(resumed, resumed_loader, max_epochs=2)
+    record["resumed_weights"] = weights_digest(resumed)
+    record["torchsnapshot_warnings"] = torchsnapshot_warnings.messages
+
+
+def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
+    """A write error on rank 1 only: every rank hears of it, nothing is committed, older intact."""
+    real_write = storage._write_durably
+
+    def failing_write(path: str, data: Any) -> None:
+        if "epoch_0_step_4" in path:
+            raise OSError(28, "No space left on device (injected on rank 1)")
+        real_write(path, data)
+
+    if rank == 1:
+        storage._write_durably = failing_write
+
+    # 1. on_save_error="warn": training goes on, every rank warns, step 2 stays the newest.
+    warn_dir = os.path.join(out, "warn")
+    unit = ToyUnit(seed=0)
+    saver = TorchSnapshotSaver(
+        warn_dir, save_every_n_train_steps=2, save_on_train_end=False, collective_timeout_s=30
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(unit, loader(rank), max_epochs=1, callbacks=[saver])
+    record["warn"] = {
+        "failed_warnings": [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)],
+        "steps": unit.train_progress.num_steps_completed,
+        "failures": saver.snapshotter.stats.failures,
+    }
+    dist.barrier()
+    if rank == 0:
+        record["warn"]["dir"] = sorted(os.listdir(warn_dir))
+    fresh = ToyUnit(seed=9)
+    record["warn"]["latest_restored"] = TorchSnapshotSaver.restore_from_latest(warn_dir, fresh)
+    record["warn"]["latest_steps"] = fresh.train_progress.num_steps_completed
+
+    # 2. on_save_error="raise": every rank raises SnapshotWriteError at its next hook.
+    raise_dir = os.path.join(out, "raise")
+    unit = ToyUnit(seed=0)
+    saver = TorchSnapshotSaver(
+        raise_dir,
+        save_every_n_train_steps=2,
+        on_save_error="raise",
+        save_on_train_end=False,
+        collective_timeout_s=30,
+    )
+    try:
+        train(unit, loader(rank), max_epochs=1, callbacks=[saver])
+        record["raise"] = {"error": None}
+    except SnapshotWriteError as exc:
+        record["raise"] = {"error": "SnapshotWriteError", "message": str(exc)}
+    dist.barrier()
+    if rank == 0:
+        record["raise"]["dir"] = sorted(os.listdir(raise_dir))
+
+    storage._write_durably = real_write
+
+    # 3. Rank 1 fails outside the write (its state_dict raises) and leaves training while rank 0
+    #    goes on: rank 0 must fail within the collective timeout, with a typed error.
+    crash_dir = os.path.join(out, "crash")
+    unit = ToyUnit(seed=0)
+    if rank == 1:
+        unit.broken = BrokenState()
+    saver = TorchSnapshotSaver(
+        crash_dir, save_every_n_train_steps=2, save_on_train_end=False, collective_timeout_s=CRASH_TIMEOUT_S
+    )
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(unit, loader(rank), max_epochs=1, callbacks=[saver])
+        record["crash"] = {"error": None}
+    except Exception as exc:
+        record["crash"] = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "is_snapshot_error": isinstance(exc, SnapshotError),
+        }
+    record["crash"]["seconds"] = time.perf_counter() - started
+    record["crash"]["failed_warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)
+    ]
+    dist.barrier()  # on the default group: rank 1 stays up until rank 0 has given up
+    if rank == 0:
+        record["crash"]["dir"] = sorted(os.listdir(crash_dir))
+
+
+CRASH_TIMEOUT_S = 5
+
+
+class BrokenState:
+    """A stateful attribute whose state cannot be taken."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("state_dict failed (injected on rank 1)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
+    "ddp": scenario_ddp,
+    "failure": scenario_failure,
+}
+
+
+def main() -> None:
+    scenario, rank_s, world_s, rendezvous, out = sys.argv[1:6]
+    rank, world = int(rank_s), int(world_s)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo connects over loopback only
+    backend = "gloo"
+    if scenario == "ddp":
+
+        def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+        dist.Backend.register_backend(TRAINING_BACKEND, create, devices=["cpu"])
+        backend = TRAINING_BACKEND
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{rendezvous}",  # a FileStore: no port to pick, none to collide
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    record: dict[str, Any] = {"rank": rank}
+    started = time.perf_counter()
+    try:
+        SCENARIOS[scenario](rank, out, record)
+        record["ok"] = True
+    except BaseException:
+        record["ok"] = False
+        record["traceback"] = traceback.format_exc()
+    record["seconds"] = time.perf_counter() - started
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    if record["ok"]:
+        dist.destroy_process_group()
+    sys.exit(0 if record["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

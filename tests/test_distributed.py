@@ -1,0 +1,283 @@
+"""torch.distributed: two real gloo processes on 127.0.0.1, plus the single-process async path.
+
+Each scenario of tests/dist_worker.py runs once per module in two fresh processes (start-up costs
+seconds), under a hard deadline: a rank that hangs is killed and the test fails with both ranks'
+output, so a deadlock never hangs CI. The tests then assert on what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.naming import SnapshotName
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+WORLD_SIZE = 2
+#: Hard limit for one 2-process launch (the scenarios take ~10 s; collective timeouts are 30 s).
+LAUNCH_DEADLINE_S = 180
+
+pytestmark = pytest.mark.slow
+
+
+def run_ranks(scenario: str, out: Path) -> list[dict[str, Any]]:
+    """Run ``scenario`` on WORLD_SIZE processes; every rank's record, or a test failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    logs = [open(out / f"rank{rank}.log", "w+") for rank in range(WORLD_SIZE)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(rank), str(WORLD_SIZE), str(out / "rendezvous"), str(out)],
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+    killed = False
+    try:
+        for proc in procs:
+            proc.wait(timeout=LAUNCH_DEADLINE_S)  # sequential waits: the first one bounds the rest
+    except subprocess.TimeoutExpired:
+        killed = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = []
+    for rank, log in enumerate(logs):
+        log.seek(0)
+        output.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-4000:]}")
+        log.close()
+    if killed:
+        pytest.fail(f"scenario {scenario!r} hung past {LAUNCH_DEADLINE_S}s; killed\n" + "\n".join(output))
+    records = []
+    for rank in range(WORLD_SIZE):
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no record\n" + "\n".join(output))
+        records.append(json.loads(path.read_text()))
+    for record in records:
+        assert record["ok"], f"rank {record['rank']} failed:\n{record['traceback']}\n" + "\n".join(output)
+    return records
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_ranks("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def failure(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_ranks("failure", tmp_path_factory.mktemp("failure"))
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP with replicated=["**"] through the torchtnt adapter
+
+
+def test_constructor_broadcasts_rank0_dirpath(ddp):
+    """Each rank passes its own dirpath; both save into rank 0's, and rank 1's is never created."""
+    rank0_dir = ddp[0]["dirpath"]
+    assert rank0_dir.endswith("run_rank0")
+    assert [r["dirpath"] for r in ddp] == [rank0_dir, rank0_dir]
+    assert ddp[0]["run_dirs"] == {
+        "0": [
+            "epoch_0_step_2",
+            "epoch_0_step_4",
+            "epoch_1_step_10",
+            "epoch_1_step_5",
+            "epoch_1_step_6",
+            "epoch_1_step_8",
+            "epoch_2_step_10",
+        ],
+        "1": None,
+    }
+
+
+def test_checkpoint_collectives_run_on_their_own_gloo_group(ddp):
+    """Training runs on a backend that is not "gloo" (a stand-in for NCCL on this CPU machine);
+    the saver's collectives run on a separate gloo group over all ranks.
+
+    The scenario also takes asynchronous snapshots with the default preemption handling, whose
+    per-step agreement runs on the training thread while the background thread writes: before
+    they had separate groups, both ranks deadlocked here until the collective timeout.
+    """
+    for record in ddp:
+        assert record["default_backend"] == "trainingbackend"
+        assert record["saver_group_backend"] == "gloo"
+        assert record["saver_group_is_world"] is False
+        assert record["saver_group_ranks"] == [0, 1]
+
+
+def _leaves(manifest: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
+    prefix = f"{rank}/{key}/"
+    return {
+        k[len(prefix):]: v
+        for k, v in manifest.items()
+        if k.startswith(prefix) and v["type"] not in ("DictEntry", "OrderedDictEntry", "ListEntry")
+    }
+
+
+def _stored_bytes(manifest: dict[str, Any], keys: tuple[str, ...]) -> int:
+    """Bytes of tensor data stored for ``keys`` on all ranks, each stored range counted once."""
+    ranges = set()
+    for path, entry in manifest.items():
+        rank_key = path.split("/", 2)[1] if path.count("/") >= 2 else None
+        if entry["type"] == "TensorEntry" and rank_key in keys:
+            start, end = entry["byte_range"] or (0, 0)
+            ranges.add((entry["location"], start, end))
+    return sum(end - start for _location, start, end in ranges)
+
+
+def test_replicated_entries_are_written_once(ddp):
+    """Model, optimizer and LR scheduler are stored once for both ranks; progress, RNG and
+    dataloader entries once per rank and never marked replicated."""
+    manifest = ddp[0]["manifest"]
+    for key in ("model", "optimizer", "lr_scheduler"):
+        leaves = _leaves(manifest, 0, key)
+        assert leaves and all(v["replicated"] for v in leaves.values()), key
+        assert _leaves(manifest, 1, key) == {}, f"rank 1 stored its own copy of {key}"
+    for key in ("train_progress", "eval_progress", "rng_state", "train_dataloader"):
+        for rank in (0, 1):
+            leaves = _leaves(manifest, rank, key)
+            assert leaves, f"rank {rank} has no {key}"
+            assert not any(v["replicated"] for v in leaves.values()), f"{key} marked replicated"
+    assert _leaves(manifest, 0, "model").keys() == {
+        "module.0.weight", "module.0.bias", "module.3.weight", "module.3.bias"
+    }
+
+    # Files: the optimizer's pickled objects once under replicated/, not once per rank as in the
+    # same state saved without `replicated`; the optimizer's tensor bytes are halved.
+    files, baseline = ddp[0]["files"], ddp[0]["baseline_files"]
+    objects = {"optimizer/param_groups/0/betas", "optimizer/param_groups/0/foreach", "optimizer/param_groups/0/fused"}
+    assert {f"replicated/{o}" for o in objects} <= files.keys()
+    assert not [f for f in files if f.startswith(("0/", "1/"))]
+    assert {f"{r}/{o}" for r in (0, 1) for o in objects} <= baseline.keys()
+    # A DDP-wrapped module is replicated even without the option, as torchtnt's saver does.
+    baseline_manifest = ddp[0]["baseline_manifest"]
+    optimizer_bytes = _stored_bytes(manifest, ("optimizer",))
+    assert optimizer_bytes > 0
+    assert _stored_bytes(baseline_manifest, ("optimizer",)) == 2 * optimizer_bytes
+    assert _stored_bytes(baseline_manifest, ("model",)) == _stored_bytes(manifest, ("model",)) > 0
+
+
+def test_restore_gives_each_rank_its_own_rng_state(ddp):
+    """The ranks' RNGs differ at the snapshot; after restoring into fresh units seeded alike,
+    each rank has its own generators back (torch, Python, numpy), and the shared weights."""
+    captured = [r["captured"] for r in ddp]
+    for generator in ("torch", "python", "numpy"):
+        assert captured[0]["rng"][generator] != captured[1]["rng"][generator], generator
+    for record in ddp:
+        assert record["restored"]["rng"] == record["captured"]["rng"], f"rank {record['rank']}"
+        assert record["restored"]["weights"] == record["captured"]["weights"]
+        assert (record["restored"]["epochs"], record["restored"]["steps"]) == (0, 4)
+    assert captured[0]["weights"] == captured[1]["weights"]  # DDP keeps replicas equal
+
+
+def test_resume_is_bitwise_on_every_rank(ddp):
+    """Interrupted mid-epoch 2 (step 7), resumed from the latest snapshot (step 6) into fresh
+    units and loaders with other seeds: every rank ends bitwise equal to an uninterrupted run."""
+    for record in ddp:
+        assert record["interrupted_error"] == "injected failure at step 7"
+        assert record["resume_found"] is True
+        assert record["resumed_from_step"] == 6
+        assert record["resumed_weights"] == record["reference_weights"], f"rank {record['rank']}"
+
+
+def test_ranks_agree_on_the_staging_path(ddp):
+    """torchsnapshot warns on every rank whose path differs from rank 0's: rank 0 names it."""
+    for record in ddp:
+        assert not [m for m in record["torchsnapshot_warnings"] if "specified a path" in m]
+
+
+# ------------------------------------------------------------------------------------------------
+# A failure on one rank reaches every rank, in bounded time (LAUNCH_DEADLINE_S enforces it)
+
+
+def test_write_error_on_one_rank_warns_on_every_rank(failure):
+    """Rank 1's write of step 4 fails: both ranks warn and train on; step 4 is not committed and
+    step 2 stays the newest complete snapshot, restorable on both ranks."""
+    for record in failure:
+        warn = record["warn"]
+        assert len(warn["failed_warnings"]) == 1, warn["failed_warnings"]
+        assert "epoch_0_step_4" in warn["failed_warnings"][0]
+        assert "injected on rank 1" in warn["failed_warnings"][0]
+        assert warn["failures"] == 1
+        assert warn["steps"] == 5  # training went on
+        assert warn["latest_restored"] is True and warn["latest_steps"] == 2
+    assert "rank 1" in failure[0]["warn"]["failed_warnings"][0]  # rank 0 names the failed rank
+    assert failure[0]["warn"]["dir"] == ["epoch_0_step_2"]  # no staging left, nothing committed
+
+
+def test_write_error_on_one_rank_raises_on_every_rank(failure):
+    for record in failure:
+        assert record["raise"]["error"] == "SnapshotWriteError"
+        assert "injected on rank 1" in record["raise"]["message"]
+        assert "not committed" in record["raise"]["message"]
+    assert failure[0]["raise"]["dir"] == ["epoch_0_step_2"]
+
+
+def test_rank_that_leaves_training_does_not_hang_the_others(failure):
+    """Rank 1's state_dict raises at a snapshot and it leaves training while staying alive; rank 0
+    stops with a typed DistributedError after collective_timeout_s instead of waiting forever."""
+    rank0, rank1 = failure[0]["crash"], failure[1]["crash"]
+    assert rank1["error"] == "RuntimeError"
+    assert "injected on rank 1" in rank1["message"]
+    assert rank0["error"] == "DistributedError" and rank0["is_snapshot_error"]
+    assert "collective_timeout_s=5s" in rank0["message"]
+    assert "Another rank has probably stopped" in rank0["message"]
+    assert [n for n in rank0["dir"] if SnapshotName.parse(n) is not None] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Asynchronous snapshots without a process group
+
+
+def test_async_snapshots_without_a_process_group(tmp_path, monkeypatch):
+    """Async snapshots work in a single process with no process group.
+
+    torchsnapshot-nightly's own ``Snapshot.async_take`` fails there on hosts whose localhost
+    resolves to IPv4 only (``dist_store.create_store`` unpacks a 2-tuple socket address into four
+    values; upstream meta-pytorch/torchsnapshot#178, open). The plugin never calls it: it stages its
+    own copy of the state and runs the synchronous ``Snapshot.take`` on a background thread, with
+    no process group. This test fails if ``async_take`` is ever called.
+    """
+    import torchsnapshot
+
+    assert not (dist.is_available() and dist.is_initialized())
+    takes: list[tuple[str, Any]] = []
+    real_take = torchsnapshot.Snapshot.take.__func__
+
+    def recording_take(cls, *args: Any, **kwargs: Any) -> Any:
+        takes.append((threading.current_thread().name, kwargs.get("pg")))
+        return real_take(cls, *args, **kwargs)
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("Snapshot.async_take must not be used (meta-pytorch/torchsnapshot#178)")
+
+    monkeypatch.setattr(torchsnapshot.Snapshot, "take", classmethod(recording_take))
+    monkeypatch.setattr(torchsnapshot.Snapshot, "async_take", forbidden)
+
+    unit = ToyUnit(seed=0)
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=2, save_on_train_end=False)
+    assert saver.snapshotter.config.async_snapshot is True  # the default
+    train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
+
+    assert sorted(os.listdir(tmp_path)) == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert [pg for _thread, pg in takes] == [None, None]
+    assert all(thread != threading.main_thread().name for thread, _pg in takes), takes
+    fresh = ToyUnit(seed=5)
+    TorchSnapshotSaver.restore(str(tmp_path / "epoch_0_step_4"), fresh)
+    assert_bitwise_equal(weights(fresh), weights(unit))
