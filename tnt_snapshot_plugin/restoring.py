@@ -78,7 +78,7 @@ def restore(
 
     from .compat import Snapshot
 
-    snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group)
+    snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
     try:
         manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
     except Exception as exc:

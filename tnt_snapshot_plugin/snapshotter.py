@@ -389,6 +389,7 @@ class Snapshotter:
                 app_state=job.frozen,
                 pg=coll.group,
                 replicated=job.replicated,
+                storage_options=self.config.storage_options,
             )
         error: Optional[BaseException] = None
         if recorder.error is not None:

@@ -169,7 +169,24 @@ def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
             f"storage_options has keys {sorted(unknown)} that the S3 storage does not know; "
             f"expected some of {sorted(S3_OPTION_KEYS)}"
         )
-    return boto3.session.Session().client("s3", **options)
+    # Building a client costs ~0.2 s (botocore loads the service model), and every store and
+    # every torchsnapshot plugin instance needs one; clients are thread-safe, so one is shared
+    # per process and configuration (the AWS_* environment included: it fills in what the
+    # options leave out).
+    key = (
+        os.getpid(),
+        tuple(sorted(options.items())),
+        tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))),
+    )
+    with _s3_clients_lock:
+        client = _s3_clients.get(key)
+        if client is None:
+            client = _s3_clients[key] = boto3.session.Session().client("s3", **options)
+    return client
+
+
+_s3_clients: dict[tuple[Any, ...], Any] = {}
+_s3_clients_lock = threading.Lock()
 
 
 def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = None) -> Any:
@@ -226,6 +243,10 @@ class Store:
 
     def child(self, name: str) -> str:
         """The user-facing path of child ``name``."""
+        raise NotImplementedError
+
+    def nested(self, name: str) -> "Store":
+        """Child directory ``name`` as a store of its own (same storage, same options)."""
         raise NotImplementedError
 
     def torchsnapshot_url(self, name: str) -> str:
@@ -316,6 +337,9 @@ class LocalStore(Store):
     def child(self, name: str) -> str:
         return os.path.join(self.url, name)
 
+    def nested(self, name: str) -> Store:
+        return LocalStore(self.child(name))
+
     def torchsnapshot_url(self, name: str) -> str:
         return "tntfs://" + os.path.join(self.root, name)
 
@@ -385,6 +409,7 @@ class S3Store(Store):
         self.bucket, _, self.prefix = rest.partition("/")
         if not self.bucket:
             raise ConfigError(f"dirpath {url!r} names no bucket; expected s3://BUCKET/PREFIX")
+        self.storage_options = storage_options
         self.client = s3_client(storage_options)
 
     def _key(self, name: str, rel: str = "") -> str:
@@ -393,6 +418,9 @@ class S3Store(Store):
 
     def child(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def nested(self, name: str) -> Store:
+        return S3Store(self.child(name), self.storage_options)
 
     def torchsnapshot_url(self, name: str) -> str:
         return f"tnts3://{self.bucket}/{self._key(name)}"

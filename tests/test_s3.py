@@ -1,0 +1,336 @@
+"""s3:// snapshot directories against moto's real S3 server on 127.0.0.1.
+
+Everything reaches S3 through ``storage_options`` alone: every test runs with the AWS environment
+variables cleared and with ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` pointing at a closed
+loopback port, so a client that read the environment instead of ``storage_options`` would fail,
+and no request can leave the machine. (torchsnapshot's own ``s3://`` plugin ignores
+``storage_options`` and would go to AWS; the plugin serves ``s3://`` through its ``tnts3://``
+plugin instead, which these tests exercise. The built-in one is not demonstrated: it needs
+aiobotocore, and a demonstration could only fail by reaching for the network.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotNotFoundError
+from tnt_snapshot_plugin import storage as storage_mod
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.restoring import latest_snapshot
+from tnt_snapshot_plugin.storage import S3Store, open_store
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
+
+BUCKET = "snapshots"
+#: A loopback port nothing listens on (the discard port): where the environment points.
+DEAD_ENDPOINT = "http://127.0.0.1:9"
+SERVER_START_DEADLINE_S = 60
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moto_command(port: int) -> list[str]:
+    script = Path(sys.executable).with_name("moto_server")
+    if script.exists():
+        return [str(script), "-H", "127.0.0.1", "-p", str(port)]
+    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1:<free port>; stopped after the module, which must leave
+    the AWS_* environment as it found it."""
+    environ_before = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log_path, "w") as log:
+        port = _free_port()
+        proc = subprocess.Popen(_moto_command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_DEADLINE_S
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).close()
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not start on {endpoint}:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    changed = {k for k in set(os.environ) | set(environ_before) if os.environ.get(k) != environ_before.get(k)}
+    leaked = sorted(k for k in changed if k.startswith("AWS_"))
+    assert not leaked, f"the tests leaked environment changes: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def no_aws_environment(monkeypatch):
+    """No credentials or endpoint from the environment or ~/.aws; restored after each test."""
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", DEAD_ENDPOINT)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", DEAD_ENDPOINT)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+def options(s3_endpoint) -> dict[str, Any]:
+    """storage_options with dummy credentials; the bucket exists."""
+    opts = {
+        "endpoint_url": s3_endpoint,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+    }
+    client = boto3.session.Session().client("s3", **opts)
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    return opts
+
+
+@pytest.fixture
+def run_url() -> str:
+    """A fresh prefix per test."""
+    return f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+
+
+def client_for(options: dict[str, Any]) -> Any:
+    return boto3.session.Session().client("s3", **options)
+
+
+def keys_under(options: dict[str, Any], url: str) -> list[str]:
+    prefix = url[len(f"s3://{BUCKET}/"):] + "/"
+    pages = client_for(options).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"][len(prefix):] for page in pages for o in page.get("Contents", []))
+
+
+def names_under(options: dict[str, Any], url: str) -> list[str]:
+    return sorted({key.split("/", 1)[0] for key in keys_under(options, url)})
+
+
+EXPECTED_NAMES = sorted(
+    [
+        "epoch_0_step_2",
+        "epoch_0_step_4",
+        "epoch_1_step_5",
+        "epoch_1_step_6",
+        "epoch_1_step_8",
+        "epoch_1_step_10",
+        "epoch_2_step_10",
+    ]
+)
+
+
+def test_environment_endpoint_is_dead():
+    """The guard the other tests rely on: a client built from the environment fails here."""
+    import botocore.exceptions
+
+    client = boto3.session.Session().client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    assert client.meta.endpoint_url == DEAD_ENDPOINT
+    with pytest.raises(botocore.exceptions.EndpointConnectionError):
+        client.list_buckets()
+
+
+def test_train_into_s3_writes_every_snapshot(options, run_url):
+    unit = ToyUnit()
+    saver = TorchSnapshotSaver(
+        run_url, save_every_n_train_steps=2, save_every_n_epochs=1, storage_options=options
+    )
+    assert saver.dirpath == run_url
+    train(unit, StatefulLoader(make_data(20)), max_epochs=2, callbacks=[saver])
+
+    assert names_under(options, run_url) == EXPECTED_NAMES
+    keys = keys_under(options, run_url)
+    store = open_store(run_url, options)
+    assert isinstance(store, S3Store)
+    for name in EXPECTED_NAMES:
+        assert f"{name}/.snapshot_metadata" in keys
+        assert f"{name}/.tnt_snapshot_index.json" in keys
+        assert store.verify(name) is None  # every file present with the size written
+    assert [s.text for s in store.complete_snapshots()] == sorted(
+        EXPECTED_NAMES, key=lambda n: (int(n.split("_")[1]), int(n.split("_")[3]))
+    )
+
+
+def test_restore_from_latest_on_s3_keeps_the_scheme_and_resumes_bitwise(options, run_url):
+    """torchtnt's own restore_from_latest drops the s3:// scheme (fsspec lists "bucket/...") and
+    then reads a local path; here the latest snapshot is an s3:// URL and resume is bitwise."""
+    seed_everything(7)
+    reference = ToyUnit(seed=0)
+    train(reference, StatefulLoader(make_data(40), seed=3), max_epochs=2)
+
+    seed_everything(7)
+    interrupted = ToyUnit(seed=0, fail_at_step=13)
+    saver = TorchSnapshotSaver(run_url, save_every_n_train_steps=4, storage_options=options)
+    with pytest.raises(RuntimeError, match="injected failure at step 13"):
+        train(interrupted, StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
+
+    assert latest_snapshot(run_url, storage_options=options) == f"{run_url}/epoch_1_step_12"
+    seed_everything(99)
+    resumed = ToyUnit(seed=123)
+    loader = StatefulLoader(make_data(40), seed=3)
+    assert TorchSnapshotSaver.restore_from_latest(
+        run_url, resumed, train_dataloader=loader, storage_options=options
+    )
+    assert resumed.train_progress.num_steps_completed == 12
+    train(resumed, loader, max_epochs=2)
+    assert_bitwise_equal(weights(resumed), weights(reference))
+
+
+def test_restore_chosen_s3_snapshot(options, run_url):
+    unit = ToyUnit()
+    saver = TorchSnapshotSaver(run_url, save_every_n_epochs=1, storage_options=options)
+    train(unit, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
+    fresh = ToyUnit(seed=5)
+    TorchSnapshotSaver.restore(f"{run_url}/epoch_1_step_5", fresh, storage_options=options)
+    assert_bitwise_equal(weights(fresh), weights(unit))
+    assert fresh.train_progress.num_steps_completed == 5
+    with pytest.raises(SnapshotNotFoundError, match="is a directory of snapshots"):
+        TorchSnapshotSaver.restore(run_url, ToyUnit(), storage_options=options)
+
+
+def test_incomplete_snapshot_on_s3_is_ignored(options, run_url):
+    """A newer snapshot whose write never finished (no .snapshot_metadata) is not "latest"."""
+    unit = ToyUnit()
+    saver = TorchSnapshotSaver(run_url, save_every_n_epochs=1, storage_options=options)
+    train(unit, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
+    client = client_for(options)
+    prefix = run_url[len(f"s3://{BUCKET}/"):]
+    for rel in ("0/model/0.weight", "0/rng_state/torch", "batched/abc"):
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_9_step_99/{rel}", Body=b"partial")
+    assert names_under(options, run_url) == ["epoch_1_step_5", "epoch_9_step_99"]
+
+    assert latest_snapshot(run_url, storage_options=options) == f"{run_url}/epoch_1_step_5"
+    fresh = ToyUnit(seed=5)
+    assert TorchSnapshotSaver.restore_from_latest(run_url, fresh, storage_options=options)
+    assert_bitwise_equal(weights(fresh), weights(unit))
+    with pytest.raises(SnapshotNotFoundError, match="not a complete snapshot"):
+        TorchSnapshotSaver.restore(f"{run_url}/epoch_9_step_99", ToyUnit(), storage_options=options)
+
+
+def test_restore_from_latest_on_empty_s3_prefix_is_false(options, run_url):
+    assert TorchSnapshotSaver.restore_from_latest(run_url, ToyUnit(), storage_options=options) is False
+
+
+class _FailingPuts:
+    """A boto3 client whose uploads fail, as when the bucket's quota is exhausted."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def put_object(self, **kwargs: Any) -> Any:
+        raise OSError(f"upload of {kwargs.get('Key')} refused (injected)")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch):
+    """keep_last_n_snapshots deletes an old snapshot only once a newer one is committed; when the
+    newer writes fail, nothing is deleted and the partial uploads are cleaned up."""
+    events: list[tuple[str, str]] = []
+    real_commit, real_remove = S3Store.commit, S3Store._remove
+
+    def commit(self: S3Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+        real_commit(self, staging, final, metadata, index)
+        events.append(("commit", final))
+
+    def remove(self: S3Store, name: str) -> None:
+        events.append(("remove", name))
+        real_remove(self, name)
+
+    monkeypatch.setattr(S3Store, "commit", commit)
+    monkeypatch.setattr(S3Store, "_remove", remove)
+
+    unit = ToyUnit()
+    loader = StatefulLoader(make_data(20))
+    saver = TorchSnapshotSaver(
+        run_url, save_every_n_train_steps=2, keep_last_n_snapshots=2, storage_options=options
+    )
+    train(unit, loader, max_epochs=1, callbacks=[saver])
+    assert names_under(options, run_url) == ["epoch_0_step_4", "epoch_1_step_5"]
+    removes = [e for e in events if e[0] == "remove"]
+    assert removes == [("remove", "epoch_0_step_2")]
+    assert events.index(("remove", "epoch_0_step_2")) > events.index(("commit", "epoch_1_step_5"))
+
+    # Every upload of the next epoch fails: nothing is committed, so nothing is deleted.
+    real_client = storage_mod.s3_client
+    monkeypatch.setattr(storage_mod, "s3_client", lambda opts: _FailingPuts(real_client(opts)))
+    events.clear()
+    saver = TorchSnapshotSaver(
+        run_url, save_every_n_train_steps=2, keep_last_n_snapshots=1, storage_options=options
+    )
+    with pytest.warns(SnapshotFailedWarning, match="injected"):
+        train(unit, loader, max_epochs=2, callbacks=[saver])
+    assert unit.train_progress.num_steps_completed == 10  # training went on
+    assert not [e for e in events if e[0] == "commit"]
+    assert names_under(options, run_url) == ["epoch_0_step_4", "epoch_1_step_5"]
+    assert [s.text for s in open_store(run_url, options).complete_snapshots()] == [
+        "epoch_0_step_4",
+        "epoch_1_step_5",
+    ]
+
+
+def test_s3_clients_are_shared_per_configuration(options):
+    """Building a boto3 client costs ~0.2 s; stores and plugins share one per configuration."""
+    assert storage_mod.s3_client(options) is storage_mod.s3_client(dict(options))
+    other = dict(options, region_name="eu-west-1")
+    assert storage_mod.s3_client(other) is not storage_mod.s3_client(options)
+    assert storage_mod.s3_client(other).meta.region_name == "eu-west-1"
+
+
+def test_tnts3_plugin_takes_endpoint_and_credentials_from_storage_options(options, run_url):
+    """torchsnapshot itself, given a tnts3:// URL, writes and reads through moto."""
+    from torchsnapshot import Snapshot
+
+    url = "tnts3://" + run_url[len("s3://"):] + "/direct"
+    state = {"t": torch.arange(12, dtype=torch.float64).reshape(3, 4)}
+    Snapshot.take(url, app_state={"s": _Holder(state)}, storage_options=options)
+    assert ".snapshot_metadata" in keys_under(options, run_url + "/direct")
+    target = _Holder({"t": torch.zeros(3, 4, dtype=torch.float64)})
+    Snapshot(url, storage_options=options).restore({"s": target})
+    assert torch.equal(target.state["t"], state["t"])
+
+
+class _Holder:
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
