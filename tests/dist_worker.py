@@ -158,7 +158,9 @@ def scenario_ddp(rank: int, out: str, record: dict[str, Any]) -> None:
         record["files"] = list_tree(snap)
 
     # 2. The same training state saved without replicated: the baseline for the size check.
-    baseline = TorchSnapshotSaver(os.path.join(out, "baseline"), async_snapshot=False)
+    baseline = TorchSnapshotSaver(
+        os.path.join(out, "baseline"), async_snapshot=False, collective_timeout_s=30
+    )
     baseline.snapshotter.save(0, 4, {"model": unit.model, "optimizer": unit.optimizer})
     dist.barrier()
     if rank == 0:
@@ -191,7 +193,9 @@ def scenario_ddp(rank: int, out: str, record: dict[str, Any]) -> None:
 
     resume_dir = os.path.join(out, "resume")
     interrupted = fresh_run(fail_at_step=7)
-    saver = TorchSnapshotSaver(resume_dir, save_every_n_train_steps=2, replicated=["**"])
+    saver = TorchSnapshotSaver(
+        resume_dir, save_every_n_train_steps=2, replicated=["**"], collective_timeout_s=30
+    )
     try:
         train(interrupted, loader(rank), max_epochs=2, callbacks=[saver])
         record["interrupted_error"] = None
