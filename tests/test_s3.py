@@ -55,35 +55,46 @@ def _moto_command(port: int) -> list[str]:
     return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
 
 
+def _start_moto(log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """moto_server on a free loopback port, answering; a port taken meanwhile is retried."""
+    for _attempt in range(3):
+        port = _free_port()
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen(_moto_command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_START_DEADLINE_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).close()
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+                continue
+            if proc.poll() is None:  # it is our server that answered
+                return proc, endpoint
+        _stop(proc)
+    pytest.fail(f"moto_server did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory):
     """moto's S3 server on 127.0.0.1:<free port>; stopped after the module, which must leave
     the AWS_* environment as it found it."""
     environ_before = dict(os.environ)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log_path, "w") as log:
-        port = _free_port()
-        proc = subprocess.Popen(_moto_command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
-    endpoint = f"http://127.0.0.1:{port}"
+    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
     try:
-        deadline = time.monotonic() + SERVER_START_DEADLINE_S
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start on {endpoint}:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.2)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     changed = {k for k in set(os.environ) | set(environ_before) if os.environ.get(k) != environ_before.get(k)}
     leaked = sorted(k for k in changed if k.startswith("AWS_"))
     assert not leaked, f"the tests leaked environment changes: {leaked}"
