@@ -1,0 +1,583 @@
+"""Crash safety with real torchtnt runs and real torchsnapshot writes to disk.
+
+Restore fallback over damaged snapshots; commit-aware retention with asynchronous snapshots;
+failures while saving (an I/O error, a full disk, a directory removed during a save); staging
+leftovers. Failures are injected where the plugin meets the disk: a real full tmpfs when this
+process may mount one, otherwise ``tnt_snapshot_plugin.storage._write_durably`` (the function that
+writes every snapshot file) raising the error the kernel would raise.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+from torchtnt.framework.callback import Callback
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin import (
+    SnapshotCorruptError,
+    SnapshotFailedWarning,
+    SnapshotWriteError,
+    restore_from_latest,
+    storage,
+)
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.naming import is_staging_name
+from tnt_snapshot_plugin.storage import LocalStore
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+
+METADATA = ".snapshot_metadata"
+INDEX = ".tnt_snapshot_index.json"
+
+
+def listing(dirpath) -> list[str]:
+    return sorted(os.listdir(dirpath))
+
+
+def staging_dirs(dirpath) -> list[str]:
+    return [n for n in listing(dirpath) if is_staging_name(n)]
+
+
+def complete(dirpath) -> list[str]:
+    return [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+
+
+class Record(Callback):
+    """Calls ``at[step](unit)`` at each step end and keeps each step's weights."""
+
+    def __init__(self, at: Optional[dict[int, Callable[[Any], None]]] = None) -> None:
+        self.at = at or {}
+        self.weights: dict[int, Any] = {}
+
+    def on_train_step_end(self, state, unit) -> None:
+        step = unit.train_progress.num_steps_completed
+        self.weights[step] = weights(unit)
+        if step in self.at:
+            self.at[step](unit)
+
+
+def run(dirpath, steps: int, *, before_saver: Optional[Callback] = None, **saver_kwargs) -> tuple[ToyUnit, Record]:
+    """Train ToyUnit for ``steps`` steps (one epoch, batches of 4) with an async saver."""
+    saver_kwargs.setdefault("save_every_n_train_steps", 1)
+    saver = TorchSnapshotSaver(str(dirpath), **saver_kwargs)
+    record = Record()
+    callbacks = ([before_saver] if before_saver else []) + [saver, record]
+    unit = ToyUnit()
+    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=1, callbacks=callbacks)
+    return unit, record
+
+
+def restored_weights(path_or_dir, latest: bool = True, **kwargs) -> tuple[ToyUnit, Any]:
+    fresh = ToyUnit(seed=99)
+    if latest:
+        result = TorchSnapshotSaver.restore_from_latest(str(path_or_dir), fresh, **kwargs)
+    else:
+        result = TorchSnapshotSaver.restore(str(path_or_dir), fresh, **kwargs)
+    return fresh, result
+
+
+# ------------------------------------------------------------------------------------------------
+# Restore fallback
+
+
+@pytest.fixture(scope="module")
+def two_snapshots(tmp_path_factory):
+    """epoch_0_step_2 and epoch_0_step_4 of a real run, and the weights at each step."""
+    dirpath = tmp_path_factory.mktemp("two_snapshots")
+    _, record = run(dirpath, 4, save_every_n_train_steps=2, save_on_train_end=False)
+    assert complete(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
+    return dirpath, record.weights
+
+
+@pytest.fixture
+def snapshots(two_snapshots, tmp_path):
+    source, step_weights = two_snapshots
+    dirpath = tmp_path / "snapshots"
+    shutil.copytree(source, dirpath)
+    return dirpath, step_weights
+
+
+def largest_data_file(snapshot: Path) -> Path:
+    files = [p for p in snapshot.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def drop_index_and_truncate(path: Path) -> None:
+    """As if torchtnt wrote the snapshot (no size index): the damage shows only when loading."""
+    snapshot = next(p for p in path.parents if p.name.startswith("epoch_"))
+    (snapshot / INDEX).unlink()
+    os.truncate(path, path.stat().st_size // 2)
+
+
+DAMAGE = {
+    # what is damaged -> (how, regex the warning must match besides the snapshot's path)
+    "truncated data file": (lambda s: truncate(largest_data_file(s)), r"file \S+ has \d+ bytes, \d+ were written"),
+    "truncated data file, no size index": (
+        lambda s: drop_index_and_truncate(largest_data_file(s)),
+        r"could not load snapshot",
+    ),
+    "metadata is not yaml": (
+        lambda s: (s / METADATA).write_bytes(b"\x00\xff{[ not: yaml: at all"),
+        r"metadata",
+    ),
+    "truncated metadata": (lambda s: truncate(s / METADATA), r"metadata"),
+    "metadata emptied": (lambda s: (s / METADATA).write_bytes(b""), r"metadata"),
+    "data file missing": (lambda s: largest_data_file(s).unlink(), r"file \S+ is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_snapshot_falls_back_to_previous_with_warning(snapshots, damage):
+    dirpath, step_weights = snapshots
+    how, why = DAMAGE[damage]
+    how(dirpath / "epoch_0_step_4")
+
+    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_4: .*{why}") as caught:
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True
+    assert len(caught) == 1
+    assert fresh.train_progress.num_steps_completed == 2
+    assert_bitwise_equal(weights(fresh), step_weights[2])
+
+
+@pytest.mark.parametrize("damage", ["truncated data file", "metadata is not yaml"])
+def test_fallback_false_raises_naming_the_damaged_snapshot(snapshots, damage):
+    dirpath, _ = snapshots
+    DAMAGE[damage][0](dirpath / "epoch_0_step_4")
+    before = weights(fresh := ToyUnit(seed=99))
+    with pytest.raises(SnapshotCorruptError, match=r"newest snapshot \S*epoch_0_step_4 is damaged.*fallback=True"):
+        TorchSnapshotSaver.restore_from_latest(str(dirpath), fresh, fallback=False)
+    assert_bitwise_equal(weights(fresh), before)  # nothing was loaded
+    # the core function takes the same option
+    with pytest.raises(SnapshotCorruptError, match="epoch_0_step_4"):
+        restore_from_latest(str(dirpath), {"model": ToyUnit(seed=99).model}, fallback=False)
+
+
+def test_damaged_older_snapshot_is_not_looked_at_when_the_newest_is_good(snapshots):
+    dirpath, step_weights = snapshots
+    truncate(largest_data_file(dirpath / "epoch_0_step_2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True
+    assert_bitwise_equal(weights(fresh), step_weights[4])
+
+
+def test_every_snapshot_damaged_warns_for_each_and_restores_nothing(snapshots):
+    dirpath, _ = snapshots
+    truncate(largest_data_file(dirpath / "epoch_0_step_4"))
+    truncate(dirpath / "epoch_0_step_2" / METADATA)
+    with pytest.warns(UserWarning, match="skipping damaged snapshot") as caught:
+        fresh, restored = restored_weights(dirpath)
+    assert restored is False
+    assert sorted(str(w.message).split(":")[0] for w in caught) == [
+        f"skipping damaged snapshot {dirpath / 'epoch_0_step_2'}",
+        f"skipping damaged snapshot {dirpath / 'epoch_0_step_4'}",
+    ]
+    assert fresh.train_progress.num_steps_completed == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Retention
+
+
+class RetentionLog:
+    """Watches every commit and deletion the real LocalStore makes, and what was on disk then."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple[str, str, list[str]]] = []
+        commit, remove = LocalStore.commit, LocalStore._remove
+        log = self
+
+        def logged_commit(store, staging, final, metadata, index):
+            commit(store, staging, final, metadata, index)
+            log.events.append(("commit", final, complete(store.root)))
+
+        def logged_remove(store, name):
+            log.events.append(("remove", name, complete(store.root)))
+            remove(store, name)
+
+        monkeypatch.setattr(LocalStore, "commit", logged_commit)
+        monkeypatch.setattr(LocalStore, "_remove", logged_remove)
+
+
+def plant_foreign_entries(dirpath: Path, outside: Path) -> dict[str, Any]:
+    """Things in dirpath that the plugin did not write, and a directory outside it."""
+    dirpath.mkdir(parents=True, exist_ok=True)
+    outside.mkdir()
+    (outside / METADATA).write_text("not ours")
+    (outside / "precious.txt").write_text("outside dirpath")
+    (dirpath / "README.txt").write_text("my notes")
+    (dirpath / "notes").mkdir()
+    (dirpath / "notes" / "a.txt").write_text("a")
+    torchtnt_style = dirpath / "epoch_0_train_step_1"  # torchtnt's name: read, never deleted
+    torchtnt_style.mkdir()
+    (torchtnt_style / METADATA).write_text("torchtnt wrote this")
+    (dirpath / "epoch_0_step_1").symlink_to(outside, target_is_directory=True)
+    incomplete = dirpath / "epoch_9_step_99"  # newest by name, but never committed
+    incomplete.mkdir()
+    (incomplete / "partial").write_text("x")
+    return {
+        "README.txt": "my notes",
+        "notes/a.txt": "a",
+        "epoch_0_train_step_1/" + METADATA: "torchtnt wrote this",
+        "epoch_0_step_1/precious.txt": "outside dirpath",
+        "epoch_9_step_99/partial": "x",
+    }
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_retention_deletes_only_after_a_newer_commit_and_only_its_own_snapshots(
+    tmp_path, monkeypatch, keep
+):
+    dirpath, outside = tmp_path / "snapshots", tmp_path / "outside"
+    planted = plant_foreign_entries(dirpath, outside)
+    log = RetentionLog(monkeypatch)
+
+    run(dirpath, 8, save_every_n_train_steps=2, keep_last_n_snapshots=keep)
+
+    ours = ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_6", "epoch_0_step_8", "epoch_1_step_8"]
+    assert [name for kind, name, _ in log.events if kind == "commit"] == ours
+    removed = [name for kind, name, _ in log.events if kind == "remove"]
+    assert removed == ours[:-keep]  # each once, oldest first; the newest `keep` stay
+    committed_so_far: list[str] = []
+    for kind, name, on_disk in log.events:
+        if kind == "commit":
+            committed_so_far.append(name)
+            continue
+        # deleted only once `keep` newer snapshots of ours were committed and on disk
+        newer = committed_so_far[committed_so_far.index(name) + 1 :]
+        assert len(newer) >= keep and set(newer[-keep:]) <= set(on_disk), (name, on_disk)
+        assert on_disk[-1] != name
+
+    assert [n for n in complete(dirpath) if n.startswith("epoch_") and "train" not in n] == ours[-keep:]
+    for rel, text in planted.items():
+        assert (dirpath / rel).read_text() == text, rel
+    assert (dirpath / "epoch_0_step_1").is_symlink()
+    assert staging_dirs(dirpath) == []
+
+
+def test_retention_alias_keep_last_n_checkpoints(tmp_path):
+    run(tmp_path, 4, keep_last_n_checkpoints=2, save_on_train_end=False)
+    assert listing(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+
+
+def test_failed_deletion_warns_and_training_goes_on(tmp_path, monkeypatch):
+    real_rmtree = shutil.rmtree
+    refused = []
+
+    def rmtree(path, *args, **kwargs):
+        if "epoch_0_step_1" in os.path.basename(path) and not refused:
+            refused.append(path)
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage.shutil, "rmtree", rmtree)
+    with pytest.warns(UserWarning, match=r"retention could not delete \S*epoch_0_step_1: .*Operation not permitted"):
+        unit, _ = run(tmp_path, 4, keep_last_n_snapshots=2, save_on_train_end=False)
+    assert unit.train_progress.num_steps_completed == 4
+    assert refused
+    # The snapshot was unpublished before its files were deleted: what is left is a staging
+    # directory, which restore never picks and the next run's train start removes.
+    assert complete(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+    assert len(staging_dirs(tmp_path)) == 1
+    monkeypatch.setattr(storage.shutil, "rmtree", real_rmtree)
+    run(tmp_path, 1, save_every_n_train_steps=None, save_on_train_end=False)
+    assert staging_dirs(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Failures while saving
+
+
+def fail_writes_of(name: str, monkeypatch, exc: Callable[[str], OSError]) -> list[str]:
+    """Make every file write of snapshot ``name`` raise ``exc(path)``; returns the paths refused."""
+    real = storage._write_durably
+    refused: list[str] = []
+
+    def write(path, data):
+        if f"{name}." in path or f"/{name}/" in path:
+            refused.append(path)
+            raise exc(path)
+        real(path, data)
+
+    monkeypatch.setattr(storage, "_write_durably", write)
+    return refused
+
+
+def eio(path: str) -> OSError:
+    return OSError(errno.EIO, "Input/output error (injected)", path)
+
+
+def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on(tmp_path, monkeypatch):
+    refused = fail_writes_of("epoch_0_step_3", monkeypatch, eio)
+    seen: dict[int, list[str]] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Count(Callback):  # after the saver: the warnings each step's hook issued
+            def on_train_step_end(self, state, unit):
+                seen[unit.train_progress.num_steps_completed] = [
+                    str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)
+                ]
+                caught.clear()
+
+        saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1, save_on_train_end=False)
+        unit = ToyUnit()
+        train(unit, StatefulLoader(make_data(24)), max_epochs=1, callbacks=[saver, Count()])
+
+    assert refused
+    assert unit.train_progress.num_steps_completed == 6
+    # The failure is reported at the next hook; later hooks warn until a success is reaped
+    # (at step 5 snapshot 4 may still be in flight).
+    warned = [s for s in sorted(seen) if seen[s]]
+    assert warned in ([4], [4, 5]), seen
+    if warned == [4, 5]:
+        assert seen[5] == [seen[4][0] + " No snapshot has succeeded since; training is at step 5."]
+    (message,) = seen[4]
+    assert "epoch_0_step_3 (epoch 0, step 3) failed and was not committed" in message
+    assert "Input/output error (injected)" in message and "Older snapshots are intact" in message
+    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5", "epoch_0_step_6"]
+    assert staging_dirs(tmp_path) == []  # the failed write was removed
+
+
+def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(tmp_path, monkeypatch):
+    fail_writes_of("epoch_0_step_3", monkeypatch, eio)
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1, on_save_error="raise")
+    record = Record()
+    unit = ToyUnit()
+    with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*Input/output error"):
+        train(unit, StatefulLoader(make_data(24)), max_epochs=1, callbacks=[saver, record])
+    assert unit.train_progress.num_steps_completed == 4  # raised at step 4's hook
+    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert staging_dirs(tmp_path) == []
+    fresh, restored = restored_weights(tmp_path)
+    assert restored is True
+    assert_bitwise_equal(weights(fresh), record.weights[2])
+
+
+def test_directory_removed_during_a_save_is_not_committed(tmp_path, monkeypatch):
+    """Someone deletes dirpath while step 3's files are being written: step 3 must not commit."""
+    dirpath = tmp_path / "snapshots"
+    real = storage._write_durably
+    removed = []
+
+    def write(path, data):
+        real(path, data)
+        if "epoch_0_step_3." in path and not removed:
+            removed.append(path)
+            shutil.rmtree(dirpath)
+
+    monkeypatch.setattr(storage, "_write_durably", write)
+    with pytest.warns(
+        SnapshotFailedWarning,
+        match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.* bytes, \d+ were written \(was dirpath removed",
+    ):
+        unit, record = run(dirpath, 5, save_on_train_end=False)
+    assert removed and unit.train_progress.num_steps_completed == 5
+    # Training went on; the snapshots after the removal are complete and intact.
+    assert complete(dirpath) == ["epoch_0_step_4", "epoch_0_step_5"]
+    store = LocalStore(str(dirpath))
+    assert [store.verify(n) for n in complete(dirpath)] == [None, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True
+    assert_bitwise_equal(weights(fresh), record.weights[5])
+
+
+class SmallDisk:
+    """A directory on a 2 MiB tmpfs that a test can fill up and free again.
+
+    When this process may mount (root, as on the project's machines) the disk is real: ``fill``
+    writes a ballast file until the kernel answers ENOSPC. Otherwise ENOSPC is injected where the
+    plugin writes every snapshot file (``tnt_snapshot_plugin.storage._write_durably``).
+    """
+
+    def __init__(self, root: Path, monkeypatch) -> None:
+        self.path = root / "small_disk"
+        self.path.mkdir()
+        self.full = False
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(self.path)], capture_output=True
+        )
+        self.real = mounted.returncode == 0
+        if not self.real:
+            real = storage._write_durably
+
+            def write(path, data):
+                if self.full and path.startswith(str(self.path)):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                real(path, data)
+
+            monkeypatch.setattr(storage, "_write_durably", write)
+
+    def fill(self) -> None:
+        self.full = True
+        if not self.real:
+            return
+        fd = os.open(self.path / "ballast", os.O_WRONLY | os.O_CREAT)
+        try:
+            for chunk in (1 << 16, 1 << 12, 1 << 8, 1):
+                try:
+                    while True:
+                        os.write(fd, b"\0" * chunk)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError, match="No space left"):
+            storage._write_durably(str(self.path / "probe"), b"x")
+
+    def free(self) -> None:
+        self.full = False
+        for name in ("ballast", "probe"):
+            if (self.path / name).exists():
+                (self.path / name).unlink()
+
+    def close(self) -> None:
+        if self.real:
+            subprocess.run(["umount", "-l", str(self.path)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    disk = SmallDisk(tmp_path, monkeypatch)
+    yield disk
+    disk.close()
+
+
+class DiskControl(Callback):
+    """Before the saver's hook: fill the disk at step 3 (once snapshot 2 is durable), free it at 6."""
+
+    def __init__(self, disk: SmallDisk, saver: TorchSnapshotSaver) -> None:
+        self.disk, self.saver = disk, saver
+
+    def on_train_step_end(self, state, unit) -> None:
+        step = unit.train_progress.num_steps_completed
+        if step == 3:
+            self.saver.snapshotter.wait()
+            self.disk.fill()
+        elif step == 6:
+            self.disk.free()
+
+
+def test_disk_full_warns_at_every_hook_until_a_snapshot_succeeds(small_disk):
+    dirpath = small_disk.path / "snapshots"
+    saver = TorchSnapshotSaver(str(dirpath), save_every_n_train_steps=1)
+    by_step: dict[int, list[str]] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Count(Callback):
+            def on_train_step_end(self, state, unit):
+                by_step[unit.train_progress.num_steps_completed] = [
+                    str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)
+                ]
+                caught.clear()
+
+        record = Record()
+        unit = ToyUnit()
+        train(
+            unit,
+            StatefulLoader(make_data(32)),
+            max_epochs=1,
+            callbacks=[DiskControl(small_disk, saver), saver, record, Count()],
+        )
+        leftover = [w for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+
+    assert unit.train_progress.num_steps_completed == 8  # training went on
+    # every hook from the failed step 3 on warns until the success of step 6 is reaped (at step
+    # 7, or at step 8 if snapshot 6 is still in flight at step 7's hook)
+    warned = [s for s in sorted(by_step) if by_step[s]]
+    assert warned in ([4, 5, 6], [4, 5, 6, 7]), by_step
+    assert leftover == []  # nothing at epoch end or train end either
+    assert "epoch_0_step_3 (epoch 0, step 3) failed" in by_step[4][0]
+    for step in (4, 5, 6):
+        assert all("No space left on device" in m for m in by_step[step]), by_step[step]
+    assert complete(dirpath) == [
+        "epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_6", "epoch_0_step_7", "epoch_0_step_8", "epoch_1_step_8",
+    ]
+    assert staging_dirs(dirpath) == []
+    # the snapshots from before the disk filled up are intact and restorable
+    for step in (1, 2):
+        fresh, _ = restored_weights(dirpath / f"epoch_0_step_{step}", latest=False)
+        assert_bitwise_equal(weights(fresh), record.weights[step])
+
+
+def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(small_disk):
+    dirpath = small_disk.path / "snapshots"
+    saver = TorchSnapshotSaver(str(dirpath), save_every_n_train_steps=1, on_save_error="raise")
+    record = Record()
+    unit = ToyUnit()
+    with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*No space left on device"):
+        train(
+            unit,
+            StatefulLoader(make_data(32)),
+            max_epochs=1,
+            callbacks=[DiskControl(small_disk, saver), saver, record],
+        )
+    assert unit.train_progress.num_steps_completed == 4
+    small_disk.free()
+    assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert staging_dirs(dirpath) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True
+    assert_bitwise_equal(weights(fresh), record.weights[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# Staging leftovers
+
+
+def test_staging_leftovers_are_never_restored_and_only_ours_are_removed_at_train_start(snapshots, tmp_path):
+    dirpath, step_weights = snapshots
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    # A write killed after its metadata was written but before the rename: complete-looking,
+    # newer than everything committed, and still never restored.
+    leftover = dirpath / f".tnt_staging.epoch_0_step_9.{uuid.uuid4().hex[:12]}"
+    shutil.copytree(dirpath / "epoch_0_step_4", leftover)
+    (leftover / "escape").symlink_to(outside, target_is_directory=True)
+    not_ours = {
+        ".tnt_staging.epoch_0_step_9": "dir",  # no token
+        ".tnt_staging.notes.abc123": "dir",  # not a snapshot name
+        ".tnt_staging.epoch_0_step_8.def456": "file",
+        ".tnt_staging.epoch_0_step_7.fff000": "symlink",
+    }
+    for name, kind in not_ours.items():
+        if kind == "dir":
+            (dirpath / name).mkdir()
+        elif kind == "file":
+            (dirpath / name).write_text("x")
+        else:
+            (dirpath / name).symlink_to(outside, target_is_directory=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True
+    assert fresh.train_progress.num_steps_completed == 4
+    assert_bitwise_equal(weights(fresh), step_weights[4])
+
+    run(dirpath, 1, save_every_n_train_steps=None, save_on_train_end=False)  # train start cleans up
+    assert not leftover.exists()
+    for name in not_ours:
+        assert os.path.lexists(dirpath / name), name
+    assert (outside / "precious.txt").read_text() == "keep me"
+    assert complete(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
