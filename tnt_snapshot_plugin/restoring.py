@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 from typing import Any, Iterable, Mapping, Optional
 
@@ -16,9 +17,16 @@ import pluggy
 
 from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, check_collisions
 from .distributed import Collectives
-from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError, StateMismatchError
+from .errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+)
+from .naming import SnapshotName
 from .plugins import get_plugin_manager
-from .storage import Store, open_store, split_snapshot_path
+from .storage import LocalStore, Store, open_store, split_snapshot_path
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,7 @@ def restore(
     try:
         manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
     except Exception as exc:
+        _close_leaked_event_loops(exc)
         raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
     present = {key.split("/", 1)[0] for key in manifest}
 
@@ -116,6 +125,7 @@ def restore(
     except SnapshotError:
         raise
     except Exception as exc:
+        _close_leaked_event_loops(exc)
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
@@ -143,6 +153,9 @@ def restore_from_latest(
     """
     coll = collectives or Collectives(None)
     store = open_store(dirpath, storage_options)
+    problem = coll.on_rank0(lambda: _not_a_directory(store))
+    if problem is not None:
+        raise ConfigError(f"dirpath {dirpath!r} {problem}; pass the directory the saver wrote to")
     candidates: list[str] = coll.on_rank0(
         lambda: [s.text for s in reversed(store.complete_snapshots())]
     )
@@ -177,15 +190,50 @@ def restore_from_latest(
     return None
 
 
+def _close_leaked_event_loops(exc: BaseException) -> None:
+    """Close the event loop a failed torchsnapshot restore leaves open (it closes it on success
+    only), so a damaged snapshot costs a warning that names it, not a ResourceWarning later."""
+    import asyncio
+
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            if isinstance(value, asyncio.AbstractEventLoop) and not (
+                value.is_running() or value.is_closed()
+            ):
+                value.close()
+        tb = tb.tb_next
+
+
+def _not_a_directory(store: Store) -> Optional[str]:
+    """What is wrong with a local ``dirpath`` that exists but is no directory, else None."""
+    if isinstance(store, LocalStore) and os.path.lexists(store.root) and not os.path.isdir(store.root):
+        return "is a file, not a directory of snapshots"
+    return None
+
+
 def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> None:
     def check() -> Optional[str]:
         if store.is_complete(name):
             return None
         if name in store.list_names():
+            inner = open_store(path).complete_snapshots()
+            if inner:
+                return (
+                    f"{path} is a directory of snapshots, not a snapshot; pass one of them (the "
+                    f"newest is {store.child(name)}/{inner[-1].text}) or use restore_from_latest"
+                )
+            if SnapshotName.parse(name) is None:
+                return (
+                    f"{path} is not a snapshot: it holds no .snapshot_metadata and is not named "
+                    "epoch_E_step_S; pass a snapshot directory written by the saver"
+                )
             return (
                 f"{path} is not a complete snapshot (it has no .snapshot_metadata: an interrupted "
                 "write?); pass a committed snapshot directory"
             )
+        if isinstance(store, LocalStore) and os.path.lexists(os.path.join(store.root, name)):
+            return f"{path} is a file, not a snapshot directory; pass a directory written by the saver"
         return f"snapshot {path} does not exist; pass a directory written by the saver"
 
     problem = coll.on_rank0(check)

@@ -193,8 +193,8 @@ class Snapshotter:
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         if self._pending is not None and self._pending.done.is_set():
-            self._reap()
-        if self._failure is not None:
+            self._reap()  # a failure just reaped has warned already
+        elif self._failure is not None:
             self._warn_failure(step)
         if self._preemption is not None and self._preemption.poll():
             self._preempt(epoch, step, collect)
@@ -208,8 +208,8 @@ class Snapshotter:
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         if self._pending is not None and self._pending.done.is_set():
-            self._reap()
-        if self._failure is not None:
+            self._reap()  # a failure just reaped has warned already
+        elif self._failure is not None:
             self._warn_failure(step)
         n = self._every_n_epochs
         due = n is not None and epoch % n == 0

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .errors import ConfigError, SnapshotError
+from .errors import ConfigError, SnapshotError, SnapshotWriteError
 from .naming import SnapshotName, is_staging_name
 
 METADATA_FNAME = ".snapshot_metadata"
@@ -152,7 +152,29 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, _write_durably, os.path.join(self.root, rel_path), buf)
 
+        async def read(self, read_io: Any) -> None:
+            await FSStoragePlugin.read(self, read_io)
+            _check_complete_read(read_io)
+
     return _FSPlugin(path)
+
+
+def _check_complete_read(read_io: Any) -> None:
+    """Raise if a ranged read came back short (a truncated file).
+
+    torchsnapshot reads the tensors packed into one file with one ranged read and then ignores
+    the errors of unpacking them (``BatchedBufferConsumer`` awaits its tasks with
+    ``asyncio.wait``), so a truncated file would load as a silent, partial restore.
+    """
+    if read_io.byte_range is None:
+        return
+    start, end = read_io.byte_range
+    got = len(read_io.buf.getvalue())
+    if got != end - start:
+        raise EOFError(
+            f"{read_io.path} is truncated: {end - start} bytes expected at offset {start}, "
+            f"{got} read"
+        )
 
 
 def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
@@ -219,6 +241,7 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
                 return self.client.get_object(**kwargs)["Body"].read()
 
             read_io.buf = io.BytesIO(await asyncio.get_running_loop().run_in_executor(None, get))
+            _check_complete_read(read_io)
 
         async def delete(self, path: str) -> None:
             self.client.delete_object(Bucket=bucket, Key=self._key(path))
@@ -385,6 +408,15 @@ class LocalStore(Store):
 
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
         staged = os.path.join(self.root, staging)
+        # Every file written must still be there: a directory removed during the write (and
+        # recreated by a later file's write) would otherwise commit a snapshot with holes.
+        for rel, size in json.loads(index)["files"].items():
+            actual = self.file_size(staging, rel)
+            if actual != size:
+                raise SnapshotWriteError(
+                    f"{os.path.join(staged, rel)} has {actual} bytes, {size} were written (was "
+                    "dirpath removed or changed during the save?); the snapshot was not committed"
+                )
         _write_durably(os.path.join(staged, INDEX_FNAME), index)
         _write_durably(os.path.join(staged, METADATA_FNAME), metadata)
         for parent, _dirs, _files in os.walk(staged, topdown=False):
@@ -398,8 +430,18 @@ class LocalStore(Store):
             raise SnapshotError(f"refusing to delete {path}: it is a symlink")
         if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.root):
             raise SnapshotError(f"refusing to delete {path}: it resolves outside {self.url}")
-        if os.path.exists(path):
-            shutil.rmtree(path)
+        if not os.path.exists(path):
+            return
+        if not is_staging_name(name):
+            # Unpublish atomically first: a crash during rmtree then leaves a staging name
+            # (removed at the next train start), never a listed snapshot with files missing.
+            from .naming import staging_name
+
+            doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
+            os.rename(path, doomed)
+            fsync_dir(self.root)
+            path = doomed
+        shutil.rmtree(path)
 
 
 class S3Store(Store):
