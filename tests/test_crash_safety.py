@@ -460,7 +460,8 @@ def small_disk(tmp_path, monkeypatch):
 
 
 class DiskControl(Callback):
-    """Before the saver's hook: fill the disk at step 3 (once snapshot 2 is durable), free it at 6."""
+    """Before the saver's hook: fill the disk at step 3 (once snapshot 2 is durable), free it at
+    step 6 (once snapshot 5 has failed)."""
 
     def __init__(self, disk: SmallDisk, saver: TorchSnapshotSaver) -> None:
         self.disk, self.saver = disk, saver
@@ -471,6 +472,7 @@ class DiskControl(Callback):
             self.saver.snapshotter.wait()
             self.disk.fill()
         elif step == 6:
+            self.saver.snapshotter.wait()  # snapshot 5 fails on the full disk, whatever the timing
             self.disk.free()
 
 
