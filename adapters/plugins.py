@@ -26,7 +26,7 @@ class LightningAdapterPlugin:
             name="lightning",
             framework="pytorch_lightning",
             saver="tnt_snapshot_plugin.adapters.lightning:TorchSnapshotSaver",
-            demo="tnt_snapshot_plugin.demo:lightning_demo",
+            demo="tnt_snapshot_plugin.adapters.demo_lightning:demo",
         )
 
 

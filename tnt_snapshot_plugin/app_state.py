@@ -154,6 +154,24 @@ class Frozen:
         raise TypeError("a frozen snapshot entry cannot be loaded into")
 
 
+class Value:
+    """A Stateful holding a plain value: one part of a framework's own state dict.
+
+    ``state_dict()`` returns the value as it is; ``load_state_dict()`` replaces it. Adapters save
+    framework state that is not an object with ``state_dict()`` (a dict, a list, a number) through
+    it, and read a snapshot's entries back into fresh instances.
+    """
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, state: Any) -> None:
+        self.value = state
+
+
 def _plain_tensor(obj: Any) -> bool:
     return (
         isinstance(obj, torch.Tensor)
@@ -231,21 +249,30 @@ def replicated_patterns(
     patterns: Optional[list[str]],
     frozen: Mapping[str, Frozen],
     auto_replicated: Iterable[str] = (),
+    never_replicated: Iterable[str] = (),
 ) -> list[str]:
     """torchsnapshot ``replicated`` globs for this snapshot.
 
     The user's globs are matched against every saved path, but the RNG, the dataloader and the
     progress entries are never marked replicated: they differ between ranks, and marking them would
-    restore rank 0's copy everywhere. An entry matched whole becomes ``key/**``; a partly matched
-    one lists its matched paths.
+    restore rank 0's copy everywhere; nor are the ``never_replicated`` keys an adapter names (a
+    framework's loop state holding per-rank loader positions, say). An entry matched whole becomes
+    ``key/**``; a partly matched one lists its matched paths.
     """
     from torchsnapshot.flatten import flatten
 
+    auto_replicated = list(auto_replicated)
+    never = set(never_replicated)
     out = [f"{_escape(key)}/**" for key in auto_replicated if key in frozen]
     if not patterns:
         return out
     for key, entry in frozen.items():
-        if key in RESERVED_KEYS or key.endswith(NEVER_REPLICATED_SUFFIX) or key in auto_replicated:
+        if (
+            key in RESERVED_KEYS
+            or key.endswith(NEVER_REPLICATED_SUFFIX)
+            or key in auto_replicated
+            or key in never
+        ):
             continue
         _, flat = flatten(entry.state_dict(), prefix=key)
         paths = list(flat)

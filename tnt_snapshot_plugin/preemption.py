@@ -61,9 +61,14 @@ class PreemptionHandler:
             return local
         return self._flag.poll(local)
 
+    @property
+    def received_signal(self) -> int:
+        """The signal this rank received (a rank told by another one: the first watched signal)."""
+        return self._received if self._received is not None else self._signals[0]
+
     def finish(self) -> None:
         """After the final snapshot: hand the signal to whoever handled it before us."""
-        sig = self._received if self._received is not None else self._signals[0]
+        sig = self.received_signal
         previous = self._previous.get(sig, signal.SIG_DFL)
         self.uninstall()
         self._received = None

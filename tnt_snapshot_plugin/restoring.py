@@ -12,10 +12,11 @@ import logging
 import os
 import warnings
 from typing import Any, Iterable, Mapping, Optional
+from urllib.parse import unquote
 
 import pluggy
 
-from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, check_collisions
+from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
 from .distributed import Collectives
 from .errors import (
     ConfigError,
@@ -36,14 +37,24 @@ def latest_snapshot(
     *,
     storage_options: Optional[dict[str, Any]] = None,
     collectives: Optional[Collectives] = None,
+    verified: bool = False,
 ) -> Optional[str]:
-    """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None."""
+    """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None.
+
+    ``verified``: skip, with a warning, snapshots whose files are missing or truncated.
+    """
     coll = collectives or Collectives(None)
     store = open_store(dirpath, storage_options)
 
     def newest() -> Optional[str]:
-        found = store.complete_snapshots()
-        return store.child(found[-1].text) if found else None
+        for found in reversed(store.complete_snapshots()):
+            problem = store.verify(found.text) if verified else None
+            if problem is None:
+                return store.child(found.text)
+            warnings.warn(
+                f"skipping damaged snapshot {store.child(found.text)}: {problem}", stacklevel=4
+            )
+        return None
 
     return coll.on_rank0(newest)
 
@@ -57,12 +68,16 @@ def restore(
     collectives: Optional[Collectives] = None,
     plugin_manager: Optional[pluggy.PluginManager] = None,
     strict: bool = True,
+    rest: Optional[dict[str, Any]] = None,
 ) -> list[str]:
     """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the RNG state last.
 
     ``optional_keys`` may be absent from the snapshot (a warning names them); any other key the
     snapshot lacks raises :class:`StateMismatchError` when ``strict``. Modules are checked
-    against the snapshot (keys, shapes, dtypes) before anything is loaded.
+    against the snapshot (keys, shapes, dtypes) before anything is loaded. If ``rest`` is a dict,
+    every other entry of the snapshot (none of ``app_state``'s keys, no plugin's, not the RNG
+    state) is read into it as a plain state dict: an adapter reads a framework's own checkpoint
+    this way without objects to load it into.
     Returns the keys that were loaded.
     """
     coll = collectives or Collectives(None)
@@ -92,7 +107,7 @@ def restore(
     except Exception as exc:
         _close_leaked_event_loops(exc)
         raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
-    present = {key.split("/", 1)[0] for key in manifest}
+    present = {unquote(key.split("/", 1)[0]) for key in manifest}
 
     optional = set(optional_keys)
     load: dict[str, Any] = {}
@@ -117,6 +132,10 @@ def restore(
         warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=3)
     if strict:
         _check_modules(path, load, manifest)
+    sinks: dict[str, Value] = {}
+    if rest is not None:
+        sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
+        load.update(sinks)
 
     try:
         snapshot.restore(load, strict=strict)
@@ -129,6 +148,8 @@ def restore(
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    if rest is not None:
+        rest.update((key, sink.value) for key, sink in sinks.items())
     keys = sorted(load) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
     pm.hook.tnt_snapshot_plugin_after_restore(path=path, keys=keys)
     return keys

@@ -24,13 +24,14 @@ How a snapshot is taken (asynchronous mode):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import pluggy
 
@@ -204,7 +205,7 @@ class Snapshotter:
         if self._ask_should:
             due = self._should("step", epoch, step, due)
         if due:
-            self.save(epoch, step, collect(True), event="step")
+            self.save(epoch, step, functools.partial(collect, True), event="step")
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         if self._pending is not None and self._pending.done.is_set():
@@ -216,13 +217,13 @@ class Snapshotter:
         if self._ask_should:
             due = self._should("epoch", epoch, step, due)
         if due:
-            self.save(epoch, step, collect(False), event="epoch")
+            self.save(epoch, step, functools.partial(collect, False), event="epoch")
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
         """Take the final snapshot unless this state is already saved, and wait for it."""
         try:
             if self.config.save_on_train_end:
-                self.save(epoch, step, collect(False), event="train_end")
+                self.save(epoch, step, functools.partial(collect, False), event="train_end")
             self.wait()
         finally:
             self._stop_watching()
@@ -242,7 +243,7 @@ class Snapshotter:
     def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
         assert self._preemption is not None
         logger.warning("tnt_snapshot_plugin: preemption signal received; snapshotting step %d", step)
-        self.save(epoch, step, collect(True), event="preemption")
+        self.save(epoch, step, functools.partial(collect, True), event="preemption")
         self.wait()
         preemption, self._preemption = self._preemption, None
         if self._on_preempted is None:
@@ -260,8 +261,19 @@ class Snapshotter:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def save(self, epoch: int, step: int, app_state: Mapping[str, Any], *, event: str = "manual") -> bool:
-        """Snapshot ``app_state`` as of (epoch, step). False if that name is already saved."""
+    def save(
+        self,
+        epoch: int,
+        step: int,
+        app_state: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]]],
+        *,
+        event: str = "manual",
+    ) -> bool:
+        """Snapshot ``app_state`` as of (epoch, step). False if that name is already saved.
+
+        ``app_state`` may be a function returning it, called only when the snapshot is taken
+        (collecting a framework's state can be costly or run user hooks).
+        """
         name = self._name(epoch, step)
         if name.text == self._last_name:
             return False
@@ -275,6 +287,8 @@ class Snapshotter:
         if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
+        if callable(app_state):
+            app_state = app_state()
         # The unit's own keys were checked at train start; the adapter may add reserved entries
         # (the train dataloader), so only plugin entries are checked against everything here.
         extra = self._extra_state(

@@ -1,0 +1,580 @@
+"""The PyTorch Lightning adapter: one callback, and resume through Lightning's own ``ckpt_path``.
+
+::
+
+    from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
+
+    saver = TorchSnapshotSaver("/ckpts/run1", save_every_n_train_steps=100, save_every_n_epochs=1)
+    trainer = Trainer(max_epochs=10, callbacks=[saver])
+    trainer.fit(model, datamodule=dm, ckpt_path="last")  # resumes if /ckpts/run1 holds a snapshot
+
+What a snapshot holds: exactly the dict Lightning's own ``ModelCheckpoint`` would write at that
+moment (``Trainer._checkpoint_connector.dump_checkpoint()``: weights, optimizers, LR schedulers,
+the loops' progress with the train loader's state, every callback's state, the datamodule's and
+the precision plugin's state, hyper-parameters, whatever ``on_save_checkpoint`` hooks add), one
+entry per top-level key, plus the RNG state of every generator (Python, numpy, torch CPU and CUDA)
+that Lightning's checkpoints lack. Each rank saves its own copy unless ``replicated`` says otherwise.
+
+How ``fit(ckpt_path=...)`` reaches a snapshot:
+
+* ``ckpt_path="last"``: Lightning resolves it, before any callback runs, from the ``ckpt_path``
+  attribute of its ``OnExceptionCheckpoint`` callbacks and ``ModelCheckpoint``'s last files. The
+  saver is an ``OnExceptionCheckpoint``; its ``ckpt_path`` is the newest complete snapshot of
+  ``dirpath`` (damaged ones skipped). When several candidates exist (a ``ModelCheckpoint``'s
+  ``last.ckpt``, say), Lightning takes the most recently modified one.
+* In ``setup()`` the saver wraps the strategy's ``CheckpointIO`` in a :class:`SnapshotCheckpointIO`,
+  which reads a snapshot directory into Lightning's checkpoint dict (and sets the RNG state) and
+  hands every other path to the ``CheckpointIO`` it wraps, so ``ModelCheckpoint`` works as before.
+  Lightning then restores that dict as it restores its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import pluggy
+import pytorch_lightning as pl
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+from tnt_snapshot_plugin import restoring
+from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.distributed import Collectives, is_initialized
+from tnt_snapshot_plugin.errors import ConfigError, KeyCollisionError, StateMismatchError
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.storage import METADATA_FNAME, LocalStore, open_store
+
+#: The keys of every Lightning training checkpoint (others depend on the run).
+LIGHTNING_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "state_dict",
+    "loops",
+    "callbacks",
+    "optimizer_states",
+    "lr_schedulers",
+)
+#: Entries that can differ between ranks (per-rank loader positions, callback states).
+NEVER_REPLICATED = ("loops", "callbacks")
+
+_NOT_ASKED = "<not asked>"
+
+
+class TorchSnapshotSaver(OnExceptionCheckpoint):
+    """Snapshot a Lightning run's whole training state with torchsnapshot; resume it exactly.
+
+    Use it when a run must survive crashes and preemption without losing more than a few steps,
+    and without stalling training while a checkpoint is written. Snapshots are written to
+    ``dirpath/epoch_{epoch}_step_{step}`` (``epoch``: epochs completed; ``step``:
+    ``trainer.global_step``, the optimizer steps taken), asynchronously by default, and become
+    visible to restore only once complete. Resume with a new Trainer holding a saver on the same
+    ``dirpath``: ``trainer.fit(model, ckpt_path="last")`` (the newest complete snapshot) or
+    ``ckpt_path="<dirpath>/epoch_E_step_S"``.
+
+    Args:
+        dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``).
+        save_every_n_train_steps: snapshot when ``trainer.global_step`` reaches a multiple of N
+            (None: no mid-epoch snapshots). With ``accumulate_grad_batches=K`` a step is K
+            batches; snapshots are only taken at batches that stepped the optimizer, so no
+            accumulated gradient is ever lost.
+        save_every_n_epochs: snapshot at the end of every N-th training epoch.
+        replicated: glob patterns of entries identical on every rank, saved once instead of once
+            per rank (``["state_dict/**", "optimizer_states/**"]`` under DDP). ``loops``,
+            ``callbacks`` and the RNG state are never replicated.
+        storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
+            ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``).
+        keep_last_n_snapshots: delete older snapshots once a newer one is committed
+            (``keep_last_n_checkpoints`` is accepted as torchtnt's name for it).
+        async_snapshot: write in the background; training waits only for an in-memory copy.
+        save_on_train_end: take a final snapshot when training ends (unless already saved).
+        on_save_error: ``"warn"`` (training goes on, every hook warns until a snapshot succeeds)
+            or ``"raise"`` (the next hook raises SnapshotWriteError).
+        preemption_signals: on these signals, finish the batch, snapshot, then stop the run the
+            way Lightning stops on SIGTERM (``SIGTERMException``, exit status 128 + signal).
+            Default ``[SIGTERM]``; ``[]`` leaves the signals to Lightning.
+        process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
+        collective_timeout_s: how long a checkpoint collective waits for a failed rank.
+        plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+
+    Lightning treats any ``Checkpoint`` callback as "checkpointing configured": with the saver
+    alone, ``Trainer(enable_checkpointing=True)`` adds no default ``ModelCheckpoint`` (add one
+    yourself to also get ``.ckpt`` files), and ``enable_checkpointing=False`` is refused by
+    Lightning. As an ``OnExceptionCheckpoint``, the saver also makes Lightning turn
+    ``fit(model)`` without ``ckpt_path`` into ``ckpt_path="last"``: a run whose ``dirpath``
+    already holds snapshots resumes from them (Lightning warns); use a new ``dirpath`` per run.
+    """
+
+    #: Lightning's ``ckpt_path="best"`` reads this from the first checkpoint callback; snapshots
+    #: have no "best", so it is empty and Lightning says that no best model was saved.
+    best_model_path = ""
+
+    def __init__(
+        self,
+        dirpath: str,
+        *,
+        save_every_n_train_steps: Optional[int] = None,
+        save_every_n_epochs: Optional[int] = None,
+        replicated: Optional[list[str]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        keep_last_n_snapshots: Optional[int] = None,
+        keep_last_n_checkpoints: Optional[int] = None,
+        async_snapshot: bool = True,
+        save_on_train_end: bool = True,
+        on_save_error: str = "warn",
+        preemption_signals: Iterable[Union[int, signal.Signals]] = (signal.SIGTERM,),
+        process_group: Optional[Any] = None,
+        collective_timeout_s: float = 600.0,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> None:
+        # OnExceptionCheckpoint.__init__ only sets the .ckpt file this class replaces by snapshots.
+        Checkpoint.__init__(self)
+        config = SnapshotConfig.build(
+            save_every_n_train_steps=save_every_n_train_steps,
+            save_every_n_epochs=save_every_n_epochs,
+            keep_last_n_snapshots=keep_last_n_snapshots,
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            replicated=replicated,
+            storage_options=storage_options,
+            async_snapshot=async_snapshot,
+            save_on_train_end=save_on_train_end,
+            on_save_error=on_save_error,
+            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            collective_timeout_s=collective_timeout_s,
+        )
+        self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
+        self._snapshotter = Snapshotter(
+            self._given_dirpath,
+            config,
+            process_group=process_group,
+            plugin_manager=plugin_manager,
+            never_replicated=NEVER_REPLICATED,
+            on_preempted=_stop_like_lightning,
+        )
+        self._io: Optional[SnapshotCheckpointIO] = None
+        self._last_step: Optional[int] = None
+        self._last_committed: Optional[str] = None
+        self._resolved_last: Optional[str] = _NOT_ASKED
+
+    # -- what Lightning and users read ----------------------------------------------------------
+
+    @property
+    def dirpath(self) -> str:  # type: ignore[override]
+        """Parent directory the snapshots are saved to (rank 0's, once training started)."""
+        return self._snapshotter.dirpath
+
+    @property
+    def snapshotter(self) -> Snapshotter:
+        """The framework-neutral engine (stats, wait(), the plugin manager)."""
+        return self._snapshotter
+
+    @property
+    @override
+    def ckpt_path(self) -> Optional[str]:  # type: ignore[override]
+        """The newest complete, undamaged snapshot in ``dirpath``, or None.
+
+        This is what Lightning resumes from for ``fit(ckpt_path="last")``. It is read before the
+        process group exists, so each rank lists ``dirpath`` itself; ``setup()`` then checks that
+        every rank found the same snapshot. An ``s3://`` dirpath gives None (Lightning would need
+        s3fs to look at it): pass the snapshot's URL as ``ckpt_path`` instead.
+        """
+        store = open_store(self.dirpath, self._snapshotter.config.storage_options)
+        if not isinstance(store, LocalStore):
+            warnings.warn(
+                f'ckpt_path="last" cannot find snapshots in {self.dirpath}: Lightning only looks at '
+                "local files for it; pass ckpt_path=<the snapshot's URL> to resume from one",
+                stacklevel=2,
+            )
+            path = None
+        else:
+            path = restoring.latest_snapshot(
+                self.dirpath,
+                storage_options=self._snapshotter.config.storage_options,
+                collectives=Collectives(None),
+                verified=True,
+            )
+        self._resolved_last = path
+        return path
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # From the dirpath given, not the cadence: changing the cadence between runs keeps the
+        # state, and two savers on one dirpath (which would race) are refused by Lightning.
+        return self._generate_state_key(dirpath=self._given_dirpath)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``dirpath`` and the newest snapshot committed when the state was taken."""
+        committed = self._snapshotter.stats.committed
+        return {
+            "dirpath": self.dirpath,
+            "last_committed": committed[-1].path if committed else self._last_committed,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_committed = state_dict.get("last_committed")
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Join the process group, install the snapshot-reading CheckpointIO (before Lightning loads
+        ``ckpt_path``) and check that all ranks resolved ``ckpt_path="last"`` alike."""
+        self._snapshotter.attach()
+        self._io = SnapshotCheckpointIO.install(
+            trainer,
+            storage_options=self._snapshotter.config.storage_options,
+            collectives=lambda: self._snapshotter.collectives,
+            plugin_manager=self._snapshotter.plugin_manager,
+        )
+        resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
+        coll = self._snapshotter.collectives
+        answers = coll.all_gather(resolved)
+        if len(set(answers)) > 1:
+            found = "; ".join(
+                f"rank {rank}: {answer if answer != _NOT_ASKED else 'not asked'}"
+                for rank, answer in enumerate(answers)
+            )
+            raise ConfigError(
+                f'the ranks resolved ckpt_path="last" to different snapshots ({found}); give every '
+                "rank the same dirpath on a shared filesystem, or pass an explicit ckpt_path"
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
+        self._last_step = trainer.global_step
+        self._snapshotter.train_start(LIGHTNING_KEYS)
+        restored = self._io.take_restored() if self._io is not None else None
+        if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
+            # Lightning created the train loader's iterator after the snapshot was loaded; a loader
+            # that draws from the global RNG then (DataLoader's base seed) would shift the stream.
+            RNGState().load_state_dict(restored.rng_state)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Snapshot if this batch stepped the optimizer and the step cadence (or a plugin) says so."""
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._last_step = step
+        self._snapshotter.step_end(trainer.current_epoch, step, self._collector(trainer))
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Snapshot if the epoch cadence (or a plugin) says so."""
+        # Lightning counts the epoch as completed only after this hook; it is processed already.
+        epochs = trainer.fit_loop.epoch_progress.current.processed
+        self._snapshotter.epoch_end(epochs, trainer.global_step, self._collector(trainer))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Take a final snapshot unless the last state is already saved; wait until it is durable."""
+        self._snapshotter.train_end(trainer.current_epoch, trainer.global_step, self._collector(trainer))
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Wait for the pending snapshot; the newest complete snapshot stays intact."""
+        self._snapshotter.exception()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Keep every snapshot (``OnExceptionCheckpoint.teardown`` would delete its file)."""
+
+    def _collector(self, trainer: pl.Trainer) -> Callable[[bool], dict[str, Value]]:
+        def collect(intra_epoch: bool) -> dict[str, Value]:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            clash = sorted(set(checkpoint) & set(RESERVED_KEYS))
+            if clash:
+                raise KeyCollisionError(
+                    f"Detected collision for key in app state: the Lightning checkpoint has keys "
+                    f"{clash} (added by an on_save_checkpoint hook?) that tnt_snapshot_plugin "
+                    f"reserves for its own entries {RESERVED_KEYS}; rename them"
+                )
+            return {key: Value(value) for key, value in checkpoint.items()}
+
+        return collect
+
+    # -- restore outside fit ---------------------------------------------------------------------
+
+    @staticmethod
+    def restore(
+        path: str,
+        module: Any,
+        *,
+        optimizers: Optional[Sequence[Any]] = None,
+        lr_schedulers: Optional[Sequence[Any]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        process_group: Optional[Any] = None,
+        strict: bool = True,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> None:
+        """Load snapshot ``path``'s weights into ``module`` (and optimizer / LR scheduler states).
+
+        For evaluation or fine-tuning outside ``fit``; to resume training use
+        ``trainer.fit(model, ckpt_path=path)``. ``module`` is the LightningModule (or any module
+        with the same ``state_dict`` keys); ``optimizers`` / ``lr_schedulers`` are lists in the
+        order ``configure_optimizers`` returns them. The RNG state is restored too. Raises
+        SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError if the
+        module or the number of optimizers does not match it.
+        """
+        app_state = _restore_state(module, optimizers, lr_schedulers)
+        restoring.restore(
+            path,
+            app_state,
+            storage_options=storage_options,
+            collectives=Collectives.create(process_group, 600.0),
+            plugin_manager=plugin_manager,
+            strict=strict,
+        )
+        _raise_mismatch(app_state)
+
+    @staticmethod
+    def restore_from_latest(
+        dirpath: str,
+        module: Any,
+        *,
+        optimizers: Optional[Sequence[Any]] = None,
+        lr_schedulers: Optional[Sequence[Any]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        process_group: Optional[Any] = None,
+        strict: bool = True,
+        fallback: bool = True,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> bool:
+        """:meth:`restore` the newest complete snapshot in ``dirpath``.
+
+        Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
+        complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
+        one restored (``fallback=False`` raises SnapshotCorruptError instead).
+        """
+        app_state = _restore_state(module, optimizers, lr_schedulers)
+        restored = restoring.restore_from_latest(
+            dirpath,
+            app_state,
+            storage_options=storage_options,
+            collectives=Collectives.create(process_group, 600.0),
+            plugin_manager=plugin_manager,
+            strict=strict,
+            fallback=fallback,
+        )
+        _raise_mismatch(app_state)
+        return restored is not None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :class:`SnapshotCheckpointIO` last loaded: the snapshot and its RNG state."""
+
+    path: str
+    rng_state: Optional[dict[str, Any]]
+
+
+class SnapshotCheckpointIO(CheckpointIO):
+    """A CheckpointIO that loads snapshot directories and hands every other path on.
+
+    ``load_checkpoint(path)`` of a snapshot directory (``.../epoch_E_step_S``, or its
+    ``.snapshot_metadata`` file) reads every entry into Lightning's checkpoint dict and sets the
+    RNG state; any other path, and every save and removal, goes to the wrapped CheckpointIO
+    (``TorchCheckpointIO`` by default), so ``ModelCheckpoint`` is unaffected.
+    :class:`TorchSnapshotSaver` installs one in ``setup()``; without the saver, pass one to the
+    Trainer: ``Trainer(plugins=[SnapshotCheckpointIO()])``. Under torch.distributed every rank
+    loads rank 0's choice of snapshot, each its own state.
+    """
+
+    def __init__(
+        self,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
+        collectives: Optional[Callable[[], Collectives]] = None,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> None:
+        self.checkpoint_io = checkpoint_io
+        self.storage_options = storage_options
+        self._collectives = collectives
+        self._own_collectives: Optional[Collectives] = None
+        self.plugin_manager = plugin_manager
+        self._restored: Optional[Restored] = None
+
+    @classmethod
+    def install(
+        cls,
+        trainer: pl.Trainer,
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
+        collectives: Optional[Callable[[], Collectives]] = None,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+    ) -> "SnapshotCheckpointIO":
+        """Wrap ``trainer``'s CheckpointIO in one of these (once), configured as given."""
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        if not isinstance(io, cls):
+            io = cls(io)
+            strategy.checkpoint_io = io
+        io.storage_options = storage_options
+        io._collectives = collectives
+        io.plugin_manager = plugin_manager
+        io._restored = None
+        return io
+
+    @property
+    def wrapped(self) -> CheckpointIO:
+        if self.checkpoint_io is None:
+            self.checkpoint_io = TorchCheckpointIO()
+        return self.checkpoint_io
+
+    def take_restored(self) -> Optional[Restored]:
+        """The snapshot loaded since the last call (None if none), once."""
+        restored, self._restored = self._restored, None
+        return restored
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        self.wrapped.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        self.wrapped.remove_checkpoint(path)
+
+    @override
+    def teardown(self) -> None:
+        self.wrapped.teardown()
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Lightning's checkpoint dict from snapshot ``path``; other paths go to the wrapped IO.
+
+        ``map_location`` and ``weights_only`` apply to the wrapped IO only: snapshots are read
+        to CPU (Lightning then moves the state to the device) and, like any pickle, must come
+        from a trusted source.
+        """
+        snapshot = snapshot_path(path)
+        if snapshot is None:
+            return self.wrapped.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        coll = self._get_collectives()
+        snapshot = coll.broadcast(snapshot)
+        checkpoint: dict[str, Any] = {}
+        keys = restoring.restore(
+            snapshot,
+            {},
+            storage_options=self.storage_options,
+            collectives=coll,
+            plugin_manager=self.plugin_manager,
+            rest=checkpoint,
+        )
+        missing = [key for key in ("state_dict", "pytorch-lightning_version") if key not in checkpoint]
+        if missing:
+            raise StateMismatchError(
+                f"snapshot {snapshot} holds no Lightning checkpoint (no {missing} entries; it holds "
+                f"{sorted(checkpoint)}): it was not written by the Lightning TorchSnapshotSaver. "
+                "Restore it with the adapter of the framework that wrote it"
+            )
+        rng = RNGState().state_dict() if RNG_STATE_KEY in keys else None
+        self._restored = Restored(snapshot, rng)
+        return checkpoint
+
+    def _get_collectives(self) -> Collectives:
+        if self._collectives is not None:
+            return self._collectives()
+        if self._own_collectives is None or (is_initialized() and not self._own_collectives.distributed):
+            self._own_collectives = Collectives.create(None, 600.0)  # collective: every rank loads
+        return self._own_collectives
+
+
+def snapshot_path(path: Any) -> Optional[str]:
+    """``path`` as a snapshot directory if it names one (or its metadata file), else None.
+
+    A local regular file is never a snapshot, whatever its name.
+    """
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    text = text.rstrip("/")
+    head, _, name = text.rpartition("/")
+    if name == METADATA_FNAME:
+        text = head
+        name = head.rpartition("/")[2]
+    if SnapshotName.parse(name) is None:
+        return None
+    if "://" not in text and os.path.isfile(text):
+        return None
+    return text
+
+
+def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether this fit continues an epoch that had consumed batches (Lightning loaded the train
+    loader's position and created its iterator before ``on_train_start``)."""
+    loop = trainer.fit_loop
+    batches = loop.epoch_loop.batch_progress
+    return loop.restarting and batches.current.ready > 0 and not batches.is_last_batch
+
+
+def _stop_like_lightning(signum: int) -> None:
+    """After the preemption snapshot: stop the run the way Lightning stops on SIGTERM."""
+    raise SIGTERMException(128 + int(signum))
+
+
+class _Each:
+    """A Stateful over a list of Statefuls (the optimizers, the LR schedulers).
+
+    A count that does not match the snapshot loads none of them and is reported after the
+    restore (raising inside torchsnapshot's restore would leak its event loop).
+    """
+
+    def __init__(self, what: str, objects: Sequence[Any]) -> None:
+        self.what = what
+        self.objects = list(objects)
+        self.mismatch: Optional[str] = None
+
+    def state_dict(self) -> list[Any]:
+        return [obj.state_dict() for obj in self.objects]
+
+    def load_state_dict(self, states: list[Any]) -> None:
+        if len(states) != len(self.objects):
+            self.mismatch = (
+                f"the snapshot holds {len(states)} {self.what}, {len(self.objects)} were given "
+                "(none of them was loaded); pass them all, in the order configure_optimizers returns them"
+            )
+            return
+        for obj, state in zip(self.objects, states, strict=True):
+            obj.load_state_dict(state)
+
+
+def _raise_mismatch(app_state: dict[str, Any]) -> None:
+    problems = [e.mismatch for e in app_state.values() if isinstance(e, _Each) and e.mismatch]
+    if problems:
+        raise StateMismatchError("; ".join(problems))
+
+
+def _restore_state(
+    module: Any, optimizers: Optional[Sequence[Any]], lr_schedulers: Optional[Sequence[Any]]
+) -> dict[str, Any]:
+    app_state: dict[str, Any] = {"state_dict": module}
+    if optimizers is not None:
+        app_state["optimizer_states"] = _Each("optimizer states", optimizers)
+    if lr_schedulers is not None:
+        app_state["lr_schedulers"] = _Each("LR scheduler states", lr_schedulers)
+    return app_state
