@@ -16,7 +16,7 @@ import subprocess
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pytest
 from torchtnt.framework.callback import Callback
@@ -51,27 +51,22 @@ def complete(dirpath) -> list[str]:
 
 
 class Record(Callback):
-    """Calls ``at[step](unit)`` at each step end and keeps each step's weights."""
+    """Keeps each step's weights (placed after the saver)."""
 
-    def __init__(self, at: Optional[dict[int, Callable[[Any], None]]] = None) -> None:
-        self.at = at or {}
+    def __init__(self) -> None:
         self.weights: dict[int, Any] = {}
 
     def on_train_step_end(self, state, unit) -> None:
-        step = unit.train_progress.num_steps_completed
-        self.weights[step] = weights(unit)
-        if step in self.at:
-            self.at[step](unit)
+        self.weights[unit.train_progress.num_steps_completed] = weights(unit)
 
 
-def run(dirpath, steps: int, *, before_saver: Optional[Callback] = None, **saver_kwargs) -> tuple[ToyUnit, Record]:
+def run(dirpath, steps: int, **saver_kwargs) -> tuple[ToyUnit, Record]:
     """Train ToyUnit for ``steps`` steps (one epoch, batches of 4) with an async saver."""
     saver_kwargs.setdefault("save_every_n_train_steps", 1)
     saver = TorchSnapshotSaver(str(dirpath), **saver_kwargs)
     record = Record()
-    callbacks = ([before_saver] if before_saver else []) + [saver, record]
     unit = ToyUnit()
-    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=1, callbacks=callbacks)
+    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=1, callbacks=[saver, record])
     return unit, record
 
 

@@ -38,7 +38,7 @@ import pytest
 
 SCRIPT = Path(__file__).parent / "scripts" / "fault_server.py"
 SEED = 20240726
-TRIALS = 40
+TRIALS = 30
 KEEP_LAST = 3  # as in the script
 
 
