@@ -84,9 +84,11 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     Args:
         dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``).
         save_every_n_train_steps: snapshot when ``trainer.global_step`` reaches a multiple of N
-            (None: no mid-epoch snapshots). With ``accumulate_grad_batches=K`` a step is K
-            batches; snapshots are only taken at batches that stepped the optimizer, so no
-            accumulated gradient is ever lost.
+            (None: no mid-epoch snapshots). ``global_step`` counts optimizer steps: with
+            ``accumulate_grad_batches=K`` one step per K batches (and one at the end of an epoch
+            whose last window is shorter); under manual optimization, every ``optimizer.step()``
+            of every optimizer. Snapshots are only taken at batches that stepped the optimizer,
+            so no accumulated gradient is ever lost.
         save_every_n_epochs: snapshot at the end of every N-th training epoch.
         replicated: glob patterns of entries identical on every rank, saved once instead of once
             per rank (``["state_dict/**", "optimizer_states/**"]`` under DDP). ``loops``,
@@ -99,9 +101,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         save_on_train_end: take a final snapshot when training ends (unless already saved).
         on_save_error: ``"warn"`` (training goes on, every hook warns until a snapshot succeeds)
             or ``"raise"`` (the next hook raises SnapshotWriteError).
-        preemption_signals: on these signals, finish the batch, snapshot, then stop the run the
-            way Lightning stops on SIGTERM (``SIGTERMException``, exit status 128 + signal).
-            Default ``[SIGTERM]``; ``[]`` leaves the signals to Lightning.
+        preemption_signals: on these signals, finish the batch (with gradient accumulation: up
+            to the next optimizer step; under DDP: one step later, on every rank at the same
+            step), snapshot, then stop the run the way Lightning stops on SIGTERM: raise
+            ``SIGTERMException`` (exit status 128 + signal), which runs Lightning's
+            ``on_exception`` hooks and teardown. Default ``[SIGTERM]``; ``[]`` leaves the
+            signals to Lightning (which finishes the epoch, then exits).
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
@@ -138,6 +143,22 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     ) -> None:
         # OnExceptionCheckpoint.__init__ only sets the .ckpt file this class replaces by snapshots.
         Checkpoint.__init__(self)
+        # What a copy in another process is rebuilt from (strategy="ddp_spawn" pickles callbacks).
+        self._arguments = dict(
+            dirpath=dirpath,
+            save_every_n_train_steps=save_every_n_train_steps,
+            save_every_n_epochs=save_every_n_epochs,
+            replicated=replicated,
+            storage_options=storage_options,
+            keep_last_n_snapshots=keep_last_n_snapshots,
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            async_snapshot=async_snapshot,
+            save_on_train_end=save_on_train_end,
+            on_save_error=on_save_error,
+            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            collective_timeout_s=collective_timeout_s,
+        )
+        self._portable = process_group is None and plugin_manager is None
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
@@ -164,6 +185,26 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         self._last_step: Optional[int] = None
         self._last_committed: Optional[str] = None
         self._resolved_last: Optional[str] = _NOT_ASKED
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
+        if not self._portable:
+            raise TypeError(
+                "a TorchSnapshotSaver given its own process_group or plugin_manager cannot be sent "
+                'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
+                'the training process, or use strategy="ddp"'
+            )
+        if self._snapshotter.stats.committed or self._io is not None:
+            raise TypeError(
+                "a TorchSnapshotSaver that has already trained cannot be sent to another process; "
+                "create a new one"
+            )
+        return {"arguments": self._arguments, "last_committed": self._last_committed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        arguments = dict(state["arguments"])
+        self.__init__(arguments.pop("dirpath"), **arguments)  # type: ignore[misc]
+        self._last_committed = state["last_committed"]
 
     # -- what Lightning and users read ----------------------------------------------------------
 

@@ -446,3 +446,19 @@ def test_demo_resumes_bitwise(tmp_path):
     )
     assert report["final_step"] == 12
     assert report["bitwise_identical"] is True
+
+
+def test_pickles_for_ddp_spawn_as_its_arguments(tmp_path, pm):
+    import pickle
+
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=4, keep_last_n_snapshots=2)
+    saver.load_state_dict({"last_committed": "x"})
+    copy = pickle.loads(pickle.dumps(saver))
+    assert (copy.dirpath, copy.state_key, copy.state_dict()) == (
+        saver.dirpath,
+        saver.state_key,
+        saver.state_dict(),
+    )
+    assert copy.snapshotter.config == saver.snapshotter.config
+    with pytest.raises(TypeError, match="own process_group or plugin_manager"):
+        pickle.dumps(TorchSnapshotSaver(str(tmp_path), plugin_manager=pm))
