@@ -158,6 +158,7 @@ class TorchSnapshotSaver(Callback):
         storage_options: Optional[dict[str, Any]] = None,
         process_group: Optional[Any] = None,
         strict: bool = True,
+        collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
     ) -> None:
         """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
@@ -169,15 +170,16 @@ class TorchSnapshotSaver(Callback):
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
         )
-        restoring.restore(
-            path,
-            app_state,
-            optional_keys=optional,
-            storage_options=storage_options,
-            collectives=Collectives.create(process_group, 600.0),
-            plugin_manager=plugin_manager,
-            strict=strict,
-        )
+        with Collectives.create(process_group, collective_timeout_s) as collectives:
+            restoring.restore(
+                path,
+                app_state,
+                optional_keys=optional,
+                storage_options=storage_options,
+                collectives=collectives,
+                plugin_manager=plugin_manager,
+                strict=strict,
+            )
 
     @staticmethod
     def restore_from_latest(
@@ -191,27 +193,31 @@ class TorchSnapshotSaver(Callback):
         process_group: Optional[Any] = None,
         strict: bool = True,
         fallback: bool = True,
+        collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
     ) -> bool:
         """Restore the newest complete snapshot in ``dirpath``.
 
         Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
         complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-        one restored (``fallback=False`` raises SnapshotCorruptError instead).
+        one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
+        but none can be read, SnapshotCorruptError is raised rather than returning False.
+        Under torch.distributed rank 0's ``dirpath`` is used and rank 0 picks the snapshot.
         """
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
         )
-        restored = restoring.restore_from_latest(
-            dirpath,
-            app_state,
-            optional_keys=optional,
-            storage_options=storage_options,
-            collectives=Collectives.create(process_group, 600.0),
-            plugin_manager=plugin_manager,
-            strict=strict,
-            fallback=fallback,
-        )
+        with Collectives.create(process_group, collective_timeout_s) as collectives:
+            restored = restoring.restore_from_latest(
+                dirpath,
+                app_state,
+                optional_keys=optional,
+                storage_options=storage_options,
+                collectives=collectives,
+                plugin_manager=plugin_manager,
+                strict=strict,
+                fallback=fallback,
+            )
         return restored is not None
 
 

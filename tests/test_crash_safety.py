@@ -170,17 +170,20 @@ def test_damaged_older_snapshot_is_not_looked_at_when_the_newest_is_good(snapsho
     assert_bitwise_equal(weights(fresh), step_weights[4])
 
 
-def test_every_snapshot_damaged_warns_for_each_and_restores_nothing(snapshots):
+def test_every_snapshot_damaged_raises_instead_of_starting_from_scratch(snapshots):
     dirpath, _ = snapshots
     truncate(largest_data_file(dirpath / "epoch_0_step_4"))
     truncate(dirpath / "epoch_0_step_2" / METADATA)
+    fresh = ToyUnit(seed=123)
     with pytest.warns(UserWarning, match="skipping damaged snapshot") as caught:
-        fresh, restored = restored_weights(dirpath)
-    assert restored is False
+        with pytest.raises(SnapshotCorruptError, match="every snapshot in .* is damaged") as raised:
+            TorchSnapshotSaver.restore_from_latest(str(dirpath), fresh)
     assert sorted(str(w.message).split(":")[0] for w in caught) == [
         f"skipping damaged snapshot {dirpath / 'epoch_0_step_2'}",
         f"skipping damaged snapshot {dirpath / 'epoch_0_step_4'}",
     ]
+    assert str(dirpath / "epoch_0_step_2") in str(raised.value)
+    assert str(dirpath / "epoch_0_step_4") in str(raised.value)
     assert fresh.train_progress.num_steps_completed == 0
 
 

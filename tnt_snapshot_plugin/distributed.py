@@ -52,6 +52,18 @@ class Collectives:
         )
         return cls(group, timeout_s)
 
+    def close(self) -> None:
+        """Destroy the group (for groups made for one operation, such as a restore)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def __enter__(self) -> "Collectives":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def distributed(self) -> bool:
         return self.group is not None

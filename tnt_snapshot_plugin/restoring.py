@@ -17,7 +17,7 @@ from urllib.parse import unquote
 import pluggy
 
 from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
-from .distributed import Collectives
+from .distributed import Collectives, raise_if_any_failed
 from .errors import (
     ConfigError,
     SnapshotCorruptError,
@@ -86,56 +86,66 @@ def restore(
     store = open_store(dirpath, storage_options)
     _require_complete(store, name, path, coll)
 
-    sources = [
-        (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
-        for i, r in enumerate(pm.hook.tnt_snapshot_plugin_extra_state(event="restore", epoch=-1, step=-1))
-        if r
-    ]
-    # Adapters check the unit's own keys before adding reserved entries (the train dataloader).
-    check_collisions([k for k in app_state if k not in RESERVED_KEYS], sources)
-    wanted = dict(app_state)
-    for _source, entries in sources:
-        wanted.update(entries)
-
-    from torchsnapshot.manifest_ops import get_manifest_for_rank
-
-    from .compat import Snapshot
-
-    snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
+    # Every check before loading runs on every rank, and the ranks agree on the outcome before
+    # anyone enters torchsnapshot's restore collectives: a rank-local problem (a module that does
+    # not match, unreadable metadata) is then raised on every rank instead of leaving the others
+    # waiting in a collective for the timeout.
+    error: Optional[SnapshotError] = None
     try:
-        manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
-    except Exception as exc:
-        _close_leaked_event_loops(exc)
-        raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
-    present = {unquote(key.split("/", 1)[0]) for key in manifest}
+        sources = [
+            (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
+            for i, r in enumerate(pm.hook.tnt_snapshot_plugin_extra_state(event="restore", epoch=-1, step=-1))
+            if r
+        ]
+        # Adapters check the unit's own keys before adding reserved entries (the train dataloader).
+        check_collisions([k for k in app_state if k not in RESERVED_KEYS], sources)
+        wanted = dict(app_state)
+        for _source, entries in sources:
+            wanted.update(entries)
 
-    optional = set(optional_keys)
-    load: dict[str, Any] = {}
-    missing = []
-    for key, obj in wanted.items():
-        if key in present:
-            load[key] = obj
-        elif key in optional:
-            warnings.warn(
-                f"{key} was passed to restore but snapshot {path} holds no {key} state "
-                "(snapshots taken at epoch ends hold none); it was not restored",
-                stacklevel=3,
+        from torchsnapshot.manifest_ops import get_manifest_for_rank
+
+        from .compat import Snapshot
+
+        snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
+        try:
+            manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
+        except Exception as exc:
+            _close_leaked_event_loops(exc)
+            raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
+        present = {unquote(key.split("/", 1)[0]) for key in manifest}
+
+        optional = set(optional_keys)
+        load: dict[str, Any] = {}
+        missing = []
+        for key, obj in wanted.items():
+            if key in present:
+                load[key] = obj
+            elif key in optional:
+                warnings.warn(
+                    f"{key} was passed to restore but snapshot {path} holds no {key} state "
+                    "(snapshots taken at epoch ends hold none); it was not restored",
+                    stacklevel=3,
+                )
+            else:
+                missing.append(key)
+        if missing and strict:
+            raise StateMismatchError(
+                f"snapshot {path} holds no entries {sorted(missing)} (it holds {sorted(present)}); "
+                "restore into the same kind of unit that was saved, or pass strict=False to skip them"
             )
-        else:
-            missing.append(key)
-    if missing and strict:
-        raise StateMismatchError(
-            f"snapshot {path} holds no entries {sorted(missing)} (it holds {sorted(present)}); "
-            "restore into the same kind of unit that was saved, or pass strict=False to skip them"
-        )
-    for key in missing:
-        warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=3)
-    if strict:
-        _check_modules(path, load, manifest)
-    sinks: dict[str, Value] = {}
-    if rest is not None:
-        sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
-        load.update(sinks)
+        for key in missing:
+            warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=3)
+        if strict:
+            _check_modules(path, load, manifest)
+        sinks: dict[str, Value] = {}
+        if rest is not None:
+            sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
+            load.update(sinks)
+
+    except SnapshotError as exc:
+        error = exc
+    raise_if_any_failed(coll, error, f"restoring {path}")
 
     try:
         snapshot.restore(load, strict=strict)
@@ -169,10 +179,13 @@ def restore_from_latest(
     """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
 
     A snapshot whose files are missing or truncated, or that fails to load, is skipped with a
-    warning naming it, and the previous one is tried (``fallback=False`` raises instead). Under
-    torch.distributed rank 0 chooses; a load error on any rank is raised, not fallen back from.
+    warning naming it, and the previous one is tried (``fallback=False`` raises instead); when
+    snapshots exist but none can be restored, SnapshotCorruptError is raised rather than letting
+    training start from scratch. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``);
+    a load error on any rank is raised, not fallen back from.
     """
     coll = collectives or Collectives(None)
+    dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
     store = open_store(dirpath, storage_options)
     problem = coll.on_rank0(lambda: _not_a_directory(store))
     if problem is not None:
@@ -180,6 +193,7 @@ def restore_from_latest(
     candidates: list[str] = coll.on_rank0(
         lambda: [s.text for s in reversed(store.complete_snapshots())]
     )
+    damaged: list[str] = []
     for name in candidates:
         path = store.child(name)
         problem = coll.on_rank0(functools.partial(store.verify, name))
@@ -204,9 +218,16 @@ def restore_from_latest(
                 f"the newest snapshot {path} is damaged: {problem}; pass fallback=True to restore "
                 "the previous one instead"
             )
+        damaged.append(f"{path} ({problem})")
         warnings.warn(
             f"skipping damaged snapshot {path}: {problem}; falling back to the previous snapshot",
             stacklevel=2,
+        )
+    if damaged:
+        # Never start from scratch silently when snapshots exist but none can be read.
+        raise SnapshotCorruptError(
+            f"every snapshot in {dirpath} is damaged: {'; '.join(damaged)}. Nothing was restored; "
+            "restore a snapshot by path, or move the directory aside to start from scratch"
         )
     return None
 
@@ -238,7 +259,7 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
         if store.is_complete(name):
             return None
         if name in store.list_names():
-            inner = open_store(path).complete_snapshots()
+            inner = store.nested(name).complete_snapshots()
             if inner:
                 return (
                     f"{path} is a directory of snapshots, not a snapshot; pass one of them (the "
