@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""Side-by-side checkpoint benchmark: this plugin against torchtnt, torchsnapshot, torch.save,
+torch.distributed.checkpoint and Lightning, with the machine's own floors.
+
+    python benchmarks/run.py                 # 64 MiB, 1 GiB and 10,000 x 4 KiB states
+    python benchmarks/run.py --quick         # small states, one pass (< 1 minute)
+    python benchmarks/run.py --out results.json --sizes 64MiB --reps 5
+
+For each state size it measures, per method: the training stall per snapshot, the time until the
+snapshot is durable, the restore time into preallocated tensors (cold page cache) and the peak
+extra resident memory; and the floors: an in-memory copy of the state into preallocated buffers,
+the disk's sequential write-with-fsync bandwidth and its cold read bandwidth. It prints a
+markdown table (each figure also as a ratio to the best peer and to the floor) and writes the raw
+numbers as JSON. See measure.py and methods.py for exactly what is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import measure
+import torch
+from measure import MiB, PeakRSS, evict, median
+from methods import Method, select
+
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """``count`` fp32 tensors of ``shape``."""
+
+    label: str
+    count: int
+    shape: tuple[int, ...]
+    reps: int
+
+    @property
+    def nbytes(self) -> int:
+        n = 4
+        for d in self.shape:
+            n *= d
+        return n * self.count
+
+
+FULL = [
+    StateSpec("64 MiB (16 x 4 MiB)", 16, (1024, 1024), reps=5),
+    StateSpec("1 GiB (64 x 16 MiB)", 64, (2048, 2048), reps=3),
+    StateSpec("10,000 x 4 KiB", 10_000, (1024,), reps=5),
+]
+QUICK = [
+    StateSpec("8 MiB (8 x 1 MiB)", 8, (512, 512), reps=2),
+    StateSpec("500 x 4 KiB", 500, (1024,), reps=2),
+]
+
+
+def make_model(spec: StateSpec, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    for i in range(spec.count):
+        model.register_parameter(
+            f"p{i}", torch.nn.Parameter(torch.randn(spec.shape, generator=gen), requires_grad=False)
+        )
+    return model
+
+
+def tensors_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.data for p in model.parameters()]
+
+
+def init_process_group() -> None:
+    """A single-process gloo group: torchsnapshot's async_take needs one on IPv4-only hosts
+    (see NOTES: dist_store.py unpacks an IPv6 sockname), and every method then runs alike."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# one method on one state
+
+
+def run_method(
+    method: Method, spec: StateSpec, model: torch.nn.Module, target: torch.nn.Module,
+    root: str, reps: int, log: Any,
+) -> dict[str, Any]:
+    first = tensors_of(model)[0]
+    os.makedirs(root, exist_ok=True)
+    peak = PeakRSS()
+    result: dict[str, Any] = {"name": method.name, "peer": method.peer, "async": method.asynchronous}
+    stalls: list[float] = []
+    durables: list[float] = []
+    restores: list[float] = []
+    try:
+        peak.start()
+        method.setup(root, model, target)
+        previous: Optional[str] = None
+        last_value = 0.0
+        for step in range(1, reps + 2):  # step 1 is a warm-up: timed figures come from the rest
+            last_value = float(step)
+            first.fill_(last_value)  # the state of this step ...
+            stall, durable, path = method.save(step)
+            first.fill_(-1.0)  # ... which training mutates as soon as the save call returns
+            if step > 1:
+                stalls.append(stall)
+                durables.append(durable)
+            if previous is not None:
+                method.discard(previous)
+            previous = path
+        result["peak_extra_bytes"] = peak.stop()
+        result["snapshot_bytes"] = measure.tree_bytes(previous) if previous else 0
+        for rep in range(reps):
+            with torch.no_grad():
+                for t in tensors_of(target):
+                    t.zero_()
+            evict(previous)
+            t0 = time.perf_counter()
+            method.restore(previous)
+            restores.append(time.perf_counter() - t0)
+            if rep == 0:
+                result["restore_ok"] = _check_restore(model, target, last_value)
+        method.close()
+        method.discard(previous)
+    except Exception as exc:  # a peer that breaks is reported, not fatal
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"  {method.name}: FAILED {result['error']}", file=log, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result.update(
+        stall_s=median(stalls) if stalls else None,
+        durable_s=median(durables) if durables else None,
+        restore_s=median(restores) if restores else None,
+        stall_samples=stalls,
+        durable_samples=durables,
+        restore_samples=restores,
+    )
+    return result
+
+
+def _check_restore(model: torch.nn.Module, target: torch.nn.Module, first_value: float) -> bool:
+    src = tensors_of(model)
+    dst = tensors_of(target)
+    if not torch.all(dst[0] == first_value):
+        return False
+    return all(torch.equal(a, b) for a, b in zip(src[1:], dst[1:], strict=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+def run_size(spec: StateSpec, methods: list[Method], workdir: str, reps: int, log: Any) -> dict[str, Any]:
+    model = make_model(spec, seed=0)
+    target = make_model(spec, seed=1)
+    nbytes = spec.nbytes
+    print(f"\n## {spec.label}: floors", file=log, flush=True)
+    floor_copy = measure.copy_floor(tensors_of(model), reps=max(3, reps))
+    floor_disk = measure.disk_floor(workdir, max(nbytes, 64 * MiB), reps=max(2, min(reps, 3)))
+    floors = {
+        "copy_s": floor_copy["tensors_s"],
+        "copy_flat_s": floor_copy["flat_s"],
+        "disk_write_Bps": floor_disk["write_Bps"],
+        "disk_write_buffered_fsync_Bps": floor_disk["write_buffered_fsync_Bps"],
+        "disk_write_direct_Bps": floor_disk["write_direct_Bps"],
+        "disk_read_Bps": floor_disk["read_cold_Bps"],
+    }
+    floors["durable_s"] = nbytes / floors["disk_write_Bps"]
+    floors["restore_s"] = nbytes / floors["disk_read_Bps"]
+    print(f"  {json.dumps(floors)}", file=log, flush=True)
+    rows = []
+    for method in methods:
+        print(f"  {method.name} ...", file=log, flush=True)
+        t = time.perf_counter()
+        row = run_method(method, spec, model, target, os.path.join(workdir, "m"), reps, log)
+        row["bench_wall_s"] = time.perf_counter() - t
+        rows.append(row)
+    return {"label": spec.label, "tensors": spec.count, "shape": list(spec.shape),
+            "state_bytes": nbytes, "reps": reps, "floors": floors, "methods": rows}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small states, 2 reps (< 1 minute)")
+    parser.add_argument("--out", default="bench-results/results.json", help="where to write the JSON")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp)")
+    parser.add_argument("--sizes", nargs="*", default=None, help="only states whose label contains one of these")
+    parser.add_argument("--methods", nargs="*", default=None, help="only methods whose name contains one of these")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method (after one warm-up)")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (default 1: on a small shared machine OpenMP's spinning "
+        "threads make copies 10-100x slower whenever another process holds a core)",
+    )
+    parser.add_argument("--hook-calls", type=int, default=None, help="calls per hook-cost sample")
+    args = parser.parse_args(argv)
+
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    init_process_group()
+
+    specs = QUICK if args.quick else FULL
+    if args.sizes:
+        def squash(text: str) -> str:
+            return text.lower().replace(" ", "").replace(",", "")
+
+        specs = [s for s in specs if any(squash(k) in squash(s.label) for k in args.sizes)]
+    log = sys.stderr
+    started = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix="tnt_bench_", dir=args.dir)
+    results: dict[str, Any] = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "scratch": workdir,
+        },
+        "memory_method": PeakRSS().method,
+        "sizes": [],
+    }
+    try:
+        from hooks import hook_costs
+
+        n = args.hook_calls or (20_000 if args.quick else 200_000)
+        print("## hook cost on a non-saving step", file=log, flush=True)
+        results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
+        for spec in specs:
+            reps = args.reps or spec.reps
+            results["sizes"].append(run_size(spec, select(args.methods), workdir, reps, log))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results["wall_s"] = time.perf_counter() - started
+
+    from report import markdown
+
+    table = markdown(results)
+    print(table)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    print(f"\nraw numbers: {args.out}  (wall {results['wall_s']:.0f}s)", file=log)
+    failed = [r["name"] for s in results["sizes"] for r in s["methods"] if "error" in r or not r.get("restore_ok", False)]
+    if failed:
+        print(f"FAILED or restored wrong data: {failed}", file=log)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The benchmark's --quick mode runs end to end: every method, every floor, the table and the JSON.
+
+No timing is asserted (figures on a shared machine are noise); only that everything was measured,
+every method restored exactly what it saved, and the report names every row.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+
+METHODS = [
+    "tnt_snapshot_plugin async",
+    "tnt_snapshot_plugin sync",
+    "torchtnt TorchSnapshotSaver async",
+    "torchtnt TorchSnapshotSaver sync",
+    "torchsnapshot Snapshot.async_take",
+    "torchsnapshot Snapshot.take",
+    "torch.save / torch.load(mmap=True)",
+    "torch.distributed.checkpoint async_save",
+    "torch.distributed.checkpoint save",
+    "Lightning save_checkpoint + AsyncCheckpointIO",
+    "Lightning ModelCheckpoint (save_checkpoint)",
+]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
+    out = tmp_path / "results.json"
+    table_file = tmp_path / "table.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--out", str(out), "--markdown", str(table_file),
+         "--dir", str(tmp_path), "--hook-calls", "2000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARK.parent.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    results = json.loads(out.read_text())
+    assert results["quick"] is True
+    assert len(results["sizes"]) == 2
+    for size in results["sizes"]:
+        assert [m["name"] for m in size["methods"]] == METHODS
+        for row in size["methods"]:
+            assert "error" not in row, row
+            assert row["restore_ok"] is True, row["name"]
+            for key in ("stall_s", "durable_s", "restore_s"):
+                assert row[key] > 0, (row["name"], key)
+            assert row["peak_extra_bytes"] >= 0
+            assert len(row["stall_samples"]) == size["reps"]
+        floors = size["floors"]
+        for key in ("copy_s", "disk_write_Bps", "disk_read_Bps", "durable_s", "restore_s"):
+            assert floors[key] > 0, key
+    hooks = results["hooks"]
+    assert set(hooks) == {
+        "no-op torchtnt Callback.on_train_step_end",
+        "tnt_snapshot_plugin TorchSnapshotSaver.on_train_step_end",
+        "tnt_snapshot_plugin Snapshotter.step_end (core)",
+        "torchtnt TorchSnapshotSaver.on_train_step_end",
+    }
+    assert all(v["per_call_ns"] > 0 for v in hooks.values())
+
+    table = table_file.read_text()
+    assert table in proc.stdout  # printed too
+    for name in METHODS:
+        assert table.count(name) == 2, name  # one row per state size
+    for floor in ("copy into preallocated buffers", "disk sequential write + fsync", "disk cold sequential read"):
+        assert table.count(floor) == 2, floor
+    assert "×best peer" in table and "×floor" in table
+    assert "### Hook cost" in table and "### Targets (this plugin)" in table
+    # the scratch directory was cleaned up: no snapshot left behind
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md"}

@@ -1,0 +1,282 @@
+"""Staging: a snapshot holds exactly the state of its step while training keeps mutating it, and
+the staging buffers are reused from one snapshot to the next.
+
+Real torchsnapshot writes to disk through the plugin's storage layer; the only thing a test
+controls is *when* the background write may proceed (it holds ``storage._write_durably`` until
+training has mutated the tensors), so the mutation provably happens while the write runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from tnt_snapshot_plugin import app_state, restore, storage
+from tnt_snapshot_plugin.app_state import Stager
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+
+class Model(torch.nn.Module):
+    """Small tensors (packed into shared files by torchsnapshot, copied while it prepares the
+    write) and one of 8 MiB (written straight from its memory, so only the plugin's staging copy
+    keeps it from changing under the write)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.table = torch.nn.Embedding(2048, 1024)
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 3)
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.table(torch.arange(x.shape[0]))[:, :8]
+        return self.head(torch.relu(self.body(x + rows)))
+
+
+def train_step(model: Model, optimizer: torch.optim.Optimizer) -> None:
+    """Mutates every tensor of the model and the optimizer in place, as training does."""
+    loss = model(torch.randn(5, 8)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.seen += 1
+
+
+def snapshot_values(model: Model, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    values = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            values[f"opt.{i}.{k}"] = v.detach().clone()
+    return values
+
+
+class HeldWrites:
+    """Makes the background write wait in ``_write_durably`` until released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        real = storage._write_durably
+
+        def held(path: str, data: object) -> None:
+            self.started.set()
+            assert self.release.wait(30), "the test never released the write"
+            real(path, data)
+
+        monkeypatch.setattr(storage, "_write_durably", held)
+
+
+def make_snapshotter(tmp_path, pm, *, asynchronous: bool = True) -> Snapshotter:
+    config = SnapshotConfig.build(
+        async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[]
+    )
+    return Snapshotter(str(tmp_path / "snaps"), config, plugin_manager=pm)
+
+
+def test_async_snapshot_holds_its_step_while_training_mutates_the_tensors(tmp_path, pm, monkeypatch):
+    model = Model(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_step(model, optimizer)  # the optimizer has state (exp_avg, step) from now on
+    held = HeldWrites(monkeypatch)
+    snapshotter = make_snapshotter(tmp_path, pm)
+    snapshotter.train_start(["model", "optimizer"])
+
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = snapshot_values(model, optimizer)
+        held.release.clear()
+        held.started.clear()
+        assert snapshotter.save(0, step, {"model": model, "optimizer": optimizer})
+        # save() returned: the write is on its way and blocked; training goes on meanwhile.
+        assert held.started.wait(30)
+        for _ in range(3):
+            train_step(model, optimizer)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-7.0)  # and a mutation no staging bug could mistake for the old values
+        held.release.set()
+        snapshotter.wait()
+
+    assert [r.step for r in snapshotter.stats.committed] == [1, 2, 3]
+    for record in snapshotter.stats.committed:
+        fresh = Model(seed=99)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        train_step(fresh, fresh_opt)
+        restore(record.path, {"model": fresh, "optimizer": fresh_opt}, plugin_manager=pm)
+        got = snapshot_values(fresh, fresh_opt)
+        want = expected[record.step]
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"step {record.step}: {key} differs"
+
+
+def test_sync_snapshot_holds_its_step(tmp_path, pm):
+    model = Model(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, optimizer)
+    snapshotter = make_snapshotter(tmp_path, pm, asynchronous=False)
+    snapshotter.train_start(["model", "optimizer"])
+    want = snapshot_values(model, optimizer)
+    assert snapshotter.save(0, 1, {"model": model, "optimizer": optimizer})
+    train_step(model, optimizer)  # after a synchronous save, the files are already complete
+    fresh = Model(seed=5)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    train_step(fresh, fresh_opt)
+    restore(snapshotter.stats.committed[-1].path, {"model": fresh, "optimizer": fresh_opt}, plugin_manager=pm)
+    got = snapshot_values(fresh, fresh_opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_snapshotter_reuses_one_staging_copy_across_snapshots(tmp_path, pm):
+    model = Model(seed=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_step(model, optimizer)
+    snapshotter = make_snapshotter(tmp_path, pm)
+    snapshotter.train_start(["model", "optimizer"])
+    stager = snapshotter._stager
+    sizes = []
+    for step in (1, 2, 3):
+        snapshotter.save(0, step, {"model": model, "optimizer": optimizer})
+        snapshotter.wait()
+        sizes.append(stager.nbytes)
+        train_step(model, optimizer)
+    state_bytes = sum(v.numel() * v.element_size() for v in snapshot_values(model, optimizer).values())
+    assert sizes[0] == sizes[1] == sizes[2]
+    assert state_bytes <= sizes[0] < state_bytes + 64 * 1024  # the state plus the small RNG tensors
+
+
+# ------------------------------------------------------------------------------------------------
+# The Stager itself
+
+
+class Holder:
+    """A Stateful returning whatever state dict the test sets."""
+
+    def __init__(self, state: object) -> None:
+        self.state = state
+
+    def state_dict(self) -> object:
+        return self.state
+
+    def load_state_dict(self, state: object) -> None:
+        self.state = state
+
+
+def pointers(staged: dict) -> dict[str, int]:
+    return {k: v.data_ptr() for k, v in staged.items() if isinstance(v, torch.Tensor)}
+
+
+def test_buffers_are_reused_and_hold_copies_not_the_live_tensors():
+    model = Model(seed=3)
+    stager = Stager()
+    first = stager.stage({"model": model})["model"].state_dict()
+    live = model.state_dict()
+    assert first.keys() == live.keys()
+    for key in live:
+        assert torch.equal(first[key], live[key])
+        assert first[key].data_ptr() != live[key].data_ptr()
+    before = {k: v.clone() for k, v in first.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(first[k], before[k]) for k in before)  # the copy did not move
+
+    second = stager.stage({"model": model})["model"].state_dict()
+    assert pointers(second) == pointers(first)  # same storage: reused, not reallocated
+    assert all(torch.equal(second[k], v) for k, v in model.state_dict().items())
+    assert stager.nbytes == sum(v.numel() * v.element_size() for v in live.values())
+
+
+def test_a_changed_tensor_gets_a_new_buffer_the_others_keep_theirs():
+    state = OrderedDict(a=torch.arange(6.0), b=torch.ones(3, 2), c=torch.zeros(2, dtype=torch.int32))
+    holder = Holder(state)
+    stager = Stager()
+    first = pointers(stager.stage({"h": holder})["h"].state_dict())
+
+    state["b"] = torch.full((4, 4), 2.0)  # new shape
+    state["c"] = torch.ones(2, dtype=torch.float64)  # new dtype
+    staged = stager.stage({"h": holder})["h"].state_dict()
+    assert type(staged) is OrderedDict and list(staged) == ["a", "b", "c"]
+    assert staged["a"].data_ptr() == first["a"]
+    assert torch.equal(staged["b"], torch.full((4, 4), 2.0))
+    assert staged["c"].dtype == torch.float64 and torch.equal(staged["c"], torch.ones(2, dtype=torch.float64))
+
+    del state["a"]  # a place that disappears releases its buffer
+    state["d"] = torch.tensor(5)
+    staged = stager.stage({"h": holder})["h"].state_dict()
+    assert list(staged) == ["b", "c", "d"] and staged["d"].item() == 5
+    assert stager.nbytes == sum(v.numel() * v.element_size() for v in state.values())
+
+
+def test_nested_containers_views_and_non_tensor_values_are_copied_exactly():
+    base = torch.arange(12.0).reshape(3, 4)
+    sparse = torch.eye(3).to_sparse()
+    state = {
+        "view": base.t(),  # non-contiguous: staged as a contiguous copy with the same values
+        "scalar": torch.tensor(3.5),
+        "nested": {0: {"exp_avg": torch.ones(2), "step": torch.tensor(4.0)}, 1: {"exp_avg": torch.zeros(3)}},
+        "groups": [{"lr": 0.1, "params": [0, 1]}],
+        "pair": (torch.full((2,), 9.0), "tag"),
+        "sparse": sparse,
+        "count": 7,
+    }
+    stager = Stager()
+    staged = stager.stage({"h": Holder(state)})["h"].state_dict()
+    assert torch.equal(staged["view"], base.t()) and staged["view"].is_contiguous()
+    assert staged["scalar"].item() == 3.5
+    assert torch.equal(staged["nested"][0]["exp_avg"], torch.ones(2))
+    assert staged["groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    assert staged["groups"] is not state["groups"]
+    assert torch.equal(staged["pair"][0], torch.full((2,), 9.0)) and staged["pair"][1] == "tag"
+    assert staged["sparse"].is_sparse and torch.equal(staged["sparse"].to_dense(), torch.eye(3))
+    assert staged["count"] == 7
+
+    base.mul_(-1)
+    state["nested"][0]["exp_avg"].add_(5)
+    state["groups"][0]["lr"] = 0.5
+    assert torch.equal(staged["view"], torch.arange(12.0).reshape(3, 4).t())
+    assert torch.equal(staged["nested"][0]["exp_avg"], torch.ones(2))
+    assert staged["groups"][0]["lr"] == 0.1
+
+    again = stager.stage({"h": Holder(state)})["h"].state_dict()
+    assert again["nested"][0]["exp_avg"].data_ptr() == staged["nested"][0]["exp_avg"].data_ptr()
+    assert torch.equal(again["nested"][0]["exp_avg"], torch.full((2,), 6.0))
+    assert torch.equal(again["view"], base.t())
+
+
+def test_staged_copies_never_join_the_autograd_graph():
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    out = (weight * 2).sum()  # a tensor with history, returned by some state_dict
+    staged = Stager().stage({"h": Holder({"w": weight, "loss": out})})["h"].state_dict()
+    assert not staged["w"].requires_grad and staged["w"].grad_fn is None
+    assert not staged["loss"].requires_grad and staged["loss"].grad_fn is None
+
+
+def test_accelerator_path_runs_on_cpu(monkeypatch):
+    """The pinned, non-blocking copy path, with CPU tensors standing in for device tensors."""
+    waited: list[list[torch.Tensor]] = []
+    real_wait = app_state._wait_for
+
+    def wait_for(sources: list[torch.Tensor]) -> None:
+        waited.append(list(sources))
+        real_wait(sources)  # on CPU tensors: no device to synchronise
+
+    monkeypatch.setattr(app_state, "_wait_for", wait_for)
+    monkeypatch.setattr(Stager, "_on_device", staticmethod(lambda tensor: True))
+    model = Model(seed=4)
+    stager = Stager()
+    first = stager.stage({"model": model})["model"].state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    second = stager.stage({"model": model})["model"].state_dict()
+    assert pointers(second) == pointers(first)
+    assert all(torch.equal(second[k], v) for k, v in model.state_dict().items())
+    assert len(waited) == 2 and len(waited[0]) == len(model.state_dict())
+    # pinned only where an accelerator exists to pin for
+    assert all(b.is_pinned() == torch.cuda.is_available() for b in second.values())
