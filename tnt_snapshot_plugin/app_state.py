@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import random
+from collections import OrderedDict
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -172,68 +174,184 @@ class Value:
         self.value = state
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STAGED_SPEC = attrgetter("shape", "dtype", "layout")
+
+
 def _plain_tensor(obj: Any) -> bool:
     return (
-        isinstance(obj, torch.Tensor)
-        and type(obj) in (torch.Tensor, torch.nn.Parameter)
+        type(obj) in _PLAIN_TENSOR_TYPES
         and obj.layout == torch.strided
         and not obj.is_quantized
     )
 
 
+class _Layout:
+    """A dict staged last time whose values were all plain tensors: its keys, their buffers."""
+
+    __slots__ = ("keys", "specs", "types", "buffers", "on_device", "any_on_device")
+
+    def __init__(self, keys: tuple[Any, ...], values: list[torch.Tensor], buffers: list[torch.Tensor],
+                 on_device: list[bool]) -> None:
+        self.keys = keys
+        self.specs = list(map(_STAGED_SPEC, values))
+        self.types = list(map(type, values))
+        self.buffers = buffers
+        self.on_device = on_device
+        self.any_on_device = any(on_device)
+
+
 class Stager:
     """Copies state dicts into staging buffers that are reused from one snapshot to the next.
 
-    The training thread is blocked only for these copies; the write then runs from the
-    copies while training mutates the originals. Tensors on a GPU are copied into pinned host
-    memory with one synchronisation at the end. A buffer is reallocated only when the tensor at
-    that place in the state changes shape, dtype or device.
+    The training thread is blocked only for these copies; the write then runs from the copies
+    while training mutates the originals. A buffer is reallocated only when the tensor at that
+    place in the state changes shape, dtype or layout; buffers of places that disappeared are
+    released. Everything else a state dict holds (numbers, strings, tensor subclasses) is copied
+    afresh each time.
+
+    The copies run as one ``torch._foreach_copy_`` after every ``state_dict()`` has been called,
+    so a state with thousands of tensors does not pay the per-call cost of ``copy_`` thousands of
+    times; a dict whose keys and tensor shapes are those of last time (a module's state dict, an
+    optimizer's per-parameter state) is matched to its buffers in one pass without rebuilding
+    anything. Tensors on an accelerator are copied into pinned host buffers with non-blocking
+    copies and one synchronisation per device at the end.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._used: set[tuple[Any, ...]] = set()
-        self._cuda = False
+        self._used_layouts: set[tuple[Any, ...]] = set()
+        self._dst: list[torch.Tensor] = []
+        self._src: list[torch.Tensor] = []
+        self._dst_device: list[torch.Tensor] = []
+        self._src_device: list[torch.Tensor] = []
+
+    @staticmethod
+    def _on_device(tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on an accelerator (copied into pinned memory, non-blocking)."""
+        return tensor.device.type != "cpu"
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Bytes held in staging buffers between snapshots."""
+        seen: dict[int, torch.Tensor] = {id(b): b for b in self._buffers.values()}
+        for layout in self._layouts.values():
+            seen.update((id(b), b) for b in layout.buffers)
+        return sum(b.numel() * b.element_size() for b in seen.values())
 
     def stage(self, app_state: Mapping[str, Any]) -> dict[str, Frozen]:
         """Frozen copies of every entry's ``state_dict()``."""
         self._used = set()
-        self._cuda = False
-        staged = {key: Frozen(self._copy(obj.state_dict(), (key,))) for key, obj in app_state.items()}
-        if self._cuda:
-            torch.cuda.synchronize()
-        for stale in set(self._buffers) - self._used:
+        self._used_layouts = set()
+        try:
+            staged = {
+                key: Frozen(self._copy(obj.state_dict(), (key,))) for key, obj in app_state.items()
+            }
+            with torch.no_grad():
+                if self._src:
+                    torch._foreach_copy_(self._dst, self._src)
+                if self._src_device:
+                    torch._foreach_copy_(self._dst_device, self._src_device, non_blocking=True)
+                    _wait_for(self._src_device)
+        finally:  # hold no reference to the training's tensors between snapshots
+            self._dst, self._src, self._dst_device, self._src_device = [], [], [], []
+        for stale in [k for k in self._buffers if k not in self._used]:
             del self._buffers[stale]
+        for stale in [k for k in self._layouts if k not in self._used_layouts]:
+            del self._layouts[stale]
         return staged
+
+    def _schedule(self, buf: torch.Tensor, src: torch.Tensor, on_device: bool) -> None:
+        if on_device:
+            self._dst_device.append(buf)
+            self._src_device.append(src)
+        else:
+            self._dst.append(buf)
+            self._src.append(src)
+
+    def _buffer(self, where: tuple[Any, ...], obj: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        on_device = self._on_device(obj)
+        buf = self._buffers.get(where)
+        if (
+            buf is None
+            or buf.shape != obj.shape
+            or buf.dtype != obj.dtype
+            or (on_device and not buf.is_pinned() and _can_pin())
+        ):
+            buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=on_device and _can_pin())
+            self._buffers[where] = buf
+        self._used.add(where)
+        return buf, on_device
 
     def _copy(self, obj: Any, where: tuple[Any, ...]) -> Any:
         if _plain_tensor(obj):
-            buf = self._buffers.get(where)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype or (
-                buf.is_pinned() != obj.is_cuda
-            ):
-                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
-                self._buffers[where] = buf
-            self._used.add(where)
-            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
-            self._cuda = self._cuda or obj.is_cuda
+            buf, on_device = self._buffer(where, obj)
+            self._schedule(buf, obj, on_device)
             return buf
         if isinstance(obj, torch.Tensor):
             return obj.detach().clone()
         if isinstance(obj, dict):
-            out = type(obj)() if type(obj) is not dict else {}
-            for k, v in obj.items():
-                out[k] = self._copy(v, where + (k,))
-            return out
+            layout = self._layouts.get(where)
+            if layout is not None:
+                staged = self._reuse(obj, where, layout)
+                if staged is not None:
+                    return staged
+                # Something changed: go the long way, still reusing the buffers that fit.
+                for key, buf in zip(layout.keys, layout.buffers, strict=True):
+                    self._buffers.setdefault(where + (key,), buf)
+            return self._copy_dict(obj, where)
         if isinstance(obj, list):
             return [self._copy(v, where + (i,)) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._copy(v, where + (i,)) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
+
+    def _copy_dict(self, obj: dict[Any, Any], where: tuple[Any, ...]) -> dict[Any, Any]:
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = self._copy(v, where + (k,))
+        values = list(obj.values())
+        if values and type(obj) in (dict, OrderedDict) and all(map(_plain_tensor, values)):
+            buffers = list(out.values())
+            self._layouts[where] = _Layout(
+                tuple(obj), values, buffers, [self._on_device(v) for v in values]
+            )
+            self._used_layouts.add(where)
+        return out
+
+    def _reuse(self, obj: dict[Any, Any], where: tuple[Any, ...], layout: _Layout) -> Optional[dict[Any, Any]]:
+        """``obj`` staged into ``layout``'s buffers, or None if its keys or tensors changed."""
+        if type(obj) not in (dict, OrderedDict):
+            return None
+        keys = tuple(obj)
+        if keys != layout.keys:
+            return None
+        values = list(obj.values())
+        # Compared as whole lists, in C: the same tensor types, shapes, dtypes and layouts.
+        if list(map(type, values)) != layout.types or list(map(_STAGED_SPEC, values)) != layout.specs:
+            return None
+        if layout.any_on_device:
+            for buf, src, on_device in zip(layout.buffers, values, layout.on_device, strict=True):
+                self._schedule(buf, src, on_device)
+        else:
+            self._dst.extend(layout.buffers)
+            self._src.extend(values)
+        self._used_layouts.add(where)
+        return type(obj)(zip(keys, layout.buffers, strict=True))
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def _wait_for(sources: list[torch.Tensor]) -> None:
+    """Wait for the non-blocking copies from each accelerator device in ``sources``."""
+    devices = {t.device for t in sources}
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def freeze_without_copy(app_state: Mapping[str, Any]) -> dict[str, Frozen]:

@@ -24,14 +24,16 @@ How a snapshot is taken (asynchronous mode):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import pluggy
 
@@ -397,7 +399,7 @@ class Snapshotter:
         if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
             store.remove(job.staging)  # a partial write of this name on an object store
         recorder = WriteRecorder()
-        with recording(recorder):
+        with recording(recorder), _write_knobs(job.frozen):
             Snapshot.take(
                 store.torchsnapshot_url(job.staging),
                 app_state=job.frozen,
@@ -488,6 +490,63 @@ class Snapshotter:
             SnapshotFailedWarning,
             stacklevel=3,
         )
+
+
+#: Tensors of at least this many bytes are written straight from their (staged) memory, one file
+#: each; smaller ones are packed into files of about this size. torchsnapshot's default (128 MiB)
+#: packs nearly every tensor, copying the whole state once more into temporary buffers during
+#: the write (a second staging copy in memory, and a memcpy) - measured in benchmarks/run.py.
+_PACK_BYTES = 4 * 1024 * 1024
+_SLAB_KNOB = "TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE"
+_BUDGET_KNOB = "TORCHSNAPSHOT_PER_RANK_MEMORY_BUDGET_BYTES"
+
+
+@contextlib.contextmanager
+def _write_knobs(frozen: Mapping[str, Any]) -> Iterator[None]:
+    """torchsnapshot knobs (environment variables it reads during a take) for the plugin's writes.
+
+    * pack only tensors under ``_PACK_BYTES``;
+    * a memory budget that lets about two of the largest tensors (no copy: they are written from
+      their own memory, which torchsnapshot counts anyway) and four packs be in flight at once,
+      instead of 60% of the host's free memory: the packs of a state of many small tensors then
+      never exist all at once.
+
+    A knob the user has set in the environment is left as it is. (The variables are process-wide:
+    a torchsnapshot take on another thread meanwhile sees them too.)
+    """
+    largest = _largest_tensor_bytes(frozen)
+    knobs = {
+        _SLAB_KNOB: str(_PACK_BYTES),
+        _BUDGET_KNOB: str(4 * 2 * _PACK_BYTES + 2 * largest + 1),
+    }
+    saved = {}
+    for name, value in knobs.items():
+        if name not in os.environ:
+            saved[name] = value
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
+
+
+def _largest_tensor_bytes(frozen: Mapping[str, Any]) -> int:
+    import torch
+
+    largest = 0
+    stack: list[Any] = [entry.state_dict() for entry in frozen.values()]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.strided:
+                largest = max(largest, obj.numel() * obj.element_size())
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return largest
 
 
 def _is_ddp(obj: Any) -> bool:

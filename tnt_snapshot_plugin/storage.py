@@ -31,7 +31,7 @@ import shutil
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .errors import ConfigError, SnapshotError, SnapshotWriteError
 from .naming import SnapshotName, is_staging_name
@@ -85,15 +85,97 @@ def _current_recorder() -> Optional[WriteRecorder]:
     return getattr(_active, "recorder", None)
 
 
+# Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
+# to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
+# copied, and the final fdatasync mostly waits for writes already in flight instead of starting
+# all of them. Measured on the project's machine (1 GiB in 16 MiB writes, 2 runs): write then
+# fdatasync 0.22-0.54 GB/s; with the writeback started after each write 0.45-0.58 GB/s.
+_WRITE_SLICE = 8 * 1024 * 1024
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the final fdatasync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+
+
 def _write_durably(path: str, data: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Write ``data`` (any buffer) to the new file ``path``, durably: fdatasync'd on return.
+
+    Every file of a snapshot is written through this function (the tests inject I/O errors
+    here). Missing parent directories are created (torchsnapshot writes into subdirectories).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data).cast("B")
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
+        total = view.nbytes
+        offset = 0
+        while offset < total:
+            start = offset
+            end = min(total, offset + _WRITE_SLICE)
+            while offset < end:
+                offset += os.write(fd, view[offset:end])
+            if _sync_file_range is not None and total > _WRITE_SLICE:
+                _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+_pool: Optional[Any] = None
+_pool_pid = -1
+_pool_lock = threading.Lock()
+
+
+def _io_pool() -> Any:
+    """The threads that write and read snapshot files, kept from one snapshot to the next.
+
+    torchsnapshot runs every take and restore on a new event loop, whose default executor would
+    start new threads each time (milliseconds each on a busy machine).
+    """
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tnt-snapshot-io")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _read_file(path: str, byte_range: Optional[tuple[int, int]]) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if byte_range is None:
+            start, size = 0, os.fstat(fd).st_size
+        else:
+            start, size = byte_range[0], byte_range[1] - byte_range[0]
+        data = os.pread(fd, size, start)
+        if len(data) == size or not data:
+            return data
+        parts = [data]  # a short read: keep reading until the end of the range or the file
+        got = len(data)
+        while got < size:
+            more = os.pread(fd, size - got, start + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
     finally:
         os.close(fd)
 
@@ -150,10 +232,15 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
 
         async def _put(self, rel_path: str, buf: Any) -> None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, _write_durably, os.path.join(self.root, rel_path), buf)
+            await loop.run_in_executor(
+                _io_pool(), _write_durably, os.path.join(self.root, rel_path), buf
+            )
 
         async def read(self, read_io: Any) -> None:
-            await FSStoragePlugin.read(self, read_io)
+            data = await asyncio.get_running_loop().run_in_executor(
+                _io_pool(), _read_file, os.path.join(self.root, read_io.path), read_io.byte_range
+            )
+            read_io.buf = io.BytesIO(data)  # shares ``data``: getvalue() returns it uncopied
             _check_complete_read(read_io)
 
     return _FSPlugin(path)
@@ -169,7 +256,7 @@ def _check_complete_read(read_io: Any) -> None:
     if read_io.byte_range is None:
         return
     start, end = read_io.byte_range
-    got = len(read_io.buf.getvalue())
+    got = len(read_io.buf.getvalue())  # getbuffer() would copy the whole buffer
     if got != end - start:
         raise EOFError(
             f"{read_io.path} is truncated: {end - start} bytes expected at offset {start}, "
