@@ -19,3 +19,113 @@ def test_torchsnapshot_no_longer_draws_from_the_global_python_rng(tmp_path):
     random.seed(99)
     Snapshot(str(tmp_path / "snap")).restore({"rng": RNGState()})
     assert random.getstate() == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Speed work-arounds (items 4-6): same snapshots, read by torchsnapshot itself; each file read once
+
+
+class _Holder:
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _varied_state():
+    import torch
+
+    return {
+        "t": torch.arange(6.0).reshape(2, 3),
+        "big": torch.ones(1_100_000),  # over the pack size: a file of its own
+        "ints": {0: torch.tensor(3), 1: [1, "two", True, None, 2.5, b"\x00\x01"]},
+        "obj": {"a", "b"},
+    }
+
+
+def _assert_same(got, want):
+    import torch
+
+    assert got.keys() == want.keys()
+    assert torch.equal(got["t"], want["t"]) and torch.equal(got["big"], want["big"])
+    assert torch.equal(got["ints"][0], want["ints"][0]) and got["ints"][1] == want["ints"][1]
+    assert got["obj"] == want["obj"]
+
+
+def test_metadata_is_plain_json_that_torchsnapshot_itself_reads(tmp_path):
+    import json
+
+    import torchsnapshot
+
+    from tnt_snapshot_plugin.storage import LocalStore
+
+    url = LocalStore(str(tmp_path)).torchsnapshot_url("epoch_0_step_1")
+    want = _varied_state()
+    Snapshot.take(url, {"h": _Holder(want)})
+    text = (tmp_path / "epoch_0_step_1" / ".snapshot_metadata").read_text()
+    assert json.loads(text)["manifest"]
+    by_torchsnapshot = _Holder({})
+    torchsnapshot.Snapshot(str(tmp_path / "epoch_0_step_1")).restore({"h": by_torchsnapshot})
+    _assert_same(by_torchsnapshot.state, want)
+    by_plugin = _Holder({})
+    Snapshot(url).restore({"h": by_plugin})
+    _assert_same(by_plugin.state, want)
+
+
+def test_yaml_metadata_of_other_versions_is_still_read(tmp_path):
+    import json
+
+    import torchsnapshot
+    import yaml
+
+    want = _varied_state()
+    path = tmp_path / "snap"
+    torchsnapshot.Snapshot.take(str(path), {"h": _Holder(want)})
+    meta = path / ".snapshot_metadata"
+    meta.write_text(yaml.safe_dump(json.loads(meta.read_text())))  # as YAML, not JSON
+    got = _Holder({})
+    Snapshot(str(path)).restore({"h": got})
+    _assert_same(got.state, want)
+
+
+def test_restore_reads_each_file_once_whatever_the_number_of_keys(tmp_path, monkeypatch):
+    import collections
+
+    import torch
+
+    from tnt_snapshot_plugin import storage
+
+    url = "tntfs://" + str(tmp_path / "snap")
+    keys = {f"k{i}": _Holder({"w": torch.full((300_000,), float(i))}) for i in range(4)}
+    Snapshot.take(url, keys)
+    reads = collections.Counter()
+    real = storage._read_file
+
+    def counting(path, byte_range):
+        reads[(path, byte_range)] += 1
+        return real(path, byte_range)
+
+    monkeypatch.setattr(storage, "_read_file", counting)
+    fresh = {f"k{i}": _Holder({"w": torch.zeros(300_000)}) for i in range(4)}
+    Snapshot(url).restore(fresh)
+    assert all(torch.equal(fresh[k].state["w"], keys[k].state["w"]) for k in keys)
+    assert reads and max(reads.values()) == 1, reads  # unpatched: every file once per key
+
+
+def test_plugin_protocols_resolve_without_the_entry_point_scan(monkeypatch):
+    import torchsnapshot.storage_plugin as lookup
+
+    from tnt_snapshot_plugin import storage
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("entry points scanned")
+
+    monkeypatch.setattr(lookup, "entry_points", no_scan)
+    plugin = lookup.url_to_storage_plugin("tntfs:///tmp/x")
+    assert type(plugin).__name__ == "_FSPlugin" and plugin.root == "/tmp/x"
+    assert type(lookup.url_to_storage_plugin("/tmp/y")).__name__ == "FSStoragePlugin"
+    assert storage.fs_storage_factory  # the factory the entry point names
