@@ -581,3 +581,25 @@ def test_staging_leftovers_are_never_restored_and_only_ours_are_removed_at_train
         assert os.path.lexists(dirpath / name), name
     assert (outside / "precious.txt").read_text() == "keep me"
     assert complete(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
+
+
+def test_a_symlink_named_like_a_snapshot_is_never_followed(tmp_path):
+    """A symlink ``epoch_0_step_2`` pointing at a complete snapshot elsewhere is not taken as
+    "already saved", is never restored from, and its target is never touched."""
+    elsewhere = tmp_path / "elsewhere"
+    run(elsewhere, 2, save_every_n_train_steps=2, save_on_train_end=False)
+    target = elsewhere / "epoch_0_step_2"
+    before = sorted(p.name for p in target.rglob("*"))
+    dirpath = tmp_path / "run"
+    dirpath.mkdir()
+    (dirpath / "epoch_0_step_2").symlink_to(target, target_is_directory=True)
+
+    # The step-2 snapshot cannot be published under a name a symlink occupies: it fails loudly
+    # (never silently "already there"), and training goes on.
+    with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_2"):
+        run(dirpath, 3, save_every_n_train_steps=1, save_on_train_end=False)
+    assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_3"]
+    assert (dirpath / "epoch_0_step_2").is_symlink()
+    assert sorted(p.name for p in target.rglob("*")) == before
+    fresh, restored = restored_weights(dirpath)
+    assert restored is True and fresh.train_progress.num_steps_completed == 3

@@ -251,6 +251,33 @@ def test_incomplete_snapshot_on_s3_is_ignored(options, run_url):
     with pytest.raises(SnapshotNotFoundError, match="not a complete snapshot"):
         TorchSnapshotSaver.restore(f"{run_url}/epoch_9_step_99", ToyUnit(), storage_options=options)
 
+    # S3 has no staging name: the next run's train start clears the interrupted write, and
+    # leaves complete snapshots and names the plugin does not write alone.
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/notes/readme.txt", Body=b"mine")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_8_train_step_80/partial", Body=b"torchtnt's")
+    saver = TorchSnapshotSaver(run_url, save_every_n_epochs=5, storage_options=options)
+    train(fresh, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
+    assert names_under(options, run_url) == ["epoch_1_step_5", "epoch_8_train_step_80", "notes"]
+
+
+def test_deleting_an_s3_snapshot_unpublishes_it_first(options, run_url, monkeypatch):
+    """Retention removes .snapshot_metadata before the data: a crash part-way never leaves a
+    complete-looking snapshot with files missing."""
+    unit = ToyUnit()
+    train(unit, StatefulLoader(make_data(8)), max_epochs=1,
+          callbacks=[TorchSnapshotSaver(run_url, save_every_n_epochs=1, storage_options=options)])
+    store = open_store(run_url, options)
+
+    def killed_while_deleting_data(**kwargs):
+        raise OSError("process killed while deleting (injected)")
+
+    monkeypatch.setattr(store.client, "delete_objects", killed_while_deleting_data)
+    with pytest.raises(OSError, match="injected"):
+        store.remove("epoch_1_step_2")
+    remaining = keys_under(options, f"{run_url}/epoch_1_step_2")
+    assert remaining and ".snapshot_metadata" not in remaining  # data left, metadata gone
+    assert latest_snapshot(run_url, storage_options=options) is None
+
 
 def test_restore_from_latest_on_empty_s3_prefix_is_false(options, run_url):
     assert TorchSnapshotSaver.restore_from_latest(run_url, ToyUnit(), storage_options=options) is False

@@ -180,8 +180,18 @@ class Snapshotter:
             self._preemption.install()
 
     def _remove_leftovers(self) -> None:
-        for name in self._store.list_names():
-            if is_staging_name(name):
+        store = self._store
+        for name in store.list_names():
+            parsed = SnapshotName.parse(name)
+            # On object stores a snapshot is written under its final name: an interrupted write
+            # leaves an incomplete snapshot of this plugin's naming, which is removed too.
+            interrupted = (
+                not store.atomic_rename
+                and parsed is not None
+                and not parsed.phase_aware
+                and not store.is_complete(name)
+            )
+            if is_staging_name(name) or interrupted:
                 try:
                     self._store.remove(name)
                     logger.info("removed staging directory %s left by an interrupted snapshot", name)

@@ -350,6 +350,11 @@ class Store:
     """A snapshot directory (``dirpath``) on some storage."""
 
     url: str
+    #: Whether a snapshot is staged under another name and renamed into place on commit.
+    #: Where not (object stores), it is written under its final name and published by
+    #: ``.snapshot_metadata`` written last, so an interrupted write leaves an incomplete
+    #: snapshot-named directory behind.
+    atomic_rename: bool = True
 
     def child(self, name: str) -> str:
         """The user-facing path of child ``name``."""
@@ -463,6 +468,10 @@ class LocalStore(Store):
     def has_file(self, name: str, rel: str) -> bool:
         return os.path.isfile(os.path.join(self.root, name, rel))
 
+    def is_complete(self, name: str) -> bool:
+        # A symlink named like a snapshot is not one of ours (listing skips it too).
+        return not os.path.islink(os.path.join(self.root, name)) and super().is_complete(name)
+
     def read_file(self, name: str, rel: str) -> bytes:
         with open(os.path.join(self.root, name, rel), "rb") as f:
             return f.read()
@@ -532,6 +541,8 @@ class LocalStore(Store):
 
 
 class S3Store(Store):
+    atomic_rename = False
+
     def __init__(self, url: str, storage_options: Optional[dict[str, Any]]) -> None:
         self.url = url.rstrip("/")
         rest = self.url[len("s3://"):]
@@ -602,6 +613,9 @@ class S3Store(Store):
         self.client.put_object(Bucket=self.bucket, Key=self._key(final, METADATA_FNAME), Body=metadata)
 
     def _remove(self, name: str) -> None:
+        # Unpublish first: a crash part-way then leaves an incomplete snapshot (ignored by
+        # restore, cleared at the next train start), never a complete-looking one missing files.
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(name, METADATA_FNAME))
         prefix = self._key(name) + "/"
         for page in self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=prefix
