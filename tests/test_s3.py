@@ -240,7 +240,7 @@ def test_incomplete_snapshot_on_s3_is_ignored(options, run_url):
     train(unit, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
     client = client_for(options)
     prefix = run_url[len(f"s3://{BUCKET}/"):]
-    for rel in ("0/model/0.weight", "0/rng_state/torch", "batched/abc"):
+    for rel in ("0/model/0.weight", "0/rng_state/rng_state", "batched/abc"):
         client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_9_step_99/{rel}", Body=b"partial")
     assert names_under(options, run_url) == ["epoch_1_step_5", "epoch_9_step_99"]
 

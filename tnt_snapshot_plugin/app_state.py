@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .errors import KeyCollisionError
+from .errors import KeyCollisionError, StateMismatchError
 
 RNG_STATE_KEY = "rng_state"
 TRAIN_DATALOADER_KEY = "train_dataloader"
@@ -80,12 +80,16 @@ class RNGState:
 
     ``state_dict()`` captures the generators now; ``load_state_dict()`` sets them. Everything is
     stored as tensors and plain numbers, so loading unpickles nothing.
+
+    The torch CPU state sits under ``"rng_state"``, where torchsnapshot's own ``RNGState`` (and so
+    torchtnt's saver) keeps it: torchtnt can restore a snapshot this plugin wrote, and this class
+    restores the torch state of one torchtnt wrote (whose other generators were never saved).
     """
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         state: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
+            "rng_state": torch.get_rng_state(),
             "python": {
                 "version": version,
                 "state": torch.tensor(internal, dtype=torch.int64),
@@ -108,15 +112,16 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        torch.set_rng_state(state["torch"].to(torch.uint8))
-        py = state["python"]
-        random.setstate(
-            (
-                int(py["version"]),
-                tuple(int(x) for x in py["state"].tolist()),
-                float(py["gauss"]) if py["has_gauss"] else None,
+        torch.set_rng_state(state["rng_state"].to(torch.uint8))
+        py = state.get("python")
+        if py is not None:
+            random.setstate(
+                (
+                    int(py["version"]),
+                    tuple(int(x) for x in py["state"].tolist()),
+                    float(py["gauss"]) if py["has_gauss"] else None,
+                )
             )
-        )
         np = _numpy()
         if np is not None and "numpy" in state:
             nps = state["numpy"]
@@ -132,9 +137,10 @@ class RNGState:
         if "cuda" in state and torch.cuda.is_available():
             cuda_states = [s.to(torch.uint8).cpu() for s in state["cuda"]]
             if len(cuda_states) != torch.cuda.device_count():
-                raise RuntimeError(
+                raise StateMismatchError(
                     f"the snapshot holds RNG states for {len(cuda_states)} CUDA devices, this "
-                    f"process sees {torch.cuda.device_count()}"
+                    f"process sees {torch.cuda.device_count()}; restore with the same number of "
+                    "visible devices (CUDA_VISIBLE_DEVICES)"
                 )
             torch.cuda.set_rng_state_all(cuda_states)
 
