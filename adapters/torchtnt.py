@@ -101,6 +101,7 @@ class TorchSnapshotSaver(Callback):
             dirpath, config, process_group=process_group, plugin_manager=plugin_manager
         )
         self._train_progress: Any = None
+        self._collect: Optional[Callable[[bool], dict[str, Any]]] = None
 
     @property
     def dirpath(self) -> str:
@@ -114,14 +115,16 @@ class TorchSnapshotSaver(Callback):
 
     def on_train_start(self, state: State, unit: TrainUnit[Any]) -> None:
         """Validate there is no key collision in the app state; prepare for preemption."""
+        # Read once per run, so a step that does not snapshot only reads two counters.
         self._train_progress = unit.train_progress
+        self._collect = _collector(state, unit)
         self._snapshotter.train_start(_unit_state(unit).keys())
 
     def on_train_step_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the step cadence (or a plugin) says so; a no-op step costs microseconds."""
         progress = self._train_progress
         self._snapshotter.step_end(
-            progress.num_epochs_completed, progress.num_steps_completed, _collector(state, unit)
+            progress.num_epochs_completed, progress.num_steps_completed, self._collect
         )
 
     def on_train_epoch_end(self, state: State, unit: TrainUnit[Any]) -> None:

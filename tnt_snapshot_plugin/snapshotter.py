@@ -205,31 +205,32 @@ class Snapshotter:
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        if self._pending is not None and self._pending.done.is_set():
-            self._reap()  # a failure just reaped has warned already
-        elif self._failure is not None:
-            self._warn_failure(step)
+        self._reap_or_warn(step)
         if self._preemption is not None and self._preemption.poll():
             self._preempt(epoch, step, collect)
             return
         n = self._every_n_steps
-        due = n is not None and step % n == 0
-        if self._ask_should:
-            due = self._should("step", epoch, step, due)
-        if due:
-            self.save(epoch, step, functools.partial(collect, True), event="step")
+        self._save_if_due("step", epoch, step, n is not None and step % n == 0, collect, True)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
+        self._reap_or_warn(step)
+        n = self._every_n_epochs
+        self._save_if_due("epoch", epoch, step, n is not None and epoch % n == 0, collect, False)
+
+    def _reap_or_warn(self, step: int) -> None:
+        """Reap a finished snapshot, or keep warning about the last failure."""
         if self._pending is not None and self._pending.done.is_set():
             self._reap()  # a failure just reaped has warned already
         elif self._failure is not None:
             self._warn_failure(step)
-        n = self._every_n_epochs
-        due = n is not None and epoch % n == 0
+
+    def _save_if_due(
+        self, event: str, epoch: int, step: int, due: bool, collect: Collect, intra_epoch: bool
+    ) -> None:
         if self._ask_should:
-            due = self._should("epoch", epoch, step, due)
+            due = self._should(event, epoch, step, due)
         if due:
-            self.save(epoch, step, functools.partial(collect, False), event="epoch")
+            self.save(epoch, step, functools.partial(collect, intra_epoch), event=event)
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
         """Take the final snapshot unless this state is already saved, and wait for it."""
