@@ -101,7 +101,7 @@ class TorchSnapshotSaver(Callback):
             dirpath, config, process_group=process_group, plugin_manager=plugin_manager
         )
         self._train_progress: Any = None
-        self._collect: Optional[Callable[[bool], dict[str, Any]]] = None
+        self._collect: Callable[[bool], dict[str, Any]] = _not_started
 
     @property
     def dirpath(self) -> str:
@@ -222,6 +222,13 @@ class TorchSnapshotSaver(Callback):
                 fallback=fallback,
             )
         return restored is not None
+
+
+def _not_started(intra_epoch: bool) -> dict[str, Any]:
+    raise RuntimeError(
+        "TorchSnapshotSaver.on_train_start was not called before a snapshot was due; pass the "
+        "saver in train()/fit()'s callbacks, which call its hooks in order"
+    )
 
 
 def _unit_state(unit: AppStateMixin) -> dict[str, Any]:
