@@ -3,9 +3,10 @@
 Peak extra memory
     Linux keeps a per-process high-water mark of the resident set (``VmHWM`` in
     ``/proc/self/status``). Writing ``5`` to ``/proc/self/clear_refs`` resets it to the current
-    RSS. Before a method's first snapshot the benchmark collects garbage, returns freed heap to
-    the OS (``malloc_trim``), records ``VmRSS`` and resets the mark; after its last snapshot is
-    durable it reads ``VmHWM``. Peak extra memory = ``VmHWM - VmRSS(before)``: every byte the
+    RSS. After a method is set up (its imports and framework objects are not the snapshot's)
+    and before its first snapshot, the benchmark collects garbage, returns freed heap to the OS
+    (``malloc_trim``), records ``VmRSS`` and resets the mark; after its last snapshot (warm-up
+    included) is durable it reads ``VmHWM``. Peak extra memory = ``VmHWM - VmRSS(before)``: every byte the
     method had resident at its worst moment beyond the state itself, including buffers it keeps
     from one snapshot to the next (a staging copy allocated by the first snapshot counts). The
     page cache is not part of RSS, so buffered writes are not charged. Where ``clear_refs`` is
