@@ -191,7 +191,7 @@ def _metadata_from_json(text: str) -> Any:
     constructors.update((name, m.PrimitiveEntry) for name in m.PrimitiveEntry.supported_types)
     manifest = {}
     for path, obj in entries.items():
-        entry_type = constructors.get(obj.get("type")) if isinstance(obj, dict) else None
+        entry_type = constructors.get(str(obj.get("type"))) if isinstance(obj, dict) else None
         if entry_type is None:
             return None
         manifest[path] = entry_type.from_yaml_obj(obj)
