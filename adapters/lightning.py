@@ -323,7 +323,9 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot if the epoch cadence (or a plugin) says so."""
         # Lightning counts the epoch as completed only after this hook; it is processed already.
-        epochs = trainer.fit_loop.epoch_progress.current.processed
+        # (epoch_progress is a _Progress whose tracker is declared as the base class; the fit
+        # loop's is a _ProcessedTracker)
+        epochs = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
         self._snapshotter.epoch_end(epochs, trainer.global_step, self._collector(trainer))
 
     @override

@@ -8,7 +8,6 @@ from torchtnt.framework.callbacks import TorchSnapshotSaver as TorchtntSaver
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 
