@@ -99,22 +99,22 @@ def init_process_group() -> None:
 # one method on one state
 
 
-def run_method(
-    method: Method, spec: StateSpec, model: torch.nn.Module, target: torch.nn.Module,
-    root: str, reps: int, log: Any,
-) -> dict[str, Any]:
+def save_phase(
+    method: Method, model: torch.nn.Module, target: torch.nn.Module, root: str, reps: int, log: Any
+) -> tuple[dict[str, Any], Optional[str], float]:
+    """One warm-up and ``reps`` timed snapshots; (result row, last snapshot, its first value)."""
     first = tensors_of(model)[0]
     os.makedirs(root, exist_ok=True)
     peak = PeakRSS()
     result: dict[str, Any] = {"name": method.name, "peer": method.peer, "async": method.asynchronous}
     stalls: list[float] = []
     durables: list[float] = []
-    restores: list[float] = []
+    previous: Optional[str] = None
+    last_value = 0.0
+    started = time.perf_counter()
     try:
         method.setup(root, model, target)  # imports and framework objects: not the snapshot's
         peak.start()
-        previous: Optional[str] = None
-        last_value = 0.0
         for step in range(1, reps + 2):  # step 1 is a warm-up: timed figures come from the rest
             last_value = float(step)
             first.fill_(last_value)  # the state of this step ...
@@ -128,32 +128,32 @@ def run_method(
             previous = path
         result["peak_extra_bytes"] = peak.stop()
         result["snapshot_bytes"] = measure.tree_bytes(previous) if previous else 0
-        for rep in range(reps):
-            with torch.no_grad():
-                for t in tensors_of(target):
-                    t.zero_()
-            evict(previous)
-            t0 = time.perf_counter()
-            method.restore(previous)
-            restores.append(time.perf_counter() - t0)
-            if rep == 0:
-                result["restore_ok"] = _check_restore(model, target, last_value)
-        method.close()
-        method.discard(previous)
     except Exception as exc:  # a peer that breaks is reported, not fatal
         result["error"] = f"{type(exc).__name__}: {exc}"
         print(f"  {method.name}: FAILED {result['error']}", file=log, flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        previous = None
     result.update(
         stall_s=median(stalls) if stalls else None,
         durable_s=median(durables) if durables else None,
-        restore_s=median(restores) if restores else None,
         stall_samples=stalls,
         durable_samples=durables,
-        restore_samples=restores,
+        save_wall_s=time.perf_counter() - started,
     )
-    return result
+    return result, previous, last_value
+
+
+def restore_once(
+    method: Method, path: str, model: torch.nn.Module, target: torch.nn.Module, first_value: float
+) -> tuple[float, bool]:
+    """Restore ``path`` into ``target`` from a cold page cache; (seconds, restored exactly)."""
+    with torch.no_grad():
+        for t in tensors_of(target):
+            t.zero_()
+    evict(path)
+    t0 = time.perf_counter()
+    method.restore(path)
+    elapsed = time.perf_counter() - t0
+    return elapsed, _check_restore(model, target, first_value)
 
 
 def _check_restore(model: torch.nn.Module, target: torch.nn.Module, first_value: float) -> bool:
@@ -187,12 +187,42 @@ def run_size(spec: StateSpec, methods: list[Method], workdir: str, reps: int, lo
     floors["restore_s"] = nbytes / floors["disk_read_Bps"]
     print(f"  {json.dumps(floors)}", file=log, flush=True)
     rows = []
-    for method in methods:
-        print(f"  {method.name} ...", file=log, flush=True)
-        t = time.perf_counter()
-        row = run_method(method, spec, model, target, os.path.join(workdir, "m"), reps, log)
-        row["bench_wall_s"] = time.perf_counter() - t
-        rows.append(row)
+    kept: list[tuple[Method, dict[str, Any], str, float]] = []
+    try:
+        for i, method in enumerate(methods):
+            print(f"  {method.name}: snapshots ...", file=log, flush=True)
+            root = os.path.join(workdir, f"m{i}")
+            row, last, first_value = save_phase(method, model, target, root, reps, log)
+            row["restore_samples"] = []
+            rows.append(row)
+            if last is not None:
+                kept.append((method, row, last, first_value))
+        # Restores interleaved, method after method, each round in a rotated order: a disk whose
+        # speed drifts during the run then slows every method alike.
+        print(f"  restores ({reps} rounds, interleaved) ...", file=log, flush=True)
+        for rep in range(reps):
+            for method, row, last, first_value in kept[rep % len(kept):] + kept[: rep % len(kept)]:
+                if "error" in row:
+                    continue
+                try:
+                    elapsed, ok = restore_once(method, last, model, target, first_value)
+                except Exception as exc:
+                    row["error"] = f"restore: {type(exc).__name__}: {exc}"
+                    print(f"  {method.name}: FAILED {row['error']}", file=log, flush=True)
+                    continue
+                row["restore_samples"].append(elapsed)
+                row["restore_ok"] = row.get("restore_ok", True) and ok
+    finally:
+        for method, _row, last, _ in kept:
+            try:
+                method.close()
+                method.discard(last)
+            except Exception as exc:
+                print(f"  {method.name}: cleanup failed: {exc}", file=log, flush=True)
+        for i in range(len(methods)):
+            shutil.rmtree(os.path.join(workdir, f"m{i}"), ignore_errors=True)
+    for row in rows:
+        row["restore_s"] = median(row["restore_samples"]) if row["restore_samples"] else None
     return {"label": spec.label, "tensors": spec.count, "shape": list(spec.shape),
             "state_bytes": nbytes, "reps": reps, "floors": floors, "methods": rows}
 
