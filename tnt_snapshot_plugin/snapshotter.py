@@ -403,6 +403,10 @@ class Snapshotter:
             job.done.set()
 
     def _write(self, job: _Job) -> None:
+        # Let go of the GIL at once: Thread.start() on the training thread returns only when it
+        # gets the GIL back, which a new thread running Python keeps for the whole switch
+        # interval (5 ms) - measured as 5 ms more stall per asynchronous snapshot.
+        time.sleep(0)
         from .compat import Snapshot
 
         coll = self.collectives
