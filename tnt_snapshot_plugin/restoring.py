@@ -105,11 +105,13 @@ def restore(
 
         from torchsnapshot.manifest_ops import get_manifest_for_rank
 
-        from .compat import Snapshot
+        from .compat import Snapshot, manifest_for_rank
 
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
         try:
-            manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
+            manifest = manifest_for_rank(snapshot.metadata, coll.rank)
+            if manifest is None:
+                manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
         except Exception as exc:
             _close_leaked_event_loops(exc)
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
@@ -148,9 +150,9 @@ def restore(
     raise_if_any_failed(coll, error, f"restoring {path}")
 
     try:
-        snapshot.restore(load, strict=strict)
         if RNG_STATE_KEY in present:
-            snapshot.restore({RNG_STATE_KEY: RNGState()})
+            load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
+        snapshot.restore(load, strict=strict)
     except SnapshotError:
         raise
     except Exception as exc:
@@ -160,7 +162,7 @@ def restore(
         ) from exc
     if rest is not None:
         rest.update((key, sink.value) for key, sink in sinks.items())
-    keys = sorted(load) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
+    keys = sorted(k for k in load if k != RNG_STATE_KEY) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
     pm.hook.tnt_snapshot_plugin_after_restore(path=path, keys=keys)
     return keys
 

@@ -267,6 +267,8 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
         def __init__(self, root: str) -> None:
             FSStoragePlugin.__init__(self, root=root)
             _RecordingPlugin.__init__(self)
+            #: compat.Snapshot reads raw tensors from here itself (direct_read.py).
+            self.direct_read_root = root
 
         async def _put(self, rel_path: str, buf: Any) -> None:
             loop = asyncio.get_running_loop()

@@ -1,0 +1,124 @@
+"""Restore a local snapshot's tensors by reading their bytes straight into the tensors.
+
+torchsnapshot's restore handles every entry with an asyncio task, a thread-pool job, an
+intermediate buffer and a tensor built over it, then copies into the module's tensor: about
+0.25 ms per entry on the project's machine (2.5 s for 10,000 small tensors) plus a fixed 30-60 ms
+per restore. For the entries that make up nearly every training state (a CPU tensor stored as its
+raw bytes, ``serializer == "buffer_protocol"``, restored into a contiguous tensor of the same
+dtype and shape), the bytes in the file *are* the tensor's memory, so this module reads them with
+``preadv`` directly into that memory: no intermediate buffer, one copy from the page cache.
+
+Everything else (objects, tensors saved with ``torch.save``, chunked or sharded tensors, targets on
+a GPU or with another layout, snapshots on S3) still goes through torchsnapshot's own reader, so
+the two paths together read exactly what torchsnapshot alone would. A file shorter than an entry
+it holds raises :class:`TruncatedSnapshotFile` before the tensor is used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+
+#: Keep about this many bytes of upcoming reads announced to the kernel (``WILLNEED``), so the
+#: disk reads ahead while earlier entries are being copied, without flooding the page cache.
+READ_AHEAD_BYTES = 256 * 1024 * 1024
+
+_DIRECT_DTYPES: Optional[dict[torch.dtype, str]] = None
+
+
+class TruncatedSnapshotFile(RuntimeError):
+    """A snapshot file ends before the bytes of an entry that it holds."""
+
+
+def _direct_dtypes() -> dict[torch.dtype, str]:
+    """The dtypes torchsnapshot stores as raw bytes, with the name its manifest gives each."""
+    global _DIRECT_DTYPES
+    if _DIRECT_DTYPES is None:
+        from torchsnapshot.serialization import BUFFER_PROTOCOL_SUPPORTED_DTYPES, dtype_to_string
+
+        _DIRECT_DTYPES = {d: dtype_to_string(d) for d in BUFFER_PROTOCOL_SUPPORTED_DTYPES}
+    return _DIRECT_DTYPES
+
+
+def direct_target(entry: Any, target: Any) -> Optional[tuple[str, int, memoryview]]:
+    """``(file, offset, writable bytes of target)`` when ``entry`` can be read straight into
+    ``target``, else None."""
+    from torchsnapshot.manifest import TensorEntry
+
+    if type(entry) is not TensorEntry or entry.serializer != "buffer_protocol":
+        return None
+    if not isinstance(target, torch.Tensor) or type(target) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # ShardedTensor, DTensor and other subclasses keep torchsnapshot's handling
+    if (
+        target.device.type != "cpu"
+        or target.is_quantized
+        or not target.is_contiguous()
+        or _direct_dtypes().get(target.dtype) != entry.dtype
+        or list(target.shape) != list(entry.shape)
+    ):
+        return None
+    nbytes = target.numel() * target.element_size()
+    start = 0
+    if entry.byte_range is not None:
+        start, end = entry.byte_range
+        if end - start != nbytes:
+            return None  # not what this reader expects: torchsnapshot decides
+    if nbytes == 0:
+        return entry.location, start, memoryview(b"")
+    flat = (target.detach() if target.requires_grad else target).reshape(-1).view(torch.uint8)
+    array: Any = flat.numpy()  # shares the tensor's memory
+    return entry.location, start, memoryview(array).cast("B")
+
+
+def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
+    """Fill each buffer from ``root/file`` at its offset; return the bytes read.
+
+    Reads go file by file in offset order (sequential on disk); the kernel is told ahead of time
+    which ranges follow (``POSIX_FADV_WILLNEED``, up to :data:`READ_AHEAD_BYTES` ahead).
+    """
+    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    for location, offset, buf in reads:
+        by_file.setdefault(location, []).append((offset, buf))
+    plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
+
+    fds: dict[str, int] = {}
+    advise = getattr(os, "posix_fadvise", None)
+    ahead = 0  # index in plan of the next file not announced yet
+    announced = 0  # bytes announced and not read yet
+    total = 0
+    try:
+        for i, (location, items) in enumerate(plan):
+            while advise is not None and ahead < len(plan) and (ahead <= i or announced < READ_AHEAD_BYTES):
+                loc, its = plan[ahead]
+                fd = fds[loc] = os.open(os.path.join(root, loc), os.O_RDONLY | os.O_CLOEXEC)
+                first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
+                advise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
+                announced += last - first
+                ahead += 1
+            if location not in fds:
+                fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
+            fd = fds[location]
+            for offset, buf in items:
+                got = 0
+                size = buf.nbytes
+                while got < size:
+                    n = os.preadv(fd, [buf[got:]], offset + got)
+                    if n == 0:
+                        raise TruncatedSnapshotFile(
+                            f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
+                            f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
+                            "is truncated"
+                        )
+                    got += n
+                total += size
+                announced -= size
+            os.close(fds.pop(location))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return total
+
+
+__all__ = ["READ_AHEAD_BYTES", "TruncatedSnapshotFile", "direct_target", "read_into"]
