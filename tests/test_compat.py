@@ -157,3 +157,57 @@ def test_plugin_protocols_resolve_without_the_entry_point_scan(monkeypatch):
     assert type(plugin).__name__ == "_FSPlugin" and plugin.root == "/tmp/x"
     assert type(lookup.url_to_storage_plugin("/tmp/y")).__name__ == "FSStoragePlugin"
     assert storage.fs_storage_factory  # the factory the entry point names
+
+
+def test_packed_small_tensors_are_written_from_the_tensors_without_a_slab_copy(tmp_path, monkeypatch):
+    # torchsnapshot copies every small tensor into one slab buffer (one asyncio task each) before
+    # writing it; the plugin's writes hand the tensors' own bytes to writev.
+    import torch
+    import torchsnapshot
+
+    from tnt_snapshot_plugin import storage
+
+    gathered = []
+    real = storage._write_gathered
+
+    def spy(fd, views):
+        gathered.append(len(views))
+        return real(fd, views)
+
+    monkeypatch.setattr(storage, "_write_gathered", spy)
+    want = {f"p{i}": torch.full((100 + i,), float(i)) for i in range(300)}
+    want["bf16"] = torch.randn(7).to(torch.bfloat16)
+    url = storage.LocalStore(str(tmp_path)).torchsnapshot_url("snap")
+    with storage.recording(storage.WriteRecorder()) as rec:
+        Snapshot.take(url, {"h": _Holder(want)})
+    assert gathered == [301]  # one file, written straight from the 301 tensors
+    (tmp_path / "snap" / ".snapshot_metadata").write_bytes(rec.metadata)
+    got = _Holder({})
+    torchsnapshot.Snapshot(str(tmp_path / "snap")).restore({"h": got})
+    assert got.state.keys() == want.keys()
+    assert all(torch.equal(got.state[k], want[k]) for k in want)
+
+
+def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_path, monkeypatch):
+    import os
+
+    from tnt_snapshot_plugin import storage
+
+    parts = [bytes([i % 251]) * (1 + i % 37) for i in range(3000)]
+    real_writev = os.writev
+
+    calls = []
+
+    def short_writev(fd, buffers):  # the kernel may write less than asked, even mid-buffer
+        calls.append(len(buffers))
+        assert len(buffers) <= 1024
+        if len(calls) % 2:
+            first = memoryview(buffers[0])
+            return real_writev(fd, [first[: max(1, first.nbytes // 2)]])
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    path = tmp_path / "f"
+    storage._write_durably(str(path), storage.Gathered([memoryview(p) for p in parts]))
+    assert path.read_bytes() == b"".join(parts)
+    assert max(calls) == 1024 and len(calls) == 6  # halves and the rest, three times
