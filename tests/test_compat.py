@@ -211,3 +211,53 @@ def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_
     storage._write_durably(str(path), storage.Gathered([memoryview(p) for p in parts]))
     assert path.read_bytes() == b"".join(parts)
     assert max(calls) == 1024 and len(calls) == 6  # halves and the rest, three times
+
+
+def test_gc_is_paused_during_the_plugins_take_and_restored_after(tmp_path, monkeypatch):
+    import gc
+
+    import torch
+
+    from tnt_snapshot_plugin import compat
+    from tnt_snapshot_plugin.config import SnapshotConfig
+    from tnt_snapshot_plugin.restoring import restore
+    from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+    seen = []
+
+    class Probe(_Holder):
+        def state_dict(self):
+            seen.append(gc.isenabled())
+            return super().state_dict()
+
+    assert gc.isenabled()
+    with compat.gc_paused():
+        with compat.gc_paused():  # nested (a restore while an async write runs)
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+    # The real saver: its torchsnapshot take runs inside the pause.
+    real_take = compat.Snapshot.take.__func__
+
+    def take(cls, *args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_take(cls, *args, **kwargs)
+
+    monkeypatch.setattr(compat.Snapshot, "take", classmethod(take))
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=True))
+    saver.save(0, 1, {"h": _Holder({"w": torch.ones(3)})})
+    saver.wait()
+    assert seen == [False] and gc.isenabled()
+
+    seen.clear()
+    restore(str(tmp_path / "epoch_0_step_1"), {"h": Probe({"w": torch.zeros(3)})})
+    assert seen and not any(seen) and gc.isenabled()
+
+    gc.disable()  # a user who runs with the collector off keeps it off
+    try:
+        with compat.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -22,7 +22,7 @@ from tnt_snapshot_plugin import direct_read
 from tnt_snapshot_plugin.compat import Snapshot, manifest_for_rank
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
 from tnt_snapshot_plugin.restoring import restore
-from tnt_snapshot_plugin.storage import LocalStore
+from tnt_snapshot_plugin.storage import LocalStore, WriteRecorder, recording
 
 
 class Holder:
@@ -102,8 +102,12 @@ def spy_direct_reads(monkeypatch) -> list:
 
 
 def take(tmp_path, state, name="epoch_0_step_1"):
+    """Written as the plugin's saver writes (small tensors gathered, metadata written last)."""
     url = LocalStore(str(tmp_path)).torchsnapshot_url(name)
-    Snapshot.take(url, {"h": Holder(state)})
+    with recording(WriteRecorder()) as rec:
+        Snapshot.take(url, {"h": Holder(state)})
+    assert rec.error is None and rec.metadata
+    (tmp_path / name / ".snapshot_metadata").write_bytes(rec.metadata)
     return str(tmp_path / name)
 
 

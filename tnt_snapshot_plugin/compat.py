@@ -56,14 +56,22 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
     take's time for 10,000 tensors). In the plugin's own writes (``storage.recording`` active on
     the thread) a slab of plain CPU tensors is handed to the storage plugin as a ``Gathered``
     list of the tensors' own bytes, written with ``writev``. Files and manifest are unchanged.
+
+11. A take or restore allocates several container objects per entry, so Python's cyclic garbage
+    collector runs about 170 times during a take of 10,000 tensors, each time walking every live
+    object: 0.15-0.3 s of a 0.5 s take on the project's machine. The plugin pauses the collector
+    while its own takes and restores run (``gc_paused``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import random
-from typing import Any, Optional
+import threading
+from typing import Any, Iterator, Optional
 
 import torch
 import torchsnapshot
@@ -104,12 +112,46 @@ def _install_direct_lookup() -> None:
 _install_direct_lookup()
 
 
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while the plugin's take or restore runs (item 11).
+
+    Process-wide, as the collector is: while an asynchronous snapshot is written the training
+    thread's cyclic garbage waits too (memory freed by reference counting, nearly all of it, is
+    freed as usual). The collector is re-enabled when the last pauser leaves, if it was enabled.
+    """
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, as a flat unsigned-byte memoryview over its memory (over a
     contiguous copy if it is not contiguous)."""
     if tensor.requires_grad:
         tensor = tensor.detach()
-    array: Any = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    array: Any
+    if tensor.dtype is not torch.bfloat16 and tensor.dim() and tensor.numel():
+        array = tensor.numpy()  # the faster way, where numpy has the dtype and the shape casts
+        return memoryview(array).cast("B")
+    array = tensor.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array)
 
 
