@@ -70,6 +70,11 @@ def size_table(size: dict[str, Any]) -> str:
         f"| *floor: copy into preallocated buffers* | {_fmt_s(floors['copy_s'])} | | 1.00x "
         f"| | | | | | | | |"
     )
+    if "state_dict_s" in floors:
+        lines.append(
+            f"| *reference: the model's own state_dict() call* | {_fmt_s(floors['state_dict_s'])} | "
+            f"| {_ratio(floors['state_dict_s'], floors['copy_s'])} | | | | | | | | |"
+        )
     lines.append(
         f"| *floor: disk sequential write + fsync* | | | | {_fmt_s(floors['durable_s'])} | | 1.00x "
         f"| {floors['disk_write_Bps'] / 1e9:.2f} | | | | |"

@@ -182,6 +182,9 @@ def run_size(spec: StateSpec, methods: list[Method], workdir: str, reps: int, lo
         "disk_write_buffered_fsync_Bps": floor_disk["write_buffered_fsync_Bps"],
         "disk_write_direct_Bps": floor_disk["write_direct_Bps"],
         "disk_read_Bps": floor_disk["read_cold_Bps"],
+        # Not a floor of the machine but of every checkpointer: what the model's own
+        # state_dict() costs, which any of them calls before it can copy anything.
+        "state_dict_s": measure.median(measure.timed(model.state_dict, max(3, reps))),
     }
     floors["durable_s"] = nbytes / floors["disk_write_Bps"]
     floors["restore_s"] = nbytes / floors["disk_read_Bps"]
