@@ -507,10 +507,12 @@ class Snapshotter:
         )
 
 
-#: Tensors of at least this many bytes are written straight from their (staged) memory, one file
-#: each; smaller ones are packed into files of about this size. torchsnapshot's default (128 MiB)
-#: packs nearly every tensor, copying the whole state once more into temporary buffers during
-#: the write (a second staging copy in memory, and a memcpy) - measured in benchmarks/run.py.
+#: Tensors of at least this many bytes are written one file each; smaller ones are packed into
+#: files of about this size (written straight from the tensors, compat.py item 10). Separate files
+#: are written by several I/O threads at once: with torchsnapshot's default (128 MiB) nearly the
+#: whole state is one file written by one thread (64 MiB packs: a synchronous 64 MiB snapshot took
+#: 2.4x as long to be durable in benchmarks/run.py); and wherever the packing falls back to
+#: torchsnapshot's own (GPU tensors in a synchronous snapshot), a pack is a copy in memory.
 _PACK_BYTES = 4 * 1024 * 1024
 _SLAB_KNOB = "TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE"
 _BUDGET_KNOB = "TORCHSNAPSHOT_PER_RANK_MEMORY_BUDGET_BYTES"
