@@ -391,6 +391,7 @@ def test_directory_removed_during_a_save_is_not_committed(tmp_path, monkeypatch)
     assert removed and unit.train_progress.num_steps_completed == 5
     # Training went on; the snapshots after the removal are complete and intact.
     assert complete(dirpath) == ["epoch_0_step_4", "epoch_0_step_5"]
+    assert sorted(os.listdir(dirpath)) == ["epoch_0_step_4", "epoch_0_step_5"]  # step 3's removed
     store = LocalStore(str(dirpath))
     assert [store.verify(n) for n in complete(dirpath)] == [None, None]
     with warnings.catch_warnings():

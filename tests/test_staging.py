@@ -149,6 +149,13 @@ def test_snapshotter_reuses_one_staging_copy_across_snapshots(tmp_path, pm):
     assert sizes[0] == sizes[1] == sizes[2]
     assert state_bytes <= sizes[0] < state_bytes + 64 * 1024  # the state plus the small RNG tensors
 
+    # Training over: the staging copy is handed back, and a later snapshot stages again.
+    snapshotter.train_end(0, 3, lambda intra_epoch: {"model": model, "optimizer": optimizer})
+    assert snapshotter._stager.nbytes == 0
+    snapshotter.save(0, 4, {"model": model, "optimizer": optimizer})
+    snapshotter.wait()
+    assert [r.step for r in snapshotter.stats.committed] == [1, 2, 3, 4]
+
 
 # ------------------------------------------------------------------------------------------------
 # The Stager itself

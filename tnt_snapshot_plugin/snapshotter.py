@@ -249,9 +249,13 @@ class Snapshotter:
             self._stop_watching()
 
     def _stop_watching(self) -> None:
+        """Training is over (the pending snapshot waited for): stop watching for preemption and
+        hand back the staging copy (1x the state), which a later snapshot allocates again."""
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
+        if self._pending is None:
+            self._stager = Stager()
 
     def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
         assert self._preemption is not None
@@ -448,7 +452,18 @@ class Snapshotter:
                 {"format": 1, "epoch": job.name.epoch, "step": job.name.step, "files": files},
                 sort_keys=True,
             ).encode()
-            store.commit(job.staging, job.name.text, recorder.metadata, index)
+            try:
+                store.commit(job.staging, job.name.text, recorder.metadata, index)
+            except Exception:
+                # Not committed: nothing restore would ever read; do not leave it behind (on an
+                # object store it is written under its final name: only if still incomplete).
+                try:
+                    committed = job.staging == job.name.text and store.is_complete(job.staging)
+                    if not committed and job.staging in store.list_names():
+                        store.remove(job.staging)
+                except Exception as exc:
+                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+                raise
             self._retain(job)
 
         coll.on_rank0(commit)
