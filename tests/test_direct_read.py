@@ -222,3 +222,35 @@ def test_manifest_for_rank_matches_torchsnapshots_without_copying_it():
         assert ours["m/r"] is manifest["0/m/r"]  # shared, not deep-copied
         assert manifest_for_rank(metadata, rank, key="o") == {"o": theirs["o"]}
     assert manifest_for_rank(metadata, 2) is None  # a new rank: torchsnapshot's own handling
+
+
+def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path):
+    import json
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\x01" * 4096)
+    path = take(tmp_path / "snaps", {"w": torch.zeros(1024)})
+    meta_path = tmp_path / "snaps" / "epoch_0_step_1" / ".snapshot_metadata"
+    meta = json.loads(meta_path.read_text())
+    (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
+    entry["location"], entry["byte_range"] = "../../secret.bin", None
+    meta_path.write_text(json.dumps(meta))
+    target = torch.full((1024,), 7.0)
+    with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+        restore(path, {"h": Holder({"w": target})})
+    assert torch.equal(target, torch.full((1024,), 7.0))  # nothing was read into it
+
+
+def test_torchsnapshots_own_reader_refuses_a_file_outside_the_snapshot_too(tmp_path):
+    import json
+
+    (tmp_path / "secret.bin").write_bytes(b"\x01" * 64)
+    path = take(tmp_path / "snaps", {"w": torch.zeros(16)})
+    meta_path = tmp_path / "snaps" / "epoch_0_step_1" / ".snapshot_metadata"
+    meta = json.loads(meta_path.read_text())
+    (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
+    entry["location"], entry["byte_range"] = "../../secret.bin", None
+    meta_path.write_text(json.dumps(meta))
+    # A float64 target: not read directly, so the file is asked of the storage plugin.
+    with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+        restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})})

@@ -60,7 +60,8 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
 11. A take or restore allocates several container objects per entry, so Python's cyclic garbage
     collector runs about 170 times during a take of 10,000 tensors, each time walking every live
     object: 0.15-0.3 s of a 0.5 s take on the project's machine. The plugin pauses the collector
-    while its own takes and restores run (``gc_paused``).
+    while its restores and its synchronous takes run (``gc_paused``): while training waits. An
+    asynchronous take, which training runs alongside, leaves it alone.
 """
 
 from __future__ import annotations
@@ -119,11 +120,10 @@ _gc_was_enabled = True
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the plugin's take or restore runs (item 11).
+    """Pause Python's cyclic garbage collector (item 11) while training waits for the plugin.
 
-    Process-wide, as the collector is: while an asynchronous snapshot is written the training
-    thread's cyclic garbage waits too (memory freed by reference counting, nearly all of it, is
-    freed as usual). The collector is re-enabled when the last pauser leaves, if it was enabled.
+    Process-wide, as the collector is (memory freed by reference counting, nearly all of it, is
+    freed as usual meanwhile). Re-enabled when the last pauser leaves, if it was enabled.
     """
     global _gc_pausers, _gc_was_enabled
     with _gc_lock:

@@ -11,7 +11,8 @@ dtype and shape), the bytes in the file *are* the tensor's memory, so this modul
 Everything else (objects, tensors saved with ``torch.save``, chunked or sharded tensors, targets on
 a GPU or with another layout, snapshots on S3) still goes through torchsnapshot's own reader, so
 the two paths together read exactly what torchsnapshot alone would. A file shorter than an entry
-it holds raises :class:`TruncatedSnapshotFile` before the tensor is used.
+it holds raises :class:`BadSnapshotFile` before the tensor is used, as does a manifest naming a
+file outside the snapshot's directory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .storage import is_inside
+
 #: Keep about this many bytes of upcoming reads announced to the kernel (``WILLNEED``), so the
 #: disk reads ahead while earlier entries are being copied, without flooding the page cache.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
@@ -28,8 +31,9 @@ READ_AHEAD_BYTES = 256 * 1024 * 1024
 _DIRECT_DTYPES: Optional[dict[torch.dtype, str]] = None
 
 
-class TruncatedSnapshotFile(RuntimeError):
-    """A snapshot file ends before the bytes of an entry that it holds."""
+class BadSnapshotFile(RuntimeError):
+    """A snapshot file ends before the bytes of an entry it holds, or the manifest names a file
+    outside the snapshot's directory."""
 
 
 def _direct_dtypes() -> dict[torch.dtype, str]:
@@ -81,6 +85,12 @@ def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
     by_file: dict[str, list[tuple[int, memoryview]]] = {}
     for location, offset, buf in reads:
         by_file.setdefault(location, []).append((offset, buf))
+    for location in by_file:
+        if not is_inside(root, location):
+            raise BadSnapshotFile(
+                f"the manifest of {root} names the file {location!r}, outside the snapshot: "
+                "the snapshot is damaged or was not written by torchsnapshot"
+            )
     plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
 
     fds: dict[str, int] = {}
@@ -106,7 +116,7 @@ def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
                 while got < size:
                     n = os.preadv(fd, [buf[got:]], offset + got)
                     if n == 0:
-                        raise TruncatedSnapshotFile(
+                        raise BadSnapshotFile(
                             f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
                             f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
                             "is truncated"
@@ -121,4 +131,4 @@ def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
     return total
 
 
-__all__ = ["READ_AHEAD_BYTES", "TruncatedSnapshotFile", "direct_target", "read_into"]
+__all__ = ["BadSnapshotFile", "READ_AHEAD_BYTES", "direct_target", "read_into"]

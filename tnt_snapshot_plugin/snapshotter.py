@@ -418,7 +418,10 @@ class Snapshotter:
         if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
             store.remove(job.staging)  # a partial write of this name on an object store
         recorder = WriteRecorder()
-        with recording(recorder), _write_knobs(job.frozen), gc_paused():
+        # The cyclic collector is paused only while training waits for this write anyway: an
+        # asynchronous write can last minutes on an object store, and training goes on meanwhile.
+        paused = contextlib.nullcontext() if self.config.async_snapshot else gc_paused()
+        with recording(recorder), _write_knobs(job.frozen), paused:
             Snapshot.take(
                 store.torchsnapshot_url(job.staging),
                 app_state=job.frozen,

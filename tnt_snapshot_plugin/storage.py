@@ -110,6 +110,11 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
 _sync_file_range = _load_sync_file_range()
 
 
+def is_inside(root: str, rel: str) -> bool:
+    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``."""
+    return os.path.realpath(os.path.join(root, rel)).startswith(os.path.join(os.path.realpath(root), ""))
+
+
 class Gathered:
     """Several buffers that make up one file, end to end, *not* copied together: written with
     ``writev`` (compat.py item 10). Only the plugin's own storage plugins receive one."""
@@ -137,20 +142,20 @@ _IOV_MAX = 1024
 def _write_gathered(fd: int, views: list[memoryview]) -> None:
     """Write ``views`` in order with as few ``writev`` calls as the kernel allows."""
     pending = [v for v in views if v.nbytes]
+    first = 0  # pending[first:] is still to write
     done = 0
     since_flush = 0
-    while pending:
-        batch = pending[:_IOV_MAX]
-        written = os.writev(fd, batch)
+    while first < len(pending):
+        written = os.writev(fd, pending[first:first + _IOV_MAX])
         done += written
         since_flush += written
-        while written:  # drop what was written; keep the rest of a buffer written in part
-            head = pending[0]
+        while written:  # skip what was written; keep the rest of a buffer written in part
+            head = pending[first]
             if written >= head.nbytes:
                 written -= head.nbytes
-                pending.pop(0)
+                first += 1
             else:
-                pending[0] = head[written:]
+                pending[first] = head[written:]
                 written = 0
         if _sync_file_range is not None and since_flush >= _WRITE_SLICE:
             _sync_file_range(fd, done - since_flush, since_flush, _SYNC_FILE_RANGE_WRITE)
@@ -329,6 +334,11 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
 
         async def read(self, read_io: Any) -> None:
             path = os.path.join(self.root, read_io.path)
+            if not is_inside(self.root, read_io.path):
+                raise RuntimeError(
+                    f"the manifest of {self.root} names the file {read_io.path!r}, outside the "
+                    "snapshot: the snapshot is damaged or was not written by torchsnapshot"
+                )
             if read_io.path != METADATA_FNAME:
                 view = await asyncio.get_running_loop().run_in_executor(
                     _io_pool(), _map_file, path, read_io.byte_range
