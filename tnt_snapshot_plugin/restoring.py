@@ -105,7 +105,7 @@ def restore(
 
         from torchsnapshot.manifest_ops import get_manifest_for_rank
 
-        from .compat import Snapshot, gc_frozen, manifest_for_rank
+        from .compat import Snapshot, gc_paused, manifest_for_rank
 
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
         try:
@@ -152,7 +152,7 @@ def restore(
     try:
         if RNG_STATE_KEY in present:
             load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
-        with gc_frozen():
+        with gc_paused():
             snapshot.restore(load, strict=strict)
     except SnapshotError:
         raise
