@@ -382,14 +382,15 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         module or the number of optimizers does not match it.
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
-        restoring.restore(
-            path,
-            app_state,
-            storage_options=storage_options,
-            collectives=Collectives.create(process_group, 600.0),
-            plugin_manager=plugin_manager,
-            strict=strict,
-        )
+        with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
+            restoring.restore(
+                path,
+                app_state,
+                storage_options=storage_options,
+                collectives=collectives,
+                plugin_manager=plugin_manager,
+                strict=strict,
+            )
         _raise_mismatch(app_state)
 
     @staticmethod
@@ -412,15 +413,16 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         one restored (``fallback=False`` raises SnapshotCorruptError instead).
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
-        restored = restoring.restore_from_latest(
-            dirpath,
-            app_state,
-            storage_options=storage_options,
-            collectives=Collectives.create(process_group, 600.0),
-            plugin_manager=plugin_manager,
-            strict=strict,
-            fallback=fallback,
-        )
+        with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
+            restored = restoring.restore_from_latest(
+                dirpath,
+                app_state,
+                storage_options=storage_options,
+                collectives=collectives,
+                plugin_manager=plugin_manager,
+                strict=strict,
+                fallback=fallback,
+            )
         _raise_mismatch(app_state)
         return restored is not None
 

@@ -173,7 +173,7 @@ class TorchSnapshotSaver(Callback):
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
         )
-        with Collectives.create(process_group, collective_timeout_s) as collectives:
+        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
             restoring.restore(
                 path,
                 app_state,
@@ -210,7 +210,7 @@ class TorchSnapshotSaver(Callback):
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
         )
-        with Collectives.create(process_group, collective_timeout_s) as collectives:
+        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
             restored = restoring.restore_from_latest(
                 dirpath,
                 app_state,

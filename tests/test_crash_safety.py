@@ -608,3 +608,38 @@ def test_a_symlink_named_like_a_snapshot_is_never_followed(tmp_path):
     assert sorted(p.name for p in target.rglob("*")) == before
     fresh, restored = restored_weights(dirpath)
     assert restored is True and fresh.train_progress.num_steps_completed == 3
+
+
+@pytest.fixture
+def world_of_one():
+    """torch.distributed initialised with a single process (as torchrun --nproc-per-node=1 does)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_world_of_one_process_falls_back_and_restores_share_one_group(snapshots, world_of_one, monkeypatch):
+    # With a process group initialised, the restore used to make (and destroy) a gloo group each
+    # time, and a damaged newest snapshot raised as under a real multi-rank job.
+    dirpath, step_weights = snapshots
+    drop_index_and_truncate(largest_data_file(dirpath / "epoch_0_step_4"))
+    made = []
+    real = world_of_one.new_group
+
+    def counting(*args, **kwargs):
+        made.append(kwargs.get("ranks"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(world_of_one, "new_group", counting)
+    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_4: could not load"):
+        fresh, restored = restored_weights(dirpath)
+    assert restored is True and fresh.train_progress.num_steps_completed == 2
+    assert_bitwise_equal(weights(fresh), step_weights[2])
+    again = ToyUnit(seed=7)
+    TorchSnapshotSaver.restore(str(dirpath / "epoch_0_step_2"), again)
+    assert_bitwise_equal(weights(again), step_weights[2])
+    assert made == [[0]]  # one group for both restores, kept for the next

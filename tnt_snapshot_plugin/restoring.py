@@ -185,7 +185,7 @@ def restore_from_latest(
     warning naming it, and the previous one is tried (``fallback=False`` raises instead); when
     snapshots exist but none can be restored, SnapshotCorruptError is raised rather than letting
     training start from scratch. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``);
-    a load error on any rank is raised, not fallen back from.
+    with more than one rank, a load error on any rank is raised, not fallen back from.
     """
     coll = collectives or Collectives(None)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
@@ -213,7 +213,7 @@ def restore_from_latest(
                 )
                 return path
             except SnapshotCorruptError as exc:
-                if coll.distributed:
+                if coll.world_size > 1:
                     raise
                 problem = str(exc)
         if not fallback:
