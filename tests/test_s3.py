@@ -372,3 +372,67 @@ class _Holder:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
+
+
+def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
+    from test_direct_read import Holder
+
+    from tnt_snapshot_plugin.compat import Snapshot
+    from tnt_snapshot_plugin.storage import WriteRecorder, recording
+
+    store = open_store(run_url, options)
+    with recording(WriteRecorder()) as rec:
+        Snapshot.take(store.torchsnapshot_url("epoch_0_step_1"), {"h": Holder(state)},
+                      storage_options=options)
+    assert rec.error is None and rec.metadata
+    bucket, _, prefix = run_url[len("s3://"):].partition("/")
+    client_for(options).put_object(Bucket=bucket, Key=f"{prefix}/epoch_0_step_1/.snapshot_metadata",
+                                   Body=rec.metadata)
+    return f"{run_url}/epoch_0_step_1"
+
+
+def test_s3_restore_fetches_raw_tensors_in_large_ranged_reads(options, run_url, monkeypatch):
+    from test_direct_read import Holder, assert_identical, varied_state, zeros_like_state
+
+    from tnt_snapshot_plugin import direct_read
+    from tnt_snapshot_plugin.restoring import restore
+
+    want = varied_state(3)
+    path = _write_to_s3(options, run_url, want)
+    fetched = []
+    real = direct_read.fetch_into
+
+    def spying_fetch_into(fetch, reads):
+        def spy(rel, start, end):
+            fetched.append((rel, start, end))
+            return fetch(rel, start, end)
+
+        return real(spy, reads)
+
+    monkeypatch.setattr(direct_read, "fetch_into", spying_fetch_into)
+    monkeypatch.setattr(direct_read, "FETCH_CHUNK_BYTES", 1000)  # entries split across reads
+    got = Holder(zeros_like_state(want))
+    restore(path, {"h": got}, storage_options=options)
+    assert_identical(got.state, want)
+    assert fetched and all(end - start <= 1000 for _, start, end in fetched)
+    # the 50 small tensors and the 10 dtypes come from one packed object: a handful of reads
+    assert len({rel for rel, _, _ in fetched}) <= 4
+
+
+def test_truncated_s3_object_is_an_error_naming_it(options, run_url):
+    from test_direct_read import Holder, zeros_like_state
+
+    from tnt_snapshot_plugin.errors import SnapshotCorruptError
+    from tnt_snapshot_plugin.restoring import restore
+
+    want = {"big": torch.randn(700_000)}
+    path = _write_to_s3(options, run_url, want)
+    bucket, _, prefix = run_url[len("s3://"):].partition("/")
+    client = client_for(options)
+    objects = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    key = max(objects, key=lambda o: o["Size"])["Key"]  # the tensor's bytes
+    assert not key.endswith(".snapshot_metadata")
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=body[:-100])
+    with pytest.raises(SnapshotCorruptError, match="truncated"):
+        restore(path, {"h": Holder(zeros_like_state(want))}, storage_options=options)

@@ -42,8 +42,9 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
 
 8. Restore spends about 0.25 ms of bookkeeping per entry (asyncio task, executor job,
    intermediate buffer), seconds for 10,000 small tensors, and deep-copies the whole manifest
-   for every restored key. Raw CPU tensors of local snapshots are read straight into the
-   stateful's tensors (``direct_read.py``); every other entry goes through torchsnapshot's reader,
+   for every restored key. Raw CPU tensors are read straight into the stateful's tensors
+   (``direct_read.py``: ``preadv`` from local files, a few large ranged GETs from S3); every
+   other entry goes through torchsnapshot's reader,
    and the manifest is filtered without copying when no sharded tensor needs the copy.
 
 9. ``take`` raised on a bfloat16 tensor of an odd number of elements (its bytes were viewed as
@@ -305,11 +306,13 @@ class Snapshot(torchsnapshot.Snapshot):
         from torchsnapshot.manifest_utils import is_container_entry
         from torchsnapshot.scheduler import get_process_memory_budget_bytes, sync_execute_read_reqs
 
-        from .direct_read import direct_target, read_into
+        from .direct_read import direct_target, fetch_into, read_into
 
         # As torchsnapshot does: load into the tensors the stateful already holds, where it can.
         _, flattened = flatten(stateful.state_dict(), prefix=stateful_key)
-        root = getattr(storage, "direct_read_root", None)
+        root = getattr(storage, "direct_read_root", None)  # local files
+        fetch = getattr(storage, "direct_fetch", None)  # an object store
+        can_read = root is not None or fetch is not None
         containers: dict[str, Any] = {}
         values: dict[str, Any] = {}
         direct = []
@@ -322,7 +325,7 @@ class Snapshot(torchsnapshot.Snapshot):
             target = flattened.get(path)
             if not isinstance(target, torch.Tensor):
                 target = None
-            found = direct_target(entry, target) if root is not None and target is not None else None
+            found = direct_target(entry, target) if can_read and target is not None else None
             if found is not None:
                 direct.append(found)
                 values[path] = target
@@ -330,8 +333,11 @@ class Snapshot(torchsnapshot.Snapshot):
             reqs, future = prepare_read(entry=entry, obj_out=target)
             read_reqs += reqs
             futures[path] = future
-        if root is not None and direct:
-            read_into(root, direct)
+        if direct:
+            if root is not None:
+                read_into(root, direct)
+            elif fetch is not None:
+                fetch_into(fetch, direct)
         # torchsnapshot asks for the memory budget (a collective) once per stateful: so do we,
         # whatever this rank reads, so every rank makes the same collective calls.
         budget = get_process_memory_budget_bytes(pg=pg)

@@ -8,8 +8,11 @@ raw bytes, ``serializer == "buffer_protocol"``, restored into a contiguous tenso
 dtype and shape), the bytes in the file *are* the tensor's memory, so this module reads them with
 ``preadv`` directly into that memory: no intermediate buffer, one copy from the page cache.
 
+On an object store the same entries are fetched with a few large ranged reads and copied into
+the tensors (:func:`fetch_into`).
+
 Everything else (objects, tensors saved with ``torch.save``, chunked or sharded tensors, targets on
-a GPU or with another layout, snapshots on S3) still goes through torchsnapshot's own reader, so
+a GPU or with another layout) still goes through torchsnapshot's own reader, so
 the two paths together read exactly what torchsnapshot alone would. A file shorter than an entry
 it holds raises :class:`BadSnapshotFile` before the tensor is used, as does a manifest naming a
 file outside the snapshot's directory.
@@ -18,7 +21,7 @@ file outside the snapshot's directory.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -131,4 +134,62 @@ def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
     return total
 
 
-__all__ = ["BadSnapshotFile", "READ_AHEAD_BYTES", "direct_target", "read_into"]
+#: Object-store reads: at most this many bytes per ranged GET, and this many GETs at once.
+FETCH_CHUNK_BYTES = 32 * 1024 * 1024
+FETCH_WORKERS = 4
+
+
+def fetch_into(
+    fetch: Callable[[str, int, int], bytes], reads: Iterable[tuple[str, int, memoryview]]
+) -> int:
+    """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
+
+    Each file's entries are covered by ranged reads of at most :data:`FETCH_CHUNK_BYTES` (the
+    small tensors packed into one file come in one read), :data:`FETCH_WORKERS` at a time, and
+    copied into the buffers. Returns the bytes fetched.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    for location, offset, buf in reads:
+        if buf.nbytes:
+            by_file.setdefault(location, []).append((offset, buf))
+    jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
+    for location, items in sorted(by_file.items()):
+        items.sort(key=lambda item: item[0])
+        start = items[0][0]
+        end = max(offset + buf.nbytes for offset, buf in items)
+        for lower in range(start, end, FETCH_CHUNK_BYTES):
+            upper = min(end, lower + FETCH_CHUNK_BYTES)
+            inside = [(o, b) for o, b in items if o < upper and o + b.nbytes > lower]
+            if inside:
+                jobs.append((location, lower, upper, inside))
+
+    def one(job: tuple[str, int, int, list[tuple[int, memoryview]]]) -> int:
+        location, lower, upper, items = job
+        data = memoryview(fetch(location, lower, upper))
+        if data.nbytes < upper - lower:
+            raise BadSnapshotFile(
+                f"{location} ends at byte {lower + data.nbytes}, before the end of the entries it "
+                f"holds (byte {upper}): the object is truncated"
+            )
+        for offset, buf in items:
+            a, b = max(offset, lower), min(offset + buf.nbytes, upper)
+            buf[a - offset:b - offset] = data[a - lower:b - lower]
+        return upper - lower
+
+    if not jobs:
+        return 0
+    with ThreadPoolExecutor(min(FETCH_WORKERS, len(jobs)), thread_name_prefix="tnt-snapshot-fetch") as pool:
+        return sum(pool.map(one, jobs))
+
+
+__all__ = [
+    "BadSnapshotFile",
+    "FETCH_CHUNK_BYTES",
+    "FETCH_WORKERS",
+    "READ_AHEAD_BYTES",
+    "direct_target",
+    "fetch_into",
+    "read_into",
+]

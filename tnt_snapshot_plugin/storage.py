@@ -28,6 +28,7 @@ import io
 import json
 import mmap
 import os
+import posixpath
 import shutil
 import threading
 import uuid
@@ -108,6 +109,12 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
 
 
 _sync_file_range = _load_sync_file_range()
+
+
+def _relative_inside(rel: str) -> bool:
+    """Whether the relative path ``rel`` stays below its root, read as written (object keys)."""
+    norm = posixpath.normpath(rel)
+    return not (rel.startswith("/") or norm == ".." or norm.startswith("../"))
 
 
 def is_inside(root: str, rel: str) -> bool:
@@ -420,6 +427,21 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
 
         def _key(self, rel_path: str) -> str:
             return f"{root}/{rel_path}" if root else rel_path
+
+        def direct_fetch(self, rel_path: str, start: int, end: int) -> bytes:
+            """Bytes ``start:end`` of a snapshot file (compat.Snapshot's direct reads)."""
+            if not _relative_inside(rel_path):
+                raise RuntimeError(
+                    f"the manifest of s3://{bucket}/{root} names the file {rel_path!r}, outside the "
+                    "snapshot: the snapshot is damaged or was not written by torchsnapshot"
+                )
+            body = self.client.get_object(
+                Bucket=bucket, Key=self._key(rel_path), Range=f"bytes={start}-{end - 1}"
+            )["Body"]
+            try:
+                return body.read()  # type: ignore[no-any-return]
+            finally:
+                body.close()
 
         async def _put(self, rel_path: str, buf: Any) -> None:
             body = buf.tobytes() if isinstance(buf, Gathered) else bytes(buf)
