@@ -1,4 +1,4 @@
-"""Restore a local snapshot's tensors by reading their bytes straight into the tensors.
+"""Restore a snapshot's tensors by reading their bytes straight into the tensors.
 
 torchsnapshot's restore handles every entry with an asyncio task, a thread-pool job, an
 intermediate buffer and a tensor built over it, then copies into the module's tensor: about
@@ -12,10 +12,10 @@ On an object store the same entries are fetched with a few large ranged reads an
 the tensors (:func:`fetch_into`).
 
 Everything else (objects, tensors saved with ``torch.save``, chunked or sharded tensors, targets on
-a GPU or with another layout) still goes through torchsnapshot's own reader, so
-the two paths together read exactly what torchsnapshot alone would. A file shorter than an entry
-it holds raises :class:`BadSnapshotFile` before the tensor is used, as does a manifest naming a
-file outside the snapshot's directory.
+a GPU or with another layout) still goes through torchsnapshot's own reader, so the two paths
+together read exactly what torchsnapshot alone would. A file shorter than an entry it holds raises
+:class:`BadSnapshotFile` (a truncated object too), as does a manifest naming a file outside the
+snapshot's directory (the S3 storage plugin refuses those itself).
 """
 
 from __future__ import annotations
