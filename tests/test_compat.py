@@ -6,6 +6,7 @@ import random
 
 from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.compat import Snapshot
+from toy import Holder
 
 
 def test_torchsnapshot_no_longer_draws_from_the_global_python_rng(tmp_path):
@@ -23,17 +24,6 @@ def test_torchsnapshot_no_longer_draws_from_the_global_python_rng(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # Speed work-arounds (items 4-6): same snapshots, read by torchsnapshot itself; each file read once
-
-
-class _Holder:
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def _varied_state():
@@ -65,13 +55,13 @@ def test_metadata_is_plain_json_that_torchsnapshot_itself_reads(tmp_path):
 
     url = LocalStore(str(tmp_path)).torchsnapshot_url("epoch_0_step_1")
     want = _varied_state()
-    Snapshot.take(url, {"h": _Holder(want)})
+    Snapshot.take(url, {"h": Holder(want)})
     text = (tmp_path / "epoch_0_step_1" / ".snapshot_metadata").read_text()
     assert json.loads(text)["manifest"]
-    by_torchsnapshot = _Holder({})
+    by_torchsnapshot = Holder({})
     torchsnapshot.Snapshot(str(tmp_path / "epoch_0_step_1")).restore({"h": by_torchsnapshot})
     _assert_same(by_torchsnapshot.state, want)
-    by_plugin = _Holder({})
+    by_plugin = Holder({})
     Snapshot(url).restore({"h": by_plugin})
     _assert_same(by_plugin.state, want)
 
@@ -84,10 +74,10 @@ def test_yaml_metadata_of_other_versions_is_still_read(tmp_path):
 
     want = _varied_state()
     path = tmp_path / "snap"
-    torchsnapshot.Snapshot.take(str(path), {"h": _Holder(want)})
+    torchsnapshot.Snapshot.take(str(path), {"h": Holder(want)})
     meta = path / ".snapshot_metadata"
     meta.write_text(yaml.safe_dump(json.loads(meta.read_text())))  # as YAML, not JSON
-    got = _Holder({})
+    got = Holder({})
     Snapshot(str(path)).restore({"h": got})
     _assert_same(got.state, want)
 
@@ -100,7 +90,7 @@ def test_restore_reads_each_file_once_whatever_the_number_of_keys(tmp_path, monk
     from tnt_snapshot_plugin import storage
 
     url = "tntfs://" + str(tmp_path / "snap")
-    keys = {f"k{i}": _Holder({"w": torch.full((300_000,), float(i))}) for i in range(4)}
+    keys = {f"k{i}": Holder({"w": torch.full((300_000,), float(i))}) for i in range(4)}
     Snapshot.take(url, keys)
     reads = collections.Counter()
     real = storage._read_file
@@ -118,7 +108,7 @@ def test_restore_reads_each_file_once_whatever_the_number_of_keys(tmp_path, monk
     monkeypatch.setattr(storage, "_read_file", counting)
     monkeypatch.setattr(storage, "_map_file", counting_map)
     # float64 targets for float32 tensors: read by torchsnapshot's reader, not straight into them
-    fresh = {f"k{i}": _Holder({"w": torch.zeros(300_000, dtype=torch.float64)}) for i in range(4)}
+    fresh = {f"k{i}": Holder({"w": torch.zeros(300_000, dtype=torch.float64)}) for i in range(4)}
     Snapshot(url).restore(fresh)
     assert all(torch.equal(fresh[k].state["w"], keys[k].state["w"]) for k in keys)
     data_reads = {k: n for k, n in reads.items() if not k[0].endswith(".snapshot_metadata")}
@@ -136,8 +126,8 @@ def test_odd_sized_bfloat16_and_empty_tensors_can_be_saved(tmp_path):
         "scalar": torch.tensor(1.5, dtype=torch.bfloat16),
         "empty": torch.zeros(0, 4),
     }
-    Snapshot.take(str(tmp_path / "snap"), {"h": _Holder(want)})
-    got = _Holder({})  # nothing to load into: torchsnapshot allocates each tensor
+    Snapshot.take(str(tmp_path / "snap"), {"h": Holder(want)})
+    got = Holder({})  # nothing to load into: torchsnapshot allocates each tensor
     torchsnapshot.Snapshot(str(tmp_path / "snap")).restore({"h": got})
     assert got.state.keys() == want.keys()
     for key, tensor in want.items():
@@ -179,10 +169,10 @@ def test_packed_small_tensors_are_written_from_the_tensors_without_a_slab_copy(t
     want["bf16"] = torch.randn(7).to(torch.bfloat16)
     url = storage.LocalStore(str(tmp_path)).torchsnapshot_url("snap")
     with storage.recording(storage.WriteRecorder()) as rec:
-        Snapshot.take(url, {"h": _Holder(want)})
+        Snapshot.take(url, {"h": Holder(want)})
     assert gathered == [301]  # one file, written straight from the 301 tensors
     (tmp_path / "snap" / ".snapshot_metadata").write_bytes(rec.metadata)
-    got = _Holder({})
+    got = Holder({})
     torchsnapshot.Snapshot(str(tmp_path / "snap")).restore({"h": got})
     assert got.state.keys() == want.keys()
     assert all(torch.equal(got.state[k], want[k]) for k in want)
@@ -225,7 +215,7 @@ def test_gc_is_paused_while_training_waits_for_a_take_or_restore(tmp_path, monke
 
     seen = []
 
-    class Probe(_Holder):
+    class Probe(Holder):
         def state_dict(self):
             seen.append(gc.isenabled())
             return super().state_dict()
@@ -246,11 +236,11 @@ def test_gc_is_paused_while_training_waits_for_a_take_or_restore(tmp_path, monke
 
     monkeypatch.setattr(compat.Snapshot, "take", classmethod(take))
     saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=False))
-    saver.save(0, 1, {"h": _Holder({"w": torch.ones(3)})})
+    saver.save(0, 1, {"h": Holder({"w": torch.ones(3)})})
     assert seen == [False] and gc.isenabled()
     # An asynchronous write runs alongside training, possibly for minutes: the collector stays on.
     background = Snapshotter(str(tmp_path / "bg"), SnapshotConfig.build(async_snapshot=True))
-    background.save(0, 1, {"h": _Holder({"w": torch.ones(3)})})
+    background.save(0, 1, {"h": Holder({"w": torch.ones(3)})})
     background.wait()
     assert seen == [False, True]
 

@@ -23,17 +23,7 @@ from tnt_snapshot_plugin.compat import Snapshot, manifest_for_rank
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.storage import LocalStore, WriteRecorder, recording
-
-
-class Holder:
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
+from toy import Holder
 
 
 def varied_state(seed: int) -> dict:
@@ -224,17 +214,22 @@ def test_manifest_for_rank_matches_torchsnapshots_without_copying_it():
     assert manifest_for_rank(metadata, 2) is None  # a new rank: torchsnapshot's own handling
 
 
-def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path):
+def snapshot_pointing_outside(tmp_path, numel: int) -> str:
+    """A snapshot of ``{"w": zeros(numel)}`` whose manifest sends "w" to a file beside dirpath."""
     import json
 
-    secret = tmp_path / "secret.bin"
-    secret.write_bytes(b"\x01" * 4096)
-    path = take(tmp_path / "snaps", {"w": torch.zeros(1024)})
+    (tmp_path / "secret.bin").write_bytes(b"\x01" * 4 * numel)
+    path = take(tmp_path / "snaps", {"w": torch.zeros(numel)})
     meta_path = tmp_path / "snaps" / "epoch_0_step_1" / ".snapshot_metadata"
     meta = json.loads(meta_path.read_text())
     (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
     entry["location"], entry["byte_range"] = "../../secret.bin", None
     meta_path.write_text(json.dumps(meta))
+    return path
+
+
+def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path):
+    path = snapshot_pointing_outside(tmp_path, 1024)
     target = torch.full((1024,), 7.0)
     with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
         restore(path, {"h": Holder({"w": target})})
@@ -242,15 +237,7 @@ def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path):
 
 
 def test_torchsnapshots_own_reader_refuses_a_file_outside_the_snapshot_too(tmp_path):
-    import json
-
-    (tmp_path / "secret.bin").write_bytes(b"\x01" * 64)
-    path = take(tmp_path / "snaps", {"w": torch.zeros(16)})
-    meta_path = tmp_path / "snaps" / "epoch_0_step_1" / ".snapshot_metadata"
-    meta = json.loads(meta_path.read_text())
-    (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
-    entry["location"], entry["byte_range"] = "../../secret.bin", None
-    meta_path.write_text(json.dumps(meta))
+    path = snapshot_pointing_outside(tmp_path, 16)
     # A float64 target: not read directly, so the file is asked of the storage plugin.
     with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
         restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})})

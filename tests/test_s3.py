@@ -32,7 +32,15 @@ from tnt_snapshot_plugin import storage as storage_mod
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from tnt_snapshot_plugin.storage import S3Store, open_store
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
+from toy import (
+    Holder,
+    StatefulLoader,
+    ToyUnit,
+    assert_bitwise_equal,
+    make_data,
+    seed_everything,
+    weights,
+)
 
 BUCKET = "snapshots"
 #: A loopback port nothing listens on (the discard port): where the environment points.
@@ -356,27 +364,14 @@ def test_tnts3_plugin_takes_endpoint_and_credentials_from_storage_options(option
 
     url = "tnts3://" + run_url[len("s3://"):] + "/direct"
     state = {"t": torch.arange(12, dtype=torch.float64).reshape(3, 4)}
-    Snapshot.take(url, app_state={"s": _Holder(state)}, storage_options=options)
+    Snapshot.take(url, app_state={"s": Holder(state)}, storage_options=options)
     assert ".snapshot_metadata" in keys_under(options, run_url + "/direct")
-    target = _Holder({"t": torch.zeros(3, 4, dtype=torch.float64)})
+    target = Holder({"t": torch.zeros(3, 4, dtype=torch.float64)})
     Snapshot(url, storage_options=options).restore({"s": target})
     assert torch.equal(target.state["t"], state["t"])
 
 
-class _Holder:
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-
 def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
-    from test_direct_read import Holder
-
     from tnt_snapshot_plugin.compat import Snapshot
     from tnt_snapshot_plugin.storage import WriteRecorder, recording
 
@@ -392,7 +387,7 @@ def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
 
 
 def test_s3_restore_fetches_raw_tensors_in_large_ranged_reads(options, run_url, monkeypatch):
-    from test_direct_read import Holder, assert_identical, varied_state, zeros_like_state
+    from test_direct_read import assert_identical, varied_state, zeros_like_state
 
     from tnt_snapshot_plugin import direct_read
     from tnt_snapshot_plugin.restoring import restore
@@ -420,7 +415,7 @@ def test_s3_restore_fetches_raw_tensors_in_large_ranged_reads(options, run_url, 
 
 
 def test_truncated_s3_object_is_an_error_naming_it(options, run_url):
-    from test_direct_read import Holder, zeros_like_state
+    from test_direct_read import zeros_like_state
 
     from tnt_snapshot_plugin.errors import SnapshotCorruptError
     from tnt_snapshot_plugin.restoring import restore

@@ -18,6 +18,7 @@ from tnt_snapshot_plugin import app_state, restore, storage
 from tnt_snapshot_plugin.app_state import Stager
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.snapshotter import Snapshotter
+from toy import Holder
 
 
 class Model(torch.nn.Module):
@@ -159,19 +160,6 @@ def test_snapshotter_reuses_one_staging_copy_across_snapshots(tmp_path, pm):
 
 # ------------------------------------------------------------------------------------------------
 # The Stager itself
-
-
-class Holder:
-    """A Stateful returning whatever state dict the test sets."""
-
-    def __init__(self, state: object) -> None:
-        self.state = state
-
-    def state_dict(self) -> object:
-        return self.state
-
-    def load_state_dict(self, state: object) -> None:
-        self.state = state
 
 
 def pointers(staged: dict) -> dict[str, int]:

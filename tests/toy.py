@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -63,3 +63,16 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+class Holder:
+    """A Stateful returning whatever state dict the test sets."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
