@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import signal
 import warnings
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
 from torchtnt.framework.callback import Callback
-from torchtnt.framework.state import State
+from torchtnt.framework.state import EntryPoint, State
 from torchtnt.framework.unit import AppStateMixin, EvalUnit, PredictUnit, TrainUnit
 
 from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, check_collisions, is_stateful
-from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.config import Knobs, SnapshotConfig
+from tnt_snapshot_plugin.distributed import Collectives, require_process_group
+from tnt_snapshot_plugin.errors import ConfigError
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 
 TRAIN_PROGRESS_KEY = "train_progress"
@@ -40,30 +42,42 @@ class TorchSnapshotSaver(Callback):
     Python, numpy), and the train dataloader's state when the loader has
     ``state_dict``/``load_state_dict`` (at epoch ends too, so a loader that reshuffles by epoch
     resumes exactly). Snapshots are written to
-    ``dirpath/epoch_{epoch}_step_{step}`` (``step``: train steps completed across all epochs),
+    ``dirpath/epoch_{epoch}_step_{step}`` (``step``: train steps completed across all epochs;
+    after an eval epoch under ``fit()``: ``..._eval_{eval steps completed}``),
     asynchronously by default, and become visible to restore only once complete.
 
+    Every keyword argument of torchtnt 0.2.4's ``TorchSnapshotSaver`` is accepted with its meaning
+    (``best_checkpoint_config`` aside, see the README); the others are this plugin's.
+
     Args:
-        dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``).
+        dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``). Under
+            torch.distributed only rank 0's counts; the other ranks may pass anything, ``""`` too.
         save_every_n_train_steps: snapshot every N train steps (None: no mid-epoch snapshots).
         save_every_n_epochs: snapshot every N epochs (None: no epoch-end snapshots).
+        save_every_n_eval_epochs: under ``fit()``, snapshot after every N eval epochs (None: none).
+        keep_last_n_checkpoints: delete older snapshots once a newer one is committed
+            (``keep_last_n_snapshots`` is this plugin's name for it).
+        process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
+        async_checkpoint: write in the background; training waits only for an in-memory copy
+            (default True; ``async_snapshot`` is this plugin's name for it).
         replicated: glob patterns of entries identical on every rank (``["**"]``: all but the
             progress, RNG and dataloader entries), saved once instead of once per rank.
         storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
             ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``).
-        keep_last_n_snapshots: delete older snapshots once a newer one is committed
-            (``keep_last_n_checkpoints`` is accepted as torchtnt's name for it).
-        async_snapshot: write in the background; training waits only for an in-memory copy.
+        knob_options: torchtnt's ``KnobOptions``: ``max_per_rank_io_concurrency`` caps the file
+            writes one rank has in flight; ``enable_storage_optimization`` is ignored, as torchtnt
+            0.2.4 ignores it (a no-op reserved for future use there).
         save_on_train_end: take a final snapshot when training ends (unless already saved).
         on_save_error: ``"warn"`` (default: training goes on, every hook warns until a snapshot
             succeeds) or ``"raise"`` (the next hook raises SnapshotWriteError).
         preemption_signals: on these signals, finish the step, snapshot, then exit as the signal
             asks (default ``[SIGTERM]``; ``[]`` disables).
-        process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
+    Initialise the process group first: with ``WORLD_SIZE`` > 1 in the environment and none
+    initialised, the constructor raises ConfigError.
     """
 
     def __init__(
@@ -72,34 +86,45 @@ class TorchSnapshotSaver(Callback):
         *,
         save_every_n_train_steps: Optional[int] = None,
         save_every_n_epochs: Optional[int] = None,
+        save_every_n_eval_epochs: Optional[int] = None,
+        keep_last_n_checkpoints: Optional[int] = None,
+        process_group: Optional[Any] = None,
+        async_checkpoint: Optional[bool] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
+        knob_options: Optional[Any] = None,
         keep_last_n_snapshots: Optional[int] = None,
-        keep_last_n_checkpoints: Optional[int] = None,
-        async_snapshot: bool = True,
+        async_snapshot: Optional[bool] = None,
         save_on_train_end: bool = True,
         on_save_error: str = "warn",
         preemption_signals: Iterable[Union[int, signal.Signals]] = (signal.SIGTERM,),
-        process_group: Optional[Any] = None,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
     ) -> None:
+        require_process_group("constructing the saver")
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            save_every_n_eval_epochs=save_every_n_eval_epochs,
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             replicated=replicated,
             storage_options=storage_options,
             async_snapshot=async_snapshot,
+            async_checkpoint=async_checkpoint,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
             preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
             collective_timeout_s=collective_timeout_s,
+            knob_options=knob_options,
         )
         self._snapshotter = Snapshotter(
             dirpath, config, process_group=process_group, plugin_manager=plugin_manager
         )
+        # What on_train_start prepared, and for which (state, unit): the hooks may also be
+        # called directly, without on_train_start (as torchtnt's saver allows).
+        self._state: Optional[State] = None
+        self._unit: Any = None
         self._train_progress: Any = None
         self._collect: Callable[[bool], dict[str, Any]] = _not_started
 
@@ -115,13 +140,23 @@ class TorchSnapshotSaver(Callback):
 
     def on_train_start(self, state: State, unit: TrainUnit[Any]) -> None:
         """Validate there is no key collision in the app state; prepare for preemption."""
+        self._start(state, unit)
+
+    def _start(self, state: State, unit: TrainUnit[Any]) -> None:
         # Read once per run, so a step that does not snapshot only reads two counters.
+        self._state, self._unit = state, unit
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
         self._snapshotter.train_start(_unit_state(unit).keys())
 
+    def _started(self, state: State, unit: Any) -> None:
+        if self._unit is not unit or self._state is not state:
+            self._start(state, unit)
+
     def on_train_step_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the step cadence (or a plugin) says so; a no-op step costs microseconds."""
+        if self._unit is not unit or self._state is not state:
+            self._start(state, unit)  # called without on_train_start (or for another unit)
         progress = self._train_progress
         self._snapshotter.step_end(
             progress.num_epochs_completed, progress.num_steps_completed, self._collect
@@ -129,17 +164,41 @@ class TorchSnapshotSaver(Callback):
 
     def on_train_epoch_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the epoch cadence (or a plugin) says so."""
+        self._started(state, unit)
         progress = unit.train_progress
         self._snapshotter.epoch_end(
-            progress.num_epochs_completed, progress.num_steps_completed, _collector(state, unit)
+            progress.num_epochs_completed, progress.num_steps_completed, self._collect
+        )
+
+    def on_eval_epoch_end(self, state: State, unit: EvalUnit[Any]) -> None:
+        """Under ``fit()``, snapshot if the eval-epoch cadence (or a plugin) says so.
+
+        An eval run on its own (``evaluate()``) has no training to resume: nothing is saved.
+        """
+        train_progress = getattr(unit, "train_progress", None)
+        if state.entry_point != EntryPoint.FIT or train_progress is None:
+            return
+        self._started(state, unit)
+        eval_progress = unit.eval_progress
+        self._snapshotter.eval_epoch_end(
+            train_progress.num_epochs_completed,
+            train_progress.num_steps_completed,
+            eval_progress.num_epochs_completed,
+            eval_progress.num_steps_completed,
+            self._collect,
         )
 
     def on_train_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Take a final snapshot unless the last state is already saved; wait until it is durable."""
+        self._started(state, unit)
         progress = unit.train_progress
-        self._snapshotter.train_end(
-            progress.num_epochs_completed, progress.num_steps_completed, _collector(state, unit)
-        )
+        try:
+            self._snapshotter.train_end(
+                progress.num_epochs_completed, progress.num_steps_completed, self._collect
+            )
+        finally:
+            self._state = self._unit = None  # the next run starts afresh
+            self._collect = _not_started
 
     def on_exception(
         self,
@@ -156,23 +215,38 @@ class TorchSnapshotSaver(Callback):
         unit: AppStateMixin,
         *,
         train_dataloader: Optional[Any] = None,
-        restore_train_progress: bool = True,
-        restore_eval_progress: bool = True,
-        storage_options: Optional[dict[str, Any]] = None,
         process_group: Optional[Any] = None,
-        strict: bool = True,
+        restore_options: Optional[Any] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        knob_options: Optional[Any] = None,
+        strict: Optional[bool] = None,
+        restore_train_progress: Optional[bool] = None,
+        restore_eval_progress: Optional[bool] = None,
+        restore_optimizers: Optional[bool] = None,
+        restore_lr_schedulers: Optional[bool] = None,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
     ) -> None:
         """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
 
-        ``restore_train_progress`` / ``restore_eval_progress``: whether to load the progress
-        entries. Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, and
-        StateMismatchError if the unit's modules do not match it.
+        torchtnt 0.2.4's signature: ``restore_options=RestoreOptions(restore_train_progress,
+        restore_eval_progress, restore_optimizers, restore_lr_schedulers, strict)`` says what to
+        load, ``knob_options`` how (``max_per_rank_io_concurrency``: reads in flight at once).
+        The same switches may be passed as keyword arguments (a keyword that contradicts
+        ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
+        Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).
+
+        Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError
+        if the unit does not fit it, SnapshotCorruptError if its files cannot be read; an error
+        raised by the unit's own ``load_state_dict`` propagates as it is.
         """
-        app_state, optional = _restore_state(
-            unit, train_dataloader, restore_train_progress, restore_eval_progress
+        require_process_group("restoring")
+        options = _restore_options(
+            restore_options, strict, restore_train_progress, restore_eval_progress,
+            restore_optimizers, restore_lr_schedulers,
         )
+        knobs = Knobs.of("knob_options", knob_options)
+        app_state, optional = _restore_state(unit, train_dataloader, options)
         with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
             restoring.restore(
                 path,
@@ -181,7 +255,8 @@ class TorchSnapshotSaver(Callback):
                 storage_options=storage_options,
                 collectives=collectives,
                 plugin_manager=plugin_manager,
-                strict=strict,
+                strict=options.strict,
+                io_concurrency=knobs.max_per_rank_io_concurrency,
             )
 
     @staticmethod
@@ -190,26 +265,36 @@ class TorchSnapshotSaver(Callback):
         unit: AppStateMixin,
         *,
         train_dataloader: Optional[Any] = None,
-        restore_train_progress: bool = True,
-        restore_eval_progress: bool = True,
-        storage_options: Optional[dict[str, Any]] = None,
         process_group: Optional[Any] = None,
-        strict: bool = True,
+        restore_options: Optional[Any] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        knob_options: Optional[Any] = None,
+        strict: Optional[bool] = None,
+        restore_train_progress: Optional[bool] = None,
+        restore_eval_progress: Optional[bool] = None,
+        restore_optimizers: Optional[bool] = None,
+        restore_lr_schedulers: Optional[bool] = None,
         fallback: bool = True,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
     ) -> bool:
-        """Restore the newest complete snapshot in ``dirpath``.
+        """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
 
         Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
         complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
         one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
-        but none can be read, SnapshotCorruptError is raised rather than returning False.
-        Under torch.distributed rank 0's ``dirpath`` is used and rank 0 picks the snapshot.
+        but none can be read, SnapshotCorruptError is raised rather than returning False. A
+        snapshot that does not fit the unit, or an error from the unit's own code, is raised at
+        once, with no fallback. Under torch.distributed rank 0's ``dirpath`` is used and rank 0
+        picks the snapshot.
         """
-        app_state, optional = _restore_state(
-            unit, train_dataloader, restore_train_progress, restore_eval_progress
+        require_process_group("restoring")
+        options = _restore_options(
+            restore_options, strict, restore_train_progress, restore_eval_progress,
+            restore_optimizers, restore_lr_schedulers,
         )
+        knobs = Knobs.of("knob_options", knob_options)
+        app_state, optional = _restore_state(unit, train_dataloader, options)
         with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
             restored = restoring.restore_from_latest(
                 dirpath,
@@ -218,10 +303,47 @@ class TorchSnapshotSaver(Callback):
                 storage_options=storage_options,
                 collectives=collectives,
                 plugin_manager=plugin_manager,
-                strict=strict,
+                strict=options.strict,
                 fallback=fallback,
+                io_concurrency=knobs.max_per_rank_io_concurrency,
             )
         return restored is not None
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What to restore: torchtnt's RestoreOptions, merged with the keyword arguments."""
+
+    restore_train_progress: bool = True
+    restore_eval_progress: bool = True
+    restore_optimizers: bool = True
+    restore_lr_schedulers: bool = True
+    strict: bool = True
+
+
+def _restore_options(restore_options: Any, strict: Any, *flags: Any) -> _Options:
+    names = [f.name for f in fields(_Options)]
+    given = dict(zip(names, (*flags, strict), strict=True))
+    values = {}
+    if restore_options is not None and not all(hasattr(restore_options, n) for n in names):
+        raise ConfigError(
+            "restore_options must be a RestoreOptions (torchtnt.framework.callbacks."
+            f"checkpointer_types) or None, got {restore_options!r}"
+        )
+    for name in names:
+        from_options = getattr(restore_options, name) if restore_options is not None else None
+        value = given[name]
+        if value is not None and from_options is not None and value != from_options:
+            raise ConfigError(
+                f"{name}={value!r} contradicts restore_options.{name}={from_options!r}; pass "
+                "the setting once (in restore_options or as a keyword argument)"
+            )
+        value = value if value is not None else from_options
+        value = True if value is None else value
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
+        values[name] = value
+    return _Options(**values)
 
 
 def _not_started(intra_epoch: bool) -> dict[str, Any]:
@@ -250,17 +372,21 @@ def _collector(state: State, unit: AppStateMixin) -> Callable[[bool], dict[str, 
 
 
 def _restore_state(
-    unit: AppStateMixin,
-    train_dataloader: Optional[Any],
-    restore_train_progress: bool,
-    restore_eval_progress: bool,
+    unit: AppStateMixin, train_dataloader: Optional[Any], options: _Options
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     app_state = _unit_state(unit)
     check_collisions(app_state.keys())
-    if not restore_train_progress:
-        app_state.pop(TRAIN_PROGRESS_KEY, None)
-    if not restore_eval_progress:
-        app_state.pop(EVAL_PROGRESS_KEY, None)
+    skipped: list[str] = []
+    if not options.restore_train_progress:
+        skipped.append(TRAIN_PROGRESS_KEY)
+    if not options.restore_eval_progress:
+        skipped.append(EVAL_PROGRESS_KEY)
+    if not options.restore_optimizers:
+        skipped += unit.tracked_optimizers().keys()
+    if not options.restore_lr_schedulers:
+        skipped += unit.tracked_lr_schedulers().keys()
+    for key in skipped:  # not loaded: the unit keeps its own value
+        app_state.pop(key, None)
     optional: tuple[str, ...] = (EVAL_PROGRESS_KEY,)
     if train_dataloader is not None:
         if is_stateful(train_dataloader):
@@ -273,4 +399,3 @@ def _restore_state(
                 stacklevel=3,
             )
     return app_state, optional
-

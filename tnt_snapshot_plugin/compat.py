@@ -63,6 +63,15 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
     object: 0.15-0.3 s of a 0.5 s take on the project's machine. The plugin pauses the collector
     while its restores and its synchronous takes run (``gc_paused``): while training waits. An
     asynchronous take, which training runs alongside, leaves it alone.
+
+12. Its I/O concurrency knob is an environment variable (``override_max_per_rank_io_concurrency``
+    sets it for the whole process). The scheduler asks ``storage.current_io_concurrency()`` first,
+    a limit set per thread (``storage.io_concurrency``) for one take or restore.
+
+13. Its restore calls each stateful's ``state_dict()`` and ``load_state_dict()`` inside the read,
+    so an exception from the user's own code looked like a read failure. The plugin's
+    ``Snapshot`` raises :class:`StatefulError` (the key, the method, the original exception as
+    ``__cause__``) for those, and restoring.py tells the user's errors from damaged files.
 """
 
 from __future__ import annotations
@@ -112,6 +121,28 @@ def _install_direct_lookup() -> None:
 
 
 _install_direct_lookup()
+
+
+def _install_scoped_io_concurrency() -> None:
+    """torchsnapshot's scheduler reads its I/O concurrency from an environment variable (one
+    value for the whole process); it asks the plugin's per-thread limit first (item 12)."""
+    import torchsnapshot.scheduler as scheduler
+
+    from .storage import current_io_concurrency
+
+    original = scheduler.get_max_per_rank_io_concurrency
+    if getattr(original, "_tnt_scoped", False):
+        return
+
+    def get_max_per_rank_io_concurrency() -> int:
+        limit = current_io_concurrency()
+        return limit if limit is not None else original()
+
+    get_max_per_rank_io_concurrency._tnt_scoped = True  # type: ignore[attr-defined]
+    scheduler.get_max_per_rank_io_concurrency = get_max_per_rank_io_concurrency
+
+
+_install_scoped_io_concurrency()
 
 
 _gc_lock = threading.Lock()
@@ -283,6 +314,8 @@ class Snapshot(torchsnapshot.Snapshot):
     ) -> None:
         if stateful is None:
             return
+        if not type(stateful).__module__.startswith("tnt_snapshot_plugin."):
+            stateful = _Guarded(stateful_key, stateful, strict)  # the user's code (item 13)
         manifest = manifest_for_rank(self.metadata, pg.get_rank(), key=stateful_key)
         if manifest is None:  # sharded tensors or a new rank: torchsnapshot's own handling
             self._load_stateful_own_entries(stateful_key, stateful, strict, storage, pg, event_loop)
@@ -376,6 +409,46 @@ class Snapshot(torchsnapshot.Snapshot):
             self._metadata = full
 
 
+class StatefulError(Exception):
+    """A stateful's own ``state_dict()`` or ``load_state_dict()`` raised during a restore (item 13).
+
+    ``key``: its app-state key; ``method``: which of the two; ``__cause__``: what it raised.
+    """
+
+    def __init__(self, key: str, method: str, target: Any, exc: BaseException) -> None:
+        super().__init__(f"{key}.{method}() raised {type(exc).__name__}: {exc}")
+        self.key = key
+        self.method = method
+        self.target = target
+        self.original = exc
+
+
+class _Guarded:
+    """A stateful as torchsnapshot's restore sees it: exceptions from its own methods come out
+    as :class:`StatefulError`, told apart from those of reading the snapshot."""
+
+    def __init__(self, key: str, stateful: Any, strict: bool) -> None:
+        self._key = key
+        self._stateful = stateful
+        self._strict = strict
+
+    def state_dict(self) -> Any:
+        try:
+            return self._stateful.state_dict()
+        except Exception as exc:
+            raise StatefulError(self._key, "state_dict", self._stateful, exc) from exc
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        target = self._stateful
+        try:
+            if isinstance(target, torch.nn.Module):
+                target.load_state_dict(state_dict, strict=self._strict)
+            else:
+                target.load_state_dict(state_dict)
+        except Exception as exc:
+            raise StatefulError(self._key, "load_state_dict", target, exc) from exc
+
+
 def manifest_for_rank(metadata: Any, rank: int, key: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The entries ``rank`` restores (of ``key`` only, if given), by logical path; None where
     torchsnapshot's own ``get_manifest_for_rank`` is needed (sharded tensors, DTensors, a rank
@@ -459,4 +532,4 @@ def _metadata_from_json(text: str) -> Any:
     return m.SnapshotMetadata(**doc)
 
 
-__all__ = ["Snapshot", "manifest_for_rank"]
+__all__ = ["Snapshot", "StatefulError", "manifest_for_rank"]

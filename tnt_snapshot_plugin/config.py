@@ -58,11 +58,63 @@ def _signals(name: str, value: Any) -> tuple[signal.Signals, ...]:
 
 
 @dataclass(frozen=True)
+class Knobs:
+    """Tuning of the snapshot writer and reader (torchtnt's ``KnobOptions`` maps onto it).
+
+    ``max_per_rank_io_concurrency``: how many file reads or writes one rank has in flight at once
+    (None: torchsnapshot's default, 16, served by the plugin's 4 I/O threads; N > 4 adds threads).
+    ``enable_storage_optimization``: accepted and ignored, as torchtnt 0.2.4 itself ignores it
+    (its ``KnobOptions`` calls it "a no-op and for future use"); the plugin's files are those
+    torchsnapshot writes, uncompressed.
+    """
+
+    max_per_rank_io_concurrency: Optional[int] = None
+    enable_storage_optimization: bool = False
+
+    @classmethod
+    def of(cls, name: str, options: Any) -> "Knobs":
+        """``options`` (None, a Knobs, or any object with the same attributes, such as torchtnt's
+        ``KnobOptions``) as validated Knobs; a ConfigError naming ``name`` otherwise."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not hasattr(options, "max_per_rank_io_concurrency"):
+            raise ConfigError(
+                f"{name} must be a KnobOptions (torchtnt.framework.callbacks.checkpointer_types) "
+                f"or None, got {options!r}"
+            )
+        flag = getattr(options, "enable_storage_optimization", False)
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name}.enable_storage_optimization must be True or False, got {flag!r}")
+        return cls(
+            max_per_rank_io_concurrency=positive_int_or_none(
+                f"{name}.max_per_rank_io_concurrency", options.max_per_rank_io_concurrency
+            ),
+            enable_storage_optimization=flag,
+        )
+
+
+def resolve_alias(name: str, value: Any, alias: str, alias_value: Any, default: Any) -> Any:
+    """One setting given under two names (None: not given): either, or ``default``; a
+    ConfigError naming both when both are given with different values."""
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ConfigError(
+            f"{alias} is another name for {name}; pass only one, or the same value to both "
+            f"(got {name}={value!r} and {alias}={alias_value!r})"
+        )
+    if value is not None:
+        return value
+    return alias_value if alias_value is not None else default
+
+
+@dataclass(frozen=True)
 class SnapshotConfig:
     """What and when to snapshot. Built by the adapters from their keyword arguments."""
 
     save_every_n_train_steps: Optional[int] = None
     save_every_n_epochs: Optional[int] = None
+    save_every_n_eval_epochs: Optional[int] = None
     keep_last_n_snapshots: Optional[int] = None
     replicated: Optional[list[str]] = None
     storage_options: Optional[dict[str, Any]] = None
@@ -72,6 +124,7 @@ class SnapshotConfig:
     restore_fallback: bool = True
     preemption_signals: tuple[signal.Signals, ...] = field(default=(signal.SIGTERM,))
     collective_timeout_s: float = 600.0
+    knobs: Knobs = field(default_factory=Knobs)
 
     @classmethod
     def build(
@@ -79,17 +132,25 @@ class SnapshotConfig:
         *,
         save_every_n_train_steps: Any = None,
         save_every_n_epochs: Any = None,
+        save_every_n_eval_epochs: Any = None,
         keep_last_n_snapshots: Any = None,
         keep_last_n_checkpoints: Any = None,
         replicated: Any = None,
         storage_options: Any = None,
-        async_snapshot: Any = True,
+        async_snapshot: Any = None,
+        async_checkpoint: Any = None,
         save_on_train_end: Any = True,
         on_save_error: Any = "warn",
         restore_fallback: Any = True,
         preemption_signals: Any = (signal.SIGTERM,),
         collective_timeout_s: Any = 600.0,
+        knob_options: Any = None,
     ) -> "SnapshotConfig":
+        """``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
+        ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs."""
+        async_snapshot = resolve_alias(
+            "async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True
+        )
         if keep_last_n_checkpoints is not None:
             if keep_last_n_snapshots is not None and keep_last_n_snapshots != keep_last_n_checkpoints:
                 raise ConfigError(
@@ -126,6 +187,9 @@ class SnapshotConfig:
                 "save_every_n_train_steps", save_every_n_train_steps
             ),
             save_every_n_epochs=positive_int_or_none("save_every_n_epochs", save_every_n_epochs),
+            save_every_n_eval_epochs=positive_int_or_none(
+                "save_every_n_eval_epochs", save_every_n_eval_epochs
+            ),
             keep_last_n_snapshots=positive_int_or_none(name_keep, keep_last_n_snapshots),
             replicated=string_list_or_none("replicated", replicated),
             storage_options=dict(storage_options) if storage_options is not None else None,
@@ -135,5 +199,6 @@ class SnapshotConfig:
             restore_fallback=restore_fallback,
             preemption_signals=_signals("preemption_signals", preemption_signals),
             collective_timeout_s=float(collective_timeout_s),
+            knobs=Knobs.of("knob_options", knob_options),
         )
 

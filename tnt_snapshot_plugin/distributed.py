@@ -18,18 +18,38 @@ A collective that times out or loses a peer raises :class:`DistributedError` say
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError, SnapshotError
+from . import errors
+from .errors import ConfigError, DistributedError, SnapshotError
 
 T = TypeVar("T")
 
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def require_process_group(what: str) -> None:
+    """A ConfigError when the environment says this is one of several processes
+    (``WORLD_SIZE`` > 1, as torchrun sets it) but torch.distributed is not initialised yet:
+    each rank would then use its own dirpath (other ranks may pass ``""``) instead of rank 0's."""
+    if is_initialized():
+        return
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world_size > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={world_size} is set but torch.distributed is not initialised: call "
+            f"torch.distributed.init_process_group() before {what}, so that every rank uses "
+            "rank 0's dirpath (or unset WORLD_SIZE for a single process)"
+        )
 
 
 #: (default group, timeout) -> the restores' gloo group, in a world of one process.
@@ -138,9 +158,10 @@ class Collectives:
     def on_rank0(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 and give every rank its result.
 
-        If ``fn`` raises on rank 0, rank 0 re-raises it and every other rank raises a
-        :class:`DistributedError` carrying its message, instead of waiting for a result that
-        never comes.
+        If ``fn`` raises on rank 0, rank 0 re-raises it and every other rank raises an error
+        carrying its message at once, instead of waiting for a result that never comes: of the
+        same class when it is one of the plugin's errors (a bad dirpath is a ConfigError on every
+        rank), else a :class:`DistributedError`.
         """
         if self.group is None:
             return fn()
@@ -151,7 +172,7 @@ class Collectives:
                 outcome = (True, fn())
             except Exception as exc:  # every rank must hear about it; re-raised below
                 error = exc
-                outcome = (False, f"{type(exc).__name__}: {exc}")
+                outcome = (False, (type(exc).__name__, f"{type(exc).__name__}: {exc}"))
         else:
             outcome = (True, None)
         outcome = self.broadcast(outcome)
@@ -159,7 +180,11 @@ class Collectives:
             raise error
         ok, value = outcome
         if not ok:
-            raise DistributedError(f"rank 0 failed in a checkpoint step: {value}")
+            kind, message = value
+            cls = getattr(errors, kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, SnapshotError)):
+                cls = DistributedError
+            raise cls(f"rank 0 failed in a checkpoint step: {message}")
         return cast(T, value)
 
 

@@ -54,12 +54,13 @@ def tnt_snapshot_plugin_should_snapshot(
 ) -> Optional[bool]:
     """Decide whether to take a snapshot now, overriding the configured cadence.
 
-    Called at each train step end (``event="step"``) and epoch end (``event="epoch"``), only when
+    Called at each train step end (``event="step"``), epoch end (``event="epoch"``) and, in
+    adapters that snapshot after eval epochs, eval epoch end (``event="eval_epoch"``), only when
     at least one plugin implements it (so a saver without such a plugin pays nothing per step).
     Call mode: ``firstresult``: the first non-None answer wins; None defers to the next plugin
     and finally to ``default``.
 
-    :param event: ``"step"`` or ``"epoch"``.
+    :param event: ``"step"``, ``"epoch"`` or ``"eval_epoch"``.
     :param epoch: epochs completed.
     :param step: train steps completed across all epochs.
     :param default: what the configured cadence decided.

@@ -5,6 +5,9 @@ snapshots never costs a torch import.
 
 The plugin writes ``epoch_{epoch}_step_{step}``, where ``epoch`` is the number of epochs completed
 when the snapshot was taken and ``step`` the number of train steps completed across all epochs.
+A snapshot taken after an eval epoch under ``fit()`` is ``epoch_{epoch}_step_{step}_eval_{eval}``
+(``eval``: eval steps completed across all eval epochs): it never collides with the train snapshot
+of the same step, and orders after it (the eval runs after that train step).
 It also reads the phase-aware names torchtnt's own savers write
 (``epoch_E_train_step_T``, ``epoch_E_train_step_T_eval_step_V``, each optionally followed by
 ``_metric=value``), so a run can resume from snapshots torchtnt wrote.
@@ -18,7 +21,8 @@ from typing import Optional
 
 _NAME = re.compile(
     r"^epoch_(?P<epoch>\d+)_"
-    r"(?:step_(?P<step>\d+)|train_step_(?P<train_step>\d+)(?:_eval_step_(?P<eval_step>\d+))?)"
+    r"(?:step_(?P<step>\d+)(?:_eval_(?P<eval>\d+))?"
+    r"|train_step_(?P<train_step>\d+)(?:_eval_step_(?P<eval_step>\d+))?)"
     r"(?:_(?P<metric>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>[-+0-9.eE]+|nan|inf|-inf))?$"
 )
 
@@ -41,11 +45,18 @@ class SnapshotName:
     phase_aware: bool = False
 
     @classmethod
-    def of(cls, epoch: int, step: int) -> "SnapshotName":
-        """The name the plugin writes for a snapshot after ``epoch`` epochs and ``step`` steps."""
-        if epoch < 0 or step < 0:
-            raise ValueError(f"epoch and step must be >= 0, got epoch={epoch}, step={step}")
-        return cls(epoch=epoch, step=step, text=f"epoch_{epoch}_step_{step}")
+    def of(cls, epoch: int, step: int, eval_step: Optional[int] = None) -> "SnapshotName":
+        """The name the plugin writes for a snapshot after ``epoch`` epochs and ``step`` train
+        steps (and, for a snapshot taken after an eval epoch, ``eval_step`` eval steps)."""
+        if epoch < 0 or step < 0 or (eval_step is not None and eval_step < 0):
+            raise ValueError(
+                f"epoch, step and eval_step must be >= 0, got epoch={epoch}, step={step}, "
+                f"eval_step={eval_step}"
+            )
+        text = f"epoch_{epoch}_step_{step}"
+        if eval_step is not None:
+            text += f"_eval_{eval_step}"
+        return cls(epoch=epoch, step=step, eval_step=eval_step, text=text)
 
     @classmethod
     def parse(cls, text: str) -> Optional["SnapshotName"]:
@@ -54,11 +65,12 @@ class SnapshotName:
         if match is None:
             return None
         step = match["step"] if match["step"] is not None else match["train_step"]
+        eval_step = match["eval"] if match["eval"] is not None else match["eval_step"]
         value = match["value"]
         return cls(
             epoch=int(match["epoch"]),
             step=int(step),
-            eval_step=int(match["eval_step"]) if match["eval_step"] is not None else None,
+            eval_step=int(eval_step) if eval_step is not None else None,
             metric=match["metric"],
             metric_value=float(value) if value is not None else None,
             text=text,
@@ -67,7 +79,9 @@ class SnapshotName:
 
     @property
     def sort_key(self) -> tuple[int, int, int, str]:
-        return (self.epoch, self.step, self.eval_step or 0, self.text)
+        # A name without eval steps sorts first: the train snapshot of step S is taken before
+        # any eval that runs after step S (and torchtnt's names under fit() always carry them).
+        return (self.epoch, self.step, -1 if self.eval_step is None else self.eval_step, self.text)
 
     def __lt__(self, other: "SnapshotName") -> bool:
         return self.sort_key < other.sort_key

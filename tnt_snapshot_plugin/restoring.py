@@ -69,6 +69,7 @@ def restore(
     plugin_manager: Optional[pluggy.PluginManager] = None,
     strict: bool = True,
     rest: Optional[dict[str, Any]] = None,
+    io_concurrency: Optional[int] = None,
 ) -> list[str]:
     """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the RNG state last.
 
@@ -79,9 +80,16 @@ def restore(
     state) is read into it as a plain state dict: an adapter reads a framework's own checkpoint
     this way without objects to load it into.
     Returns the keys that were loaded.
+
+    Under torch.distributed rank 0's ``path`` is used (the others may pass anything). A snapshot
+    that does not fit ``app_state`` raises StateMismatchError; an exception raised by an entry's
+    own ``state_dict()``/``load_state_dict()`` propagates as it is (torch's own classes: as a
+    StateMismatchError naming the entry); only a failure to read or decode the snapshot's files
+    raises SnapshotCorruptError. ``io_concurrency``: reads in flight at once (None: default).
     """
     coll = collectives or Collectives(None)
     pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
+    path = coll.broadcast(path)
     dirpath, name = split_snapshot_path(path)
     store = open_store(dirpath, storage_options)
     _require_complete(store, name, path, coll)
@@ -149,18 +157,27 @@ def restore(
         error = exc
     raise_if_any_failed(coll, error, f"restoring {path}")
 
+    from .compat import StatefulError
+    from .storage import io_concurrency as io_limit
+
+    own_error: Optional[StatefulError] = None
     try:
         if RNG_STATE_KEY in present:
             load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
-        with gc_paused():
+        with gc_paused(), io_limit(io_concurrency):
             snapshot.restore(load, strict=strict)
     except SnapshotError:
         raise
+    except StatefulError as exc:  # raised by the entry's own code, not by reading the snapshot
+        _close_leaked_event_loops(exc)
+        own_error = exc
     except Exception as exc:
         _close_leaked_event_loops(exc)
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    if own_error is not None:
+        _raise_own_error(path, own_error)
     if rest is not None:
         rest.update((key, sink.value) for key, sink in sinks.items())
     keys = sorted(k for k in load if k != RNG_STATE_KEY) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
@@ -178,6 +195,7 @@ def restore_from_latest(
     plugin_manager: Optional[pluggy.PluginManager] = None,
     strict: bool = True,
     fallback: bool = True,
+    io_concurrency: Optional[int] = None,
 ) -> Optional[str]:
     """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
 
@@ -185,7 +203,9 @@ def restore_from_latest(
     warning naming it, and the previous one is tried (``fallback=False`` raises instead); when
     snapshots exist but none can be restored, SnapshotCorruptError is raised rather than letting
     training start from scratch. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``);
-    with more than one rank, a load error on any rank is raised, not fallen back from.
+    with more than one rank, a load error on any rank is raised, not fallen back from. A snapshot
+    that is intact but does not fit ``app_state`` (StateMismatchError), or an error raised by an
+    entry's own ``load_state_dict``, is raised at once: an older snapshot would not fit either.
     """
     coll = collectives or Collectives(None)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
@@ -210,6 +230,7 @@ def restore_from_latest(
                     collectives=coll,
                     plugin_manager=plugin_manager,
                     strict=strict,
+                    io_concurrency=io_concurrency,
                 )
                 return path
             except SnapshotCorruptError as exc:
@@ -233,6 +254,21 @@ def restore_from_latest(
             "restore a snapshot by path, or move the directory aside to start from scratch"
         )
     return None
+
+
+def _raise_own_error(path: str, error: Any) -> None:
+    """Raise what an entry's own ``state_dict()``/``load_state_dict()`` raised (outside the
+    handler that caught it, so it carries no added context): as it is for the user's classes; as
+    a StateMismatchError for torch's modules, optimizers and schedulers, whose loaders raise only
+    when the saved state does not fit them."""
+    method = getattr(type(error.target), error.method, None)
+    if getattr(method, "__module__", "").startswith("torch."):
+        raise StateMismatchError(
+            f"cannot restore {path}: it does not fit {error.key} "
+            f"({type(error.target).__name__}.{error.method}: {type(error.original).__name__}: "
+            f"{error.original}); restore into the same kind of unit that was saved"
+        ) from error.original
+    raise error.original
 
 
 def _close_leaked_event_loops(exc: BaseException) -> None:

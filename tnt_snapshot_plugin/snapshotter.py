@@ -52,7 +52,7 @@ from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotW
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
-from .storage import Store, WriteRecorder, open_store, recording
+from .storage import Store, WriteRecorder, io_concurrency, open_store, recording
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,12 @@ class Snapshotter:
         self._process_group = process_group
         self._never_replicated = tuple(never_replicated)
         self._on_preempted = on_preempted
-        self._store: Store = open_store(dirpath, config.storage_options)
+        # Under torch.distributed only rank 0's dirpath counts (the others may pass anything,
+        # "" included): it is opened once broadcast, in attach(), on every rank alike.
+        self._dirpath_arg = dirpath
+        self._store: Store = (
+            None if is_initialized() else open_store(dirpath, config.storage_options)  # type: ignore[assignment]
+        )
         self._coll: Optional[Collectives] = None
         # The per-step preemption agreement runs on the training thread while the writer thread
         # may be inside a collective on self._coll: it gets a group of its own.
@@ -162,8 +167,10 @@ class Snapshotter:
             if self.config.preemption_signals
             else Collectives(None)
         )
-        dirpath = self._coll.broadcast(self._store.url)
-        if dirpath != self._store.url:
+        own = self._store.url if self._store is not None else self._dirpath_arg
+        dirpath = self._coll.broadcast(own)
+        if self._store is None or dirpath != self._store.url:
+            # Every rank opens rank 0's dirpath: a bad one raises the same error on every rank.
             self._store = open_store(dirpath, self.config.storage_options)
         self._coll.on_rank0(self._store.check_writable)
 
@@ -216,6 +223,22 @@ class Snapshotter:
         self._reap_or_warn(step)
         n = self._every_n_epochs
         self._save_if_due("epoch", epoch, step, n is not None and epoch % n == 0, collect, False)
+
+    def eval_epoch_end(
+        self, epoch: int, step: int, eval_epoch: int, eval_step: int, collect: Collect
+    ) -> None:
+        """An eval epoch ended while training (``eval_epoch`` eval epochs and ``eval_step`` eval
+        steps completed): snapshot if the eval cadence (or a plugin) says so. The snapshot is named
+        ``epoch_E_step_S_eval_V``: after the train snapshot of the same step, never the same name."""
+        self._reap_or_warn(step)
+        n = self.config.save_every_n_eval_epochs
+        due = n is not None and eval_epoch % n == 0
+        if self._ask_should:
+            due = self._should("eval_epoch", epoch, step, due)
+        if due:
+            self.save(
+                epoch, step, functools.partial(collect, False), event="eval_epoch", eval_step=eval_step
+            )
 
     def _reap_or_warn(self, step: int) -> None:
         """Reap a finished snapshot, or keep warning about the last failure."""
@@ -285,13 +308,17 @@ class Snapshotter:
         app_state: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]]],
         *,
         event: str = "manual",
+        eval_step: Optional[int] = None,
     ) -> bool:
         """Snapshot ``app_state`` as of (epoch, step). False if that name is already saved.
+
+        ``eval_step``: for a snapshot taken after an eval epoch, the eval steps completed (it
+        goes into the name).
 
         ``app_state`` may be a function returning it, called only when the snapshot is taken
         (collecting a framework's state can be costly or run user hooks).
         """
-        name = self._name(epoch, step)
+        name = self._name(epoch, step, eval_step)
         if name.text == self._last_name:
             return False
         self.wait(warn_busy=True)
@@ -362,15 +389,19 @@ class Snapshotter:
             except SnapshotError as exc:
                 logger.error("tnt_snapshot_plugin: %s", exc)
 
-    def _name(self, epoch: int, step: int) -> SnapshotName:
-        default = SnapshotName.of(epoch, step)
+    def _name(self, epoch: int, step: int, eval_step: Optional[int] = None) -> SnapshotName:
+        default = SnapshotName.of(epoch, step, eval_step)
         chosen = self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_name(
             epoch=epoch, step=step, default=default.text
         )
         if chosen is None or chosen == default.text:
             return default
         parsed = SnapshotName.parse(chosen) if isinstance(chosen, str) else None
-        if parsed is None or parsed.phase_aware or (parsed.epoch, parsed.step) != (epoch, step):
+        if (
+            parsed is None
+            or parsed.phase_aware
+            or (parsed.epoch, parsed.step, parsed.eval_step) != (epoch, step, eval_step)
+        ):
             raise ConfigError(
                 f"a tnt_snapshot_plugin_snapshot_name hook returned {chosen!r}; it must be "
                 f"{default.text!r}, optionally followed by '_metric=value', so restore can find it"
@@ -421,7 +452,8 @@ class Snapshotter:
         # The cyclic collector is paused only while training waits for this write anyway: an
         # asynchronous write can last minutes on an object store, and training goes on meanwhile.
         paused = contextlib.nullcontext() if self.config.async_snapshot else gc_paused()
-        with recording(recorder), _write_knobs(job.frozen), paused:
+        concurrency = io_concurrency(self.config.knobs.max_per_rank_io_concurrency)
+        with recording(recorder), _write_knobs(job.frozen), concurrency, paused:
             Snapshot.take(
                 store.torchsnapshot_url(job.staging),
                 app_state=job.frozen,

@@ -87,6 +87,32 @@ def _current_recorder() -> Optional[WriteRecorder]:
     return getattr(_active, "recorder", None)
 
 
+class io_concurrency:
+    """Let at most ``limit`` file reads or writes of the torchsnapshot takes and restores run on
+    this thread be in flight at once (None: torchsnapshot's default).
+
+    Scoped to the thread, unlike torchsnapshot's own knob (an environment variable, seen by every
+    thread of the process): compat.py has torchsnapshot's scheduler ask :func:`current_io_concurrency`
+    first, and the file I/O runs on a pool of at least ``limit`` threads.
+    """
+
+    def __init__(self, limit: Optional[int]) -> None:
+        self._limit = limit
+        self._saved: Optional[int] = None
+
+    def __enter__(self) -> None:
+        self._saved = getattr(_active, "io_concurrency", None)
+        _active.io_concurrency = self._limit
+
+    def __exit__(self, *exc: object) -> None:
+        _active.io_concurrency = self._saved
+
+
+def current_io_concurrency() -> Optional[int]:
+    """The limit set by :class:`io_concurrency` on this thread, or None."""
+    return getattr(_active, "io_concurrency", None)
+
+
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
 # to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
 # copied, and the final fdatasync mostly waits for writes already in flight instead of starting
@@ -200,25 +226,33 @@ def _write_durably(path: str, data: Any) -> None:
         os.close(fd)
 
 
-_pool: Optional[Any] = None
+_pools: dict[int, Any] = {}
 _pool_pid = -1
 _pool_lock = threading.Lock()
+_POOL_THREADS = 4
 
 
 def _io_pool() -> Any:
     """The threads that write and read snapshot files, kept from one snapshot to the next.
 
     torchsnapshot runs every take and restore on a new event loop, whose default executor would
-    start new threads each time (milliseconds each on a busy machine).
+    start new threads each time (milliseconds each on a busy machine). Four threads, or as many
+    as a larger ``io_concurrency`` limit on the calling thread asks for.
     """
-    global _pool, _pool_pid
+    global _pool_pid
+    workers = max(_POOL_THREADS, current_io_concurrency() or 0)
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
+        if _pool_pid != os.getpid():
+            _pools.clear()
+            _pool_pid = os.getpid()
+        pool = _pools.get(workers)
+        if pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tnt-snapshot-io")
-            _pool_pid = os.getpid()
-        return _pool
+            pool = _pools[workers] = ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="tnt-snapshot-io"
+            )
+        return pool
 
 
 #: Reads at least this large map the file instead of copying it into a new buffer.
