@@ -310,9 +310,56 @@ class BrokenState:
         pass
 
 
+def scenario_idiom(rank: int, out: str, record: dict[str, Any]) -> None:
+    """torchtnt's DDP idiom: rank 0 passes the directory, the other ranks pass ""."""
+    run = os.path.join(out, "run")
+    mine = run if rank == 0 else ""
+    unit = DDPUnit(seed=0)
+    saver = TorchSnapshotSaver(mine, save_every_n_train_steps=2, collective_timeout_s=30)
+    record["dirpath"] = saver.dirpath
+    train(unit, loader(rank), max_epochs=1, callbacks=[saver])
+    record["weights"] = weights_digest(unit)
+    dist.barrier()
+    if rank == 0:
+        record["names"] = sorted(n for n in os.listdir(run) if not n.startswith("."))
+
+    fresh = DDPUnit(seed=10 + rank)
+    record["latest_found"] = TorchSnapshotSaver.restore_from_latest(mine, fresh, collective_timeout_s=30)
+    record["latest_weights"] = weights_digest(fresh)
+    chosen = DDPUnit(seed=20 + rank)
+    TorchSnapshotSaver.restore(
+        os.path.join(run, "epoch_0_step_4") if rank == 0 else "", chosen, collective_timeout_s=30
+    )
+    record["restored_steps"] = chosen.train_progress.num_steps_completed
+
+    # A bad dirpath on rank 0 raises on every rank at once (not after collective_timeout_s).
+    a_file = os.path.join(out, "a_file")
+    if rank == 0:
+        with open(a_file, "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    bad = {"a_file": a_file, "under_a_file": os.path.join(a_file, "sub"), "empty": ""}
+    record["bad_saver"] = {}
+    record["bad_restore"] = {}
+    for case, path in bad.items():
+        given = path if rank == 0 else ""
+        try:
+            TorchSnapshotSaver(given, collective_timeout_s=30)
+            record["bad_saver"][case] = None
+        except Exception as exc:
+            record["bad_saver"][case] = f"{type(exc).__name__}: {exc}"
+        try:
+            TorchSnapshotSaver.restore_from_latest(given, DDPUnit(), collective_timeout_s=30)
+            record["bad_restore"][case] = None
+        except Exception as exc:
+            record["bad_restore"][case] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+
+
 SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
     "ddp": scenario_ddp,
     "failure": scenario_failure,
+    "idiom": scenario_idiom,
 }
 
 

@@ -92,6 +92,40 @@ def failure(tmp_path_factory) -> list[dict[str, Any]]:
     return run_ranks("failure", tmp_path_factory.mktemp("failure"))
 
 
+@pytest.fixture(scope="module")
+def idiom(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_ranks("idiom", tmp_path_factory.mktemp("idiom"))
+
+
+# ------------------------------------------------------------------------------------------------
+# torchtnt's DDP idiom: rank 0 passes the directory, rank 1 passes ""
+
+
+def test_ddp_idiom_other_ranks_may_pass_an_empty_dirpath(idiom):
+    run = idiom[0]["dirpath"]
+    assert run.endswith("run")
+    assert [r["dirpath"] for r in idiom] == [run, run]
+    assert idiom[0]["names"] == ["epoch_0_step_2", "epoch_0_step_4", "epoch_1_step_5"]
+    for record in idiom:  # restore_from_latest("") and restore("") on rank 1 use rank 0's path
+        assert record["latest_found"] is True
+        assert record["latest_weights"] == record["weights"]
+        assert record["restored_steps"] == 4
+
+
+def test_ddp_idiom_a_bad_dirpath_raises_the_same_error_on_every_rank(idiom):
+    """A file, a path below a file, and "" on rank 0: a ConfigError on both ranks, not a
+    DistributedError after the collective timeout (which a rank left waiting would raise)."""
+    for record in idiom:
+        for case in ("a_file", "under_a_file", "empty"):
+            assert (record["bad_saver"][case] or "").startswith("ConfigError: "), case
+        for case in ("a_file", "empty"):
+            assert (record["bad_restore"][case] or "").startswith("ConfigError: "), case
+        # Nothing to restore below a file: restore_from_latest returns False on both ranks.
+        assert record["bad_restore"]["under_a_file"] is None
+        assert "is not a directory" in record["bad_saver"]["a_file"]
+        assert "cannot be written" in record["bad_saver"]["under_a_file"]
+
+
 # ------------------------------------------------------------------------------------------------
 # DDP with replicated=["**"] through the torchtnt adapter
 
