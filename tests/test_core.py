@@ -30,6 +30,8 @@ def test_name_round_trip():
         ("epoch_1_train_step_10_eval_step_4", 1, 10, 4, None),
         ("epoch_3_train_step_30_eval_step_9_val_loss=0.125", 3, 30, 9, ("val_loss", 0.125)),
         ("epoch_0_step_5_acc=-1e-3", 0, 5, None, ("acc", -1e-3)),
+        ("epoch_1_step_3_eval_2", 1, 3, 2, None),
+        ("epoch_1_step_3_eval_2_acc=0.5", 1, 3, 2, ("acc", 0.5)),
     ],
 )
 def test_parses_torchtnt_phase_aware_and_metric_names(text, epoch, step, eval_step, metric):
@@ -41,6 +43,19 @@ def test_parses_torchtnt_phase_aware_and_metric_names(text, epoch, step, eval_st
     else:
         assert (parsed.metric, parsed.metric_value) == metric
     assert parsed.phase_aware == ("train_step" in text)
+
+
+def test_eval_name_round_trip_and_order():
+    name = SnapshotName.of(epoch=1, step=3, eval_step=2)
+    assert name.text == "epoch_1_step_3_eval_2"
+    assert SnapshotName.parse(name.text) == name
+    names = ["epoch_1_step_4", "epoch_1_step_3_eval_2", "epoch_1_step_3", "epoch_1_step_3_eval_0"]
+    assert [n.text for n in sorted(map(SnapshotName.parse, names))] == [
+        "epoch_1_step_3",
+        "epoch_1_step_3_eval_0",
+        "epoch_1_step_3_eval_2",
+        "epoch_1_step_4",
+    ]
 
 
 @pytest.mark.parametrize(

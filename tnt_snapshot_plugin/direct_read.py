@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .storage import is_inside
+from .storage import current_io_concurrency, is_inside
 
 #: Keep about this many bytes of upcoming reads announced to the kernel (``WILLNEED``), so the
 #: disk reads ahead while earlier entries are being copied, without flooding the page cache.
@@ -180,7 +180,9 @@ def fetch_into(
 
     if not jobs:
         return 0
-    with ThreadPoolExecutor(min(FETCH_WORKERS, len(jobs)), thread_name_prefix="tnt-snapshot-fetch") as pool:
+    # At most FETCH_WORKERS GETs in flight, or the restore's io_concurrency limit (knob_options).
+    workers = min(current_io_concurrency() or FETCH_WORKERS, len(jobs))
+    with ThreadPoolExecutor(workers, thread_name_prefix="tnt-snapshot-fetch") as pool:
         return sum(pool.map(one, jobs))
 
 
