@@ -80,7 +80,7 @@ def _count_concurrent_writes(monkeypatch) -> dict:
             seen["peak"] = max(seen["peak"], seen["active"])
             seen["env"].add(os.environ.get("TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"))
         try:
-            time.sleep(0.05)  # writes overlap whenever the concurrency allows it
+            time.sleep(0.2)  # writes overlap whenever the concurrency allows it
             return original(path, data)
         finally:
             with lock:
