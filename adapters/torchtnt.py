@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
@@ -23,13 +24,21 @@ from torchtnt.framework.state import State
 from torchtnt.framework.unit import AppStateMixin, EvalUnit, PredictUnit, TrainUnit
 
 from tnt_snapshot_plugin import restoring
-from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, check_collisions, is_stateful
+from tnt_snapshot_plugin.app_state import (
+    TRAIN_DATALOADER_KEY,
+    RNGState,
+    check_collisions,
+    is_stateful,
+)
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 
 TRAIN_PROGRESS_KEY = "train_progress"
 EVAL_PROGRESS_KEY = "eval_progress"
+
+#: unit -> the RNG state its last restore set, for the saver's first batch (on_train_start).
+_restored_rng: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
 class TorchSnapshotSaver(Callback):
@@ -102,6 +111,7 @@ class TorchSnapshotSaver(Callback):
         )
         self._train_progress: Any = None
         self._collect: Callable[[bool], dict[str, Any]] = _not_started
+        self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     @property
     def dirpath(self) -> str:
@@ -119,6 +129,19 @@ class TorchSnapshotSaver(Callback):
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
         self._snapshotter.train_start(_unit_state(unit).keys())
+        restored = _restored_rng.pop(unit, None)
+        if restored is not None and unit.train_progress.num_steps_completed_in_epoch > 0:
+            # Resuming mid-epoch: the snapshot's RNG state was captured after a step, when the
+            # loader's iterator had long started (and drawn its DataLoader base seed... from the
+            # global RNG). torchtnt starts the iterator again after the restore and calls no hook
+            # between iter() and the first next(): set the state again after the first fetch.
+            self._rng_after_first_fetch = restored
+
+    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
+        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator."""
+        if self._rng_after_first_fetch is not None:
+            rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+            RNGState().load_state_dict(rng)
 
     def on_train_step_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the step cadence (or a plugin) says so; a no-op step costs microseconds."""
@@ -183,6 +206,8 @@ class TorchSnapshotSaver(Callback):
                 plugin_manager=plugin_manager,
                 strict=strict,
             )
+        if restore_train_progress:
+            _restored_rng[unit] = RNGState().state_dict()
 
     @staticmethod
     def restore_from_latest(
@@ -221,6 +246,8 @@ class TorchSnapshotSaver(Callback):
                 strict=strict,
                 fallback=fallback,
             )
+        if restored is not None and restore_train_progress:
+            _restored_rng[unit] = RNGState().state_dict()
         return restored is not None
 
 
