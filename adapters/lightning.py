@@ -30,6 +30,7 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import warnings
@@ -91,6 +92,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             of every optimizer. Snapshots are only taken at batches that stepped the optimizer,
             so no accumulated gradient is ever lost.
         save_every_n_epochs: snapshot at the end of every N-th training epoch.
+        train_time_interval: snapshot at the first batch end (that stepped the optimizer) after
+            this much training time since the fit started or since the last snapshot of any
+            cadence, as ``ModelCheckpoint``'s ``train_time_interval`` (rank 0's clock; under DDP
+            every rank snapshots one optimizer step later, together). Unlike
+            ``ModelCheckpoint``, it combines with the step and epoch cadences: any of them due
+            takes a snapshot.
         replicated: glob patterns of entries identical on every rank, saved once instead of once
             per rank (``["state_dict/**", "optimizer_states/**"]`` under DDP). ``loops``,
             ``callbacks`` and the RNG state are never replicated.
@@ -130,6 +137,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         *,
         save_every_n_train_steps: Optional[int] = None,
         save_every_n_epochs: Optional[int] = None,
+        train_time_interval: Optional[datetime.timedelta] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
         keep_last_n_snapshots: Optional[int] = None,
@@ -149,6 +157,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             dirpath=dirpath,
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            train_time_interval=train_time_interval,
             replicated=replicated,
             storage_options=storage_options,
             keep_last_n_snapshots=keep_last_n_snapshots,
@@ -163,6 +172,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            save_every_n_seconds=_seconds(train_time_interval),
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             replicated=replicated,
@@ -596,6 +606,20 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
     loop = trainer.fit_loop
     batches = loop.epoch_loop.batch_progress
     return loop.restarting and batches.current.ready > 0 and not batches.is_last_batch
+
+
+def _seconds(interval: Any) -> Optional[float]:
+    """``train_time_interval`` in seconds (None stays None); a ConfigError if it is no timedelta."""
+    if interval is None:
+        return None
+    if not isinstance(interval, datetime.timedelta):
+        raise ConfigError(
+            f"train_time_interval must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None, "
+            f"got {interval!r} of type {type(interval).__name__}"
+        )
+    if interval <= datetime.timedelta(0):
+        raise ConfigError(f"train_time_interval must be longer than zero, got {interval!r}")
+    return interval.total_seconds()
 
 
 def _same_rng_state(a: Any, b: Any) -> bool:

@@ -56,6 +56,10 @@ class TorchSnapshotSaver(Callback):
         dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``).
         save_every_n_train_steps: snapshot every N train steps (None: no mid-epoch snapshots).
         save_every_n_epochs: snapshot every N epochs (None: no epoch-end snapshots).
+        save_every_n_seconds: snapshot at the first train step end after N seconds of training
+            since train start or since the last snapshot of any cadence (rank 0's clock; under
+            torch.distributed every rank snapshots one step later, together). Combines with the
+            step and epoch cadences: any of them due takes a snapshot.
         replicated: glob patterns of entries identical on every rank (``["**"]``: all but the
             progress, RNG and dataloader entries), saved once instead of once per rank.
         storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
@@ -81,6 +85,7 @@ class TorchSnapshotSaver(Callback):
         *,
         save_every_n_train_steps: Optional[int] = None,
         save_every_n_epochs: Optional[int] = None,
+        save_every_n_seconds: Optional[float] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
         keep_last_n_snapshots: Optional[int] = None,
@@ -96,6 +101,7 @@ class TorchSnapshotSaver(Callback):
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            save_every_n_seconds=save_every_n_seconds,
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             replicated=replicated,
