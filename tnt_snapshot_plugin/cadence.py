@@ -48,31 +48,37 @@ class WallClock:
         self.every_s = every_s
         self._is_rank0 = is_rank0
         self._delayed = delayed
-        self._clock = clock
+        # Only rank 0 reads its clock; the others' deadline stays infinite.
+        self._clock = clock if is_rank0 else _zero
         self._deadline = math.inf
-        self._asked = False
         self._snapshots = 0
         self._at_vote = 0
         self._at_previous_vote = 0
 
     def restart(self) -> None:
         """A snapshot was taken (or training starts): the interval starts again now."""
-        if self._is_rank0:  # the other ranks never read their clocks
+        if self._is_rank0:
             self._deadline = self._clock() + self.every_s
-        self._asked = False
         self._snapshots += 1
 
     def vote(self) -> int:
         """This step's vote: TIME_DUE on rank 0 once its interval has elapsed (once per interval)."""
-        self._at_previous_vote, self._at_vote = self._at_vote, self._snapshots
-        if not self._is_rank0 or self._asked or self._clock() < self._deadline:
+        if self._delayed:
+            self._at_previous_vote = self._at_vote
+            self._at_vote = self._snapshots
+        if self._clock() < self._deadline:
             return GO_ON
-        self._asked = True
+        self._deadline = math.inf  # asked once per interval: restart() sets the next deadline
         return TIME_DUE
 
     def due(self, agreed: int) -> bool:
         """Whether the agreed answer asks for a time snapshot now (same on every rank)."""
         if agreed != TIME_DUE:
             return False
-        # Dropped if a snapshot was taken since the vote it answers (the clock restarted then).
-        return self._snapshots == (self._at_previous_vote if self._delayed else self._at_vote)
+        # Delayed: dropped if a snapshot was taken since the vote it answers (the clock restarted
+        # then). In one process the answer is this step's own vote: nothing came in between.
+        return not self._delayed or self._snapshots == self._at_previous_vote
+
+
+def _zero() -> float:
+    return 0.0

@@ -46,7 +46,7 @@ from .app_state import (
     freeze_without_copy,
     replicated_patterns,
 )
-from .cadence import PREEMPTED, WallClock
+from .cadence import PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
 from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
 from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
@@ -195,6 +195,8 @@ class Snapshotter:
                 clock=self._clock,
             )
             self._wall.restart()
+            if self._flag_coll.distributed and self._preemption is None:
+                self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
 
     def _remove_leftovers(self) -> None:
         store = self._store
@@ -231,17 +233,13 @@ class Snapshotter:
                 self._preempt(epoch, step, collect)
                 return
         elif wall is not None:
-            agreed = self._agree_wall(wall.vote())
+            # in one process the vote is the answer; under torch.distributed it needs agreeing
+            agreed = wall.vote() if self._wall_flag is None else self._wall_flag.poll(wall.vote())
         n = self._every_n_steps
-        due = (n is not None and step % n == 0) or (wall is not None and wall.due(agreed))
+        due = (n is not None and step % n == 0) or (
+            agreed == TIME_DUE and wall is not None and wall.due(agreed)
+        )
         self._save_if_due("step", epoch, step, due, collect, True)
-
-    def _agree_wall(self, vote: int) -> int:
-        """The time cadence's agreement when no preemption handler carries its votes."""
-        if self._wall_flag is None:
-            assert self._flag_coll is not None
-            self._wall_flag = AgreedFlag(self._flag_coll)
-        return self._wall_flag.poll(vote)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
@@ -298,6 +296,10 @@ class Snapshotter:
         self.save(epoch, step, functools.partial(collect, True), event="preemption")
         self.wait()
         preemption, self._preemption = self._preemption, None
+        if self._wall is not None and self._flag_coll is not None and self._flag_coll.distributed:
+            # Training may go on (a handler that returns): the time cadence's votes need an
+            # agreement of their own now; its first poll comes after the handler's is drained.
+            self._wall_flag = AgreedFlag(self._flag_coll)
         if self._on_preempted is None:
             preemption.finish()
             return
