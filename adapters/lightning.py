@@ -308,6 +308,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
         self._last_step = trainer.global_step
+        self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS)
         restored = self._io.take_restored() if self._io is not None else None
         if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
