@@ -30,6 +30,7 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import warnings
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import pluggy
 import pytorch_lightning as pl
+import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
@@ -90,6 +92,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             of every optimizer. Snapshots are only taken at batches that stepped the optimizer,
             so no accumulated gradient is ever lost.
         save_every_n_epochs: snapshot at the end of every N-th training epoch.
+        train_time_interval: snapshot at the first batch end (that stepped the optimizer) after
+            this much training time since the fit started or since the last snapshot of any
+            cadence, as ``ModelCheckpoint``'s ``train_time_interval`` (rank 0's clock; under DDP
+            every rank snapshots one optimizer step later, together). Unlike
+            ``ModelCheckpoint``, it combines with the step and epoch cadences: any of them due
+            takes a snapshot.
         replicated: glob patterns of entries identical on every rank, saved once instead of once
             per rank (``["state_dict/**", "optimizer_states/**"]`` under DDP). ``loops``,
             ``callbacks`` and the RNG state are never replicated.
@@ -129,6 +137,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         *,
         save_every_n_train_steps: Optional[int] = None,
         save_every_n_epochs: Optional[int] = None,
+        train_time_interval: Optional[datetime.timedelta] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
         keep_last_n_snapshots: Optional[int] = None,
@@ -148,6 +157,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             dirpath=dirpath,
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            train_time_interval=train_time_interval,
             replicated=replicated,
             storage_options=storage_options,
             keep_last_n_snapshots=keep_last_n_snapshots,
@@ -162,6 +172,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
+            save_every_n_seconds=_seconds(train_time_interval),
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             replicated=replicated,
@@ -185,6 +196,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         self._last_step: Optional[int] = None
         self._last_committed: Optional[str] = None
         self._resolved_last: Optional[str] = _NOT_ASKED
+        self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
@@ -296,12 +308,32 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
         self._last_step = trainer.global_step
+        self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS)
         restored = self._io.take_restored() if self._io is not None else None
         if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
-            # Lightning created the train loader's iterator after the snapshot was loaded; a loader
-            # that draws from the global RNG then (DataLoader's base seed) would shift the stream.
-            RNGState().load_state_dict(restored.rng_state)
+            # The snapshot's RNG state was captured at a batch end: after the loader's iterator
+            # had started (and drawn its DataLoader base seed, sampler seed... from the global RNG)
+            # and before the next batch was fetched. Resuming, Lightning starts the iterator
+            # again after the snapshot was loaded, so those draws must not shift the stream.
+            if not _same_rng_state(RNGState().state_dict(), restored.rng_state):
+                # An eager loader drew in iter() (Lightning's setup_data): set the state again
+                # now, before the next batch is fetched.
+                RNGState().load_state_dict(restored.rng_state)
+            else:
+                # Nothing drew yet: a lazy loader (``__iter__`` a generator) starts its iterator
+                # at the first next(), inside the first fetch. Set the state after that fetch.
+                self._rng_after_first_fetch = restored.rng_state
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """(First batch of a mid-epoch resume from a lazy loader) undo its iterator's RNG draws."""
+        if self._rng_after_first_fetch is not None:
+            state, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+            if not _same_rng_state(RNGState().state_dict(), state):
+                RNGState().load_state_dict(state)
 
     @override
     def on_train_batch_end(
@@ -575,6 +607,36 @@ def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
     loop = trainer.fit_loop
     batches = loop.epoch_loop.batch_progress
     return loop.restarting and batches.current.ready > 0 and not batches.is_last_batch
+
+
+def _seconds(interval: Any) -> Optional[float]:
+    """``train_time_interval`` in seconds (None stays None); a ConfigError if it is no timedelta."""
+    if interval is None:
+        return None
+    if not isinstance(interval, datetime.timedelta):
+        raise ConfigError(
+            f"train_time_interval must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None, "
+            f"got {interval!r} of type {type(interval).__name__}"
+        )
+    if interval <= datetime.timedelta(0):
+        raise ConfigError(f"train_time_interval must be longer than zero, got {interval!r}")
+    return interval.total_seconds()
+
+
+def _same_rng_state(a: Any, b: Any) -> bool:
+    """Whether two ``RNGState.state_dict()`` values are equal (tensors compared bitwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu().to(a.dtype))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_rng_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_rng_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _stop_like_lightning(signum: int) -> None:

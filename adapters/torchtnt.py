@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import warnings
 from dataclasses import dataclass, fields
+import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
@@ -24,7 +25,12 @@ from torchtnt.framework.state import EntryPoint, State
 from torchtnt.framework.unit import AppStateMixin, EvalUnit, PredictUnit, TrainUnit
 
 from tnt_snapshot_plugin import restoring
-from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, check_collisions, is_stateful
+from tnt_snapshot_plugin.app_state import (
+    TRAIN_DATALOADER_KEY,
+    RNGState,
+    check_collisions,
+    is_stateful,
+)
 from tnt_snapshot_plugin.config import Knobs, SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, require_process_group
 from tnt_snapshot_plugin.errors import ConfigError
@@ -32,6 +38,9 @@ from tnt_snapshot_plugin.snapshotter import Snapshotter
 
 TRAIN_PROGRESS_KEY = "train_progress"
 EVAL_PROGRESS_KEY = "eval_progress"
+
+#: unit -> the RNG state its last restore set, for the saver's first batch (on_train_start).
+_restored_rng: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
 class TorchSnapshotSaver(Callback):
@@ -60,6 +69,10 @@ class TorchSnapshotSaver(Callback):
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         async_checkpoint: write in the background; training waits only for an in-memory copy
             (default True; ``async_snapshot`` is this plugin's name for it).
+        save_every_n_seconds: snapshot at the first train step end after N seconds of training
+            since train start or since the last snapshot of any cadence (rank 0's clock; under
+            torch.distributed every rank snapshots one step later, together). Combines with the
+            step and epoch cadences: any of them due takes a snapshot.
         replicated: glob patterns of entries identical on every rank (``["**"]``: all but the
             progress, RNG and dataloader entries), saved once instead of once per rank.
         storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
@@ -90,6 +103,7 @@ class TorchSnapshotSaver(Callback):
         keep_last_n_checkpoints: Optional[int] = None,
         process_group: Optional[Any] = None,
         async_checkpoint: Optional[bool] = None,
+        save_every_n_seconds: Optional[float] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
         knob_options: Optional[Any] = None,
@@ -106,6 +120,7 @@ class TorchSnapshotSaver(Callback):
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
             save_every_n_eval_epochs=save_every_n_eval_epochs,
+            save_every_n_seconds=save_every_n_seconds,
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             replicated=replicated,
@@ -127,6 +142,7 @@ class TorchSnapshotSaver(Callback):
         self._unit: Any = None
         self._train_progress: Any = None
         self._collect: Callable[[bool], dict[str, Any]] = _not_started
+        self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     @property
     def dirpath(self) -> str:
@@ -148,6 +164,19 @@ class TorchSnapshotSaver(Callback):
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
         self._snapshotter.train_start(_unit_state(unit).keys())
+        restored = _restored_rng.pop(unit, None)
+        if restored is not None and unit.train_progress.num_steps_completed_in_epoch > 0:
+            # Resuming mid-epoch: the snapshot's RNG state was captured after a step, when the
+            # loader's iterator had long started (and drawn its DataLoader base seed... from the
+            # global RNG). torchtnt starts the iterator again after the restore and calls no hook
+            # between iter() and the first next(): set the state again after the first fetch.
+            self._rng_after_first_fetch = restored
+
+    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
+        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator."""
+        if self._rng_after_first_fetch is not None:
+            rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+            RNGState().load_state_dict(rng)
 
     def _started(self, state: State, unit: Any) -> None:
         if self._unit is not unit or self._state is not state:
@@ -258,6 +287,8 @@ class TorchSnapshotSaver(Callback):
                 strict=options.strict,
                 io_concurrency=knobs.max_per_rank_io_concurrency,
             )
+        if options.restore_train_progress:
+            _restored_rng[unit] = RNGState().state_dict()
 
     @staticmethod
     def restore_from_latest(
@@ -307,6 +338,8 @@ class TorchSnapshotSaver(Callback):
                 fallback=fallback,
                 io_concurrency=knobs.max_per_rank_io_concurrency,
             )
+        if restored is not None and options.restore_train_progress:
+            _restored_rng[unit] = RNGState().state_dict()
         return restored is not None
 
 

@@ -86,9 +86,13 @@ def size_table(size: dict[str, Any]) -> str:
 
 
 def hook_table(hooks: dict[str, dict[str, float]]) -> str:
-    out = "| hook on a step that does not snapshot | ns per call | ns over a no-op callback |\n|---|---:|---:|\n"
+    out = (
+        "| hook on a step that does not snapshot | ns per call | ns over a no-op callback | × no-op |\n"
+        "|---|---:|---:|---:|\n"
+    )
     for name, v in hooks.items():
-        out += f"| {name} | {v['per_call_ns']:.0f} | {v['excess_ns']:.0f} |\n"
+        ratio = v.get("ratio", v["per_call_ns"] / (v["per_call_ns"] - v["excess_ns"]))
+        out += f"| {name} | {v['per_call_ns']:.0f} | {v['excess_ns']:.0f} | {ratio:.1f}x |\n"
     return out
 
 

@@ -211,6 +211,41 @@ def scenario_ddp(rank: int, out: str, record: dict[str, Any]) -> None:
     train(resumed, resumed_loader, max_epochs=2)
     record["resumed_weights"] = weights_digest(resumed)
     record["torchsnapshot_warnings"] = torchsnapshot_warnings.messages
+    wall_clock_phase(rank, out, record)
+
+
+def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:
+    """The wall-clock cadence: rank 0's (fake) clock decides, both ranks snapshot at one step.
+
+    Rank 0's clock reads 4 s more at each step; rank 1's must never be read. The interval (10 s)
+    elapses at steps 3 and 7 (the clock restarts at the snapshot of step 4): the agreement's
+    answer arrives one step later, so both ranks snapshot steps 4 and 8.
+    """
+    from tnt_snapshot_plugin.config import SnapshotConfig
+    from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+    now = [0.0]
+
+    def rank1_clock() -> float:
+        raise AssertionError("rank 1 read its clock; only rank 0's decides")
+
+    config = SnapshotConfig.build(
+        save_every_n_seconds=10,
+        async_snapshot=False,
+        save_on_train_end=False,
+        preemption_signals=[],  # the cadence's votes then get an agreement of their own
+        collective_timeout_s=30,
+    )
+    snapshotter = Snapshotter(
+        os.path.join(out, "timed"), config, clock=(lambda: now[0]) if rank == 0 else rank1_clock
+    )
+    model = torch.nn.Linear(2, 2)
+    snapshotter.train_start(["model"])
+    for step in range(1, 9):
+        now[0] += 4.0
+        snapshotter.step_end(0, step, lambda intra_epoch: {"model": model})
+    snapshotter.train_end(0, 8, lambda intra_epoch: {"model": model})
+    record["wall_clock_steps"] = [r.step for r in snapshotter.stats.committed]
 
 
 def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:

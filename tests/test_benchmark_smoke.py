@@ -63,6 +63,7 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
     assert set(hooks) == {
         "no-op torchtnt Callback.on_train_step_end",
         "tnt_snapshot_plugin TorchSnapshotSaver.on_train_step_end",
+        "tnt_snapshot_plugin TorchSnapshotSaver.on_train_step_end, save_every_n_seconds",
         "tnt_snapshot_plugin Snapshotter.step_end (core)",
         "torchtnt TorchSnapshotSaver.on_train_step_end",
     }

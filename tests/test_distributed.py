@@ -239,6 +239,12 @@ def test_resume_is_bitwise_on_every_rank(ddp):
         assert record["resumed_weights"] == record["reference_weights"], f"rank {record['rank']}"
 
 
+def test_wall_clock_cadence_follows_rank0_and_every_rank_snapshots_the_same_step(ddp):
+    """(dist_worker.wall_clock_phase) rank 0's interval elapses at steps 3 and 7; one step later,
+    through the per-step agreement, both ranks snapshot; rank 1 never reads its own clock."""
+    assert [record["wall_clock_steps"] for record in ddp] == [[4, 8], [4, 8]]
+
+
 def test_ranks_agree_on_the_staging_path(ddp):
     """torchsnapshot warns on every rank whose path differs from rank 0's: rank 0 names it."""
     for record in ddp:

@@ -6,6 +6,7 @@ parameter, the value received and what was expected.
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -26,6 +27,20 @@ def positive_int_or_none(name: str, value: Any) -> Optional[int]:
     if value < 1:
         raise ConfigError(f"{name} must be a positive int (>= 1) or None, got {value}")
     return value
+
+
+def positive_seconds_or_none(name: str, value: Any) -> Optional[float]:
+    """``value`` as float seconds if it is None or a finite number > 0; else a ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{name} must be a positive number of seconds or None, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive, finite number of seconds or None, got {value!r}")
+    return float(value)
 
 
 def string_list_or_none(name: str, value: Any) -> Optional[list[str]]:
@@ -115,6 +130,8 @@ class SnapshotConfig:
     save_every_n_train_steps: Optional[int] = None
     save_every_n_epochs: Optional[int] = None
     save_every_n_eval_epochs: Optional[int] = None
+    #: wall-clock cadence (rank 0's clock), checked at train step ends; see cadence.py
+    save_every_n_seconds: Optional[float] = None
     keep_last_n_snapshots: Optional[int] = None
     replicated: Optional[list[str]] = None
     storage_options: Optional[dict[str, Any]] = None
@@ -133,6 +150,7 @@ class SnapshotConfig:
         save_every_n_train_steps: Any = None,
         save_every_n_epochs: Any = None,
         save_every_n_eval_epochs: Any = None,
+        save_every_n_seconds: Any = None,
         keep_last_n_snapshots: Any = None,
         keep_last_n_checkpoints: Any = None,
         replicated: Any = None,
@@ -190,6 +208,7 @@ class SnapshotConfig:
             save_every_n_eval_epochs=positive_int_or_none(
                 "save_every_n_eval_epochs", save_every_n_eval_epochs
             ),
+            save_every_n_seconds=positive_seconds_or_none("save_every_n_seconds", save_every_n_seconds),
             keep_last_n_snapshots=positive_int_or_none(name_keep, keep_last_n_snapshots),
             replicated=string_list_or_none("replicated", replicated),
             storage_options=dict(storage_options) if storage_options is not None else None,

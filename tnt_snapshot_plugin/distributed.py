@@ -204,17 +204,19 @@ class AgreedFlag:
         self._work: Optional[Any] = None
         self._value = torch.zeros(1, dtype=torch.int32)
 
-    def poll(self, local: bool) -> bool:
+    def poll(self, local: int) -> int:
+        """The MAX over the ranks of the ``local`` values given at the previous call (0 at the
+        first); without a process group, ``local`` itself at once. A bool works as 0/1."""
         if self._coll.group is None:
-            return local
-        agreed = False
+            return int(local)
+        agreed = 0
         work, self._work = self._work, None
         if work is not None:
             try:
                 work.wait()
             except RuntimeError as exc:
                 raise self._coll.failed("all_reduce (per-step preemption agreement)", exc) from exc
-            agreed = bool(self._value.item())
+            agreed = int(self._value.item())
         self._value = torch.tensor([int(local)], dtype=torch.int32)
         self._work = dist.all_reduce(
             self._value, op=dist.ReduceOp.MAX, group=self._coll.group, async_op=True

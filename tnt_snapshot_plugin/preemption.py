@@ -17,6 +17,7 @@ import threading
 from types import FrameType
 from typing import Any, Optional
 
+from .cadence import PREEMPTED
 from .distributed import AgreedFlag, Collectives
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,10 @@ class PreemptionHandler:
         if self._received is None:
             self._received = signum
 
-    def poll(self) -> bool:
-        """Whether to stop now (all ranks get the same answer at the same step)."""
-        local = self._received is not None
+    def poll(self, vote: int = 0) -> int:
+        """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);
+        all ranks get the same answer at the same step."""
+        local = PREEMPTED if self._received is not None else vote
         if self._flag is None:
             return local
         return self._flag.poll(local)

@@ -46,8 +46,9 @@ from .app_state import (
     freeze_without_copy,
     replicated_patterns,
 )
+from .cadence import PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
-from .distributed import Collectives, is_initialized, raise_if_any_failed
+from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
 from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
@@ -109,12 +110,14 @@ class Snapshotter:
         plugin_manager: Optional[pluggy.PluginManager] = None,
         never_replicated: Iterable[str] = (),
         on_preempted: Optional[Callable[[int], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``never_replicated``: entry keys that differ between ranks by nature (beyond the
         built-in reserved and ``*_progress`` keys), never marked replicated whatever the
         ``replicated`` globs say. ``on_preempted(signum)``: called once the preemption snapshot is
         durable, instead of handing the signal to the handler that was installed before the saver's,
         for frameworks with their own way to stop on a signal (it may raise to stop training).
+        ``clock``: the time source of ``save_every_n_seconds`` (tests pass a fake one).
         """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
@@ -139,6 +142,11 @@ class Snapshotter:
         self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
         self._every_n_steps = config.save_every_n_train_steps
         self._every_n_epochs = config.save_every_n_epochs
+        # The wall-clock cadence (cadence.py), made at train start; its votes ride on the
+        # preemption agreement, or on an agreement of their own when preemption is off.
+        self._clock = clock
+        self._wall: Optional[WallClock] = None
+        self._wall_flag: Optional[AgreedFlag] = None
         self.stats = SnapshotStats()
         self.attach()
 
@@ -164,7 +172,7 @@ class Snapshotter:
         self._coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
         self._flag_coll = (
             Collectives.create(self._process_group, self.config.collective_timeout_s)
-            if self.config.preemption_signals
+            if self.config.preemption_signals or self.config.save_every_n_seconds is not None
             else Collectives(None)
         )
         own = self._store.url if self._store is not None else self._dirpath_arg
@@ -185,6 +193,17 @@ class Snapshotter:
             assert self._flag_coll is not None
             self._preemption = PreemptionHandler(self.config.preemption_signals, self._flag_coll)
             self._preemption.install()
+        if self.config.save_every_n_seconds is not None:
+            assert self._flag_coll is not None
+            self._wall = WallClock(
+                self.config.save_every_n_seconds,
+                is_rank0=self.collectives.rank == 0,
+                delayed=self._flag_coll.distributed,
+                clock=self._clock,
+            )
+            self._wall.restart()
+            if self._flag_coll.distributed and self._preemption is None:
+                self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
 
     def _remove_leftovers(self) -> None:
         store = self._store
@@ -213,11 +232,21 @@ class Snapshotter:
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
-        if self._preemption is not None and self._preemption.poll():
-            self._preempt(epoch, step, collect)
-            return
+        wall = self._wall
+        agreed = 0
+        if self._preemption is not None:
+            agreed = self._preemption.poll(wall.vote() if wall is not None else 0)
+            if agreed == PREEMPTED:
+                self._preempt(epoch, step, collect)
+                return
+        elif wall is not None:
+            # in one process the vote is the answer; under torch.distributed it needs agreeing
+            agreed = wall.vote() if self._wall_flag is None else self._wall_flag.poll(wall.vote())
         n = self._every_n_steps
-        self._save_if_due("step", epoch, step, n is not None and step % n == 0, collect, True)
+        due = (n is not None and step % n == 0) or (
+            agreed == TIME_DUE and wall is not None and wall.due(agreed)
+        )
+        self._save_if_due("step", epoch, step, due, collect, True)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
@@ -277,6 +306,10 @@ class Snapshotter:
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
+        if self._wall_flag is not None:
+            self._wall_flag.drain()
+            self._wall_flag = None
+        self._wall = None
         if self._pending is None:
             self._stager = Stager()
 
@@ -286,6 +319,10 @@ class Snapshotter:
         self.save(epoch, step, functools.partial(collect, True), event="preemption")
         self.wait()
         preemption, self._preemption = self._preemption, None
+        if self._wall is not None and self._flag_coll is not None and self._flag_coll.distributed:
+            # Training may go on (a handler that returns): the time cadence's votes need an
+            # agreement of their own now; its first poll comes after the handler's is drained.
+            self._wall_flag = AgreedFlag(self._flag_coll)
         if self._on_preempted is None:
             preemption.finish()
             return
@@ -318,6 +355,8 @@ class Snapshotter:
         ``app_state`` may be a function returning it, called only when the snapshot is taken
         (collecting a framework's state can be costly or run user hooks).
         """
+        if self._wall is not None:
+            self._wall.restart()
         name = self._name(epoch, step, eval_step)
         if name.text == self._last_name:
             return False
@@ -367,6 +406,8 @@ class Snapshotter:
             job.stall_s = time.perf_counter() - started
             self._reap()
         logger.info("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
+        if self._wall is not None:
+            self._wall.restart()  # the interval counts training time, not this stall
         return True
 
     def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
