@@ -974,7 +974,7 @@ def _fail(prog: str, message: str, code: int) -> int:
     return code
 
 
-@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="tnt-snapshot", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Look at tnt_snapshot_plugin snapshot directories: local paths, file:// or s3:// URLs."""
 
