@@ -14,9 +14,9 @@ import boto3
 import pytest
 import torch
 from click.testing import CliRunner
+from test_s3 import BUCKET, _start_moto, _stop
 from torchtnt.framework.train import train
 
-from test_s3 import BUCKET, _start_moto, _stop
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
 from tnt_snapshot_plugin.restoring import latest_snapshot

@@ -52,7 +52,7 @@ def log_line(record: Any) -> str:
         f"({record.write_bytes_per_s / 1e6:.1f} MB/s)"
     )
     if record.waited_s:
-        line += f"; training first waited {record.waited_s:.3f}s for the previous snapshot"
+        line += f"; before it, training waited {record.waited_s:.3f}s for the previous one"
     return line
 
 
