@@ -530,9 +530,10 @@ def select_for_pruning(
     if keep_best is None:
         kept = {c.name.text: f"one of the last {keep_last}" for c in counted[-keep_last:]}
     else:
-        ranked = [c for c in counted if c.metric is not None]
         sign = 1.0 if mode == "min" else -1.0
-        ranked.sort(key=lambda c: (math.isnan(c.metric), sign * c.metric if not math.isnan(c.metric) else 0.0))  # type: ignore[arg-type]
+        scored = [(c, c.metric) for c in counted if c.metric is not None]
+        scored.sort(key=lambda cm: (math.isnan(cm[1]), 0.0 if math.isnan(cm[1]) else sign * cm[1]))  # NaN: worst
+        ranked = [c for c, _ in scored]
         kept = {c.name.text: f"one of the {keep_last} best by {keep_best} ({c.metric:g})" for c in ranked[:keep_last]}
         kept.update((c.name.text, f"no value for {keep_best}") for c in counted if c.metric is None)
     protected = set(protect)
@@ -1060,7 +1061,7 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
     out = _console()
     out.print(
         f"{head['snapshot']}: epoch {_num(head['epoch'])}, step {_num(head['step'])}, world size "
-        f"{_num(head['world_size'])}, {human_size(head['bytes'])} in {head['files']} files"
+        f"{_num(head['world_size'])}, {human_size(int(head['bytes'] or 0))} in {head['files']} files"
     )
     for line in _summary_lines(summary):
         out.print(line)
