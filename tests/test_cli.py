@@ -183,6 +183,8 @@ def test_ls_of_an_empty_directory_and_bad_paths(tmp_path):
     assert code == 2 and err.startswith("tnt-snapshot: error: No such option") and err.count("\n") == 1
     code, _, err = run_cli("frobnicate")
     assert code == 2 and err.count("\n") == 1
+    code, out, err = run_cli()
+    assert code == 2 and out == "" and err.startswith("Usage: tnt-snapshot")  # bare: the help, on stderr
 
 
 # -- inspect -------------------------------------------------------------------------------------

@@ -257,6 +257,7 @@ class SnapshotInfo:
             "committed_at": self.committed_at,
             "modified_at": self.modified_at,
             "seq": self.seq,
+            "written_by": (self.index or {}).get("writer"),  # {"host", "pid", "run_id"} when recorded
             "restore": self.restore,
             "problems": list(self.problems),
             "note": self.note,
@@ -946,6 +947,12 @@ class _Cli(click.Group):
             rv = super().main(args, prog, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
         except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:  # bare "tnt-snapshot"
+                click.echo(exc.ctx.get_help(), err=True)
+                code = 2
+                if standalone_mode:
+                    sys.exit(code)
+                return code
             hint = (
                 f" (see '{exc.ctx.command_path} --help')"
                 if exc.ctx is not None and not isinstance(exc, UsageProblem)
