@@ -119,6 +119,10 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
 
+    Each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
+    ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see :mod:`tnt_snapshot_plugin.metrics`)
+    go to ``trainer.loggers`` with ``log_metrics(metrics, step=<the snapshot's global_step>)``.
+
     Lightning treats any ``Checkpoint`` callback as "checkpointing configured": with the saver
     alone, ``Trainer(enable_checkpointing=True)`` adds no default ``ModelCheckpoint`` (add one
     yourself to also get ``.ckpt`` files), and ``enable_checkpointing=False`` is refused by
@@ -310,6 +314,14 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS)
+        loggers = list(trainer.loggers)
+        if loggers:  # each committed snapshot's figures, at the global step it was taken
+
+            def log_metrics(metrics: dict[str, float], step: int) -> None:
+                for lightning_logger in loggers:
+                    lightning_logger.log_metrics(metrics, step=step)
+
+            self._snapshotter.report_metrics(log_metrics)
         restored = self._io.take_restored() if self._io is not None else None
         if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
             # The snapshot's RNG state was captured at a batch end: after the loader's iterator

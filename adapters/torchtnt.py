@@ -87,6 +87,11 @@ class TorchSnapshotSaver(Callback):
             asks (default ``[SIGTERM]``; ``[]`` disables).
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        metric_logger: a torchtnt ``MetricLogger`` (``torchtnt.utils.loggers``) that receives
+            each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
+            ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see
+            :mod:`tnt_snapshot_plugin.metrics`) with ``log_dict`` on rank 0. Default: the unit's
+            ``metric_logger`` or ``logger`` attribute, if it has ``log_dict``.
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
     Initialise the process group first: with ``WORLD_SIZE`` > 1 in the environment and none
@@ -114,8 +119,10 @@ class TorchSnapshotSaver(Callback):
         preemption_signals: Iterable[Union[int, signal.Signals]] = (signal.SIGTERM,),
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        metric_logger: Optional[Any] = None,
     ) -> None:
         require_process_group("constructing the saver")
+        self._metric_logger = metric_logger
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
@@ -164,6 +171,9 @@ class TorchSnapshotSaver(Callback):
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
         self._snapshotter.train_start(_unit_state(unit).keys())
+        metric_logger = self._metric_logger if self._metric_logger is not None else _unit_metric_logger(unit)
+        if metric_logger is not None:
+            self._snapshotter.report_metrics(lambda metrics, step: metric_logger.log_dict(metrics, step))
         restored = _restored_rng.pop(unit, None)
         if restored is not None and unit.train_progress.num_steps_completed_in_epoch > 0:
             # Resuming mid-epoch: the snapshot's RNG state was captured after a step, when the
@@ -384,6 +394,15 @@ def _not_started(intra_epoch: bool) -> dict[str, Any]:
         "TorchSnapshotSaver.on_train_start was not called before a snapshot was due; pass the "
         "saver in train()/fit()'s callbacks, which call its hooks in order"
     )
+
+
+def _unit_metric_logger(unit: Any) -> Optional[Any]:
+    """The unit's torchtnt MetricLogger (an attribute ``metric_logger`` or ``logger``), if any."""
+    for name in ("metric_logger", "logger"):
+        candidate = getattr(unit, name, None)
+        if callable(getattr(candidate, "log_dict", None)):
+            return candidate
+    return None
 
 
 def _unit_state(unit: AppStateMixin) -> dict[str, Any]:

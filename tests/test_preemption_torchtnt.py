@@ -119,8 +119,9 @@ def test_signal_finishes_the_step_drains_snapshots_saves_and_exits_by_the_signal
     assert last >= 3 and begins == list(range(1, last + 1)), out
     assert sorted(ends) == begins, out
 
-    # The snapshot still being written was drained, then the final one was taken of that step.
-    assert f"snapshot epoch_0_step_{last - 1} is still being written; waiting" in err, err
+    # Training waited for the snapshots still being written: said once per run (the rest are
+    # counted and logged at DEBUG); the final one was taken of the step the signal came in.
+    assert err.count("was still being written when the next one was due; training waited") == 1, err
     assert f"preemption signal received; snapshotting step {last}" in err, err
     names = [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
     assert names == [f"epoch_0_step_{k}" for k in range(1, last + 1)]

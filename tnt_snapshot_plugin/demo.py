@@ -74,7 +74,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         interrupt_at=interrupt_at,
     )
     _print_report(report)
+    _print_listing(args.dirpath)
     return 0 if report["bitwise_identical"] else 1
+
+
+def _print_listing(dirpath: str) -> None:
+    """What ``tnt-snapshot ls`` says of the demo's directory."""
+    print(f"\n$ tnt-snapshot ls {dirpath}", flush=True)
+    try:
+        from .cli import main as cli_main
+    except ImportError:  # click/rich are the optional "cli" extra
+        print("(the tnt-snapshot command needs the cli extra: pip install 'tnt-snapshot-plugin[cli]')")
+        return
+    cli_main(["ls", dirpath])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def tnt_snapshot_plugin_snapshot_name(epoch: int, step: int, default: str) -> Op
 
 
 @hookspec
-def tnt_snapshot_plugin_snapshot_committed(path: str, epoch: int, step: int) -> None:
+def tnt_snapshot_plugin_snapshot_committed(path: str, epoch: int, step: int, record: Any) -> None:
     """Be told that a snapshot is complete and visible to restore.
 
     Called on every rank, on the training thread, at the first hook after the snapshot's commit
@@ -93,6 +93,9 @@ def tnt_snapshot_plugin_snapshot_committed(path: str, epoch: int, step: int) -> 
     :param path: the committed snapshot's path (a local path or URL).
     :param epoch: epochs completed when it was taken.
     :param step: train steps completed when it was taken.
+    :param record: its :class:`~tnt_snapshot_plugin.snapshotter.SnapshotRecord`: what it cost
+        (``stall_s``, ``durable_s``, ``bytes_written``, ``waited_s``, ``busy_waits``);
+        :func:`tnt_snapshot_plugin.metrics.snapshot_metrics` turns it into logger metrics.
     """
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import warnings
 from typing import Any, Iterable, Mapping, Optional
 from urllib.parse import unquote
@@ -88,6 +89,7 @@ def restore(
     raises SnapshotCorruptError. ``io_concurrency``: reads in flight at once (None: default).
     """
     coll = collectives or Collectives(None)
+    started = time.perf_counter()
     pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
     path = coll.broadcast(path)
     dirpath, name = split_snapshot_path(path)
@@ -181,6 +183,7 @@ def restore(
     if rest is not None:
         rest.update((key, sink.value) for key, sink in sinks.items())
     keys = sorted(k for k in load if k != RNG_STATE_KEY) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
+    logger.info("restored snapshot %s in %.3fs (%s)", path, time.perf_counter() - started, ", ".join(keys))
     pm.hook.tnt_snapshot_plugin_after_restore(path=path, keys=keys)
     return keys
 
@@ -232,6 +235,8 @@ def restore_from_latest(
                     strict=strict,
                     io_concurrency=io_concurrency,
                 )
+                if damaged:
+                    logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
                 return path
             except SnapshotCorruptError as exc:
                 if coll.world_size > 1:
@@ -253,6 +258,7 @@ def restore_from_latest(
             f"every snapshot in {dirpath} is damaged: {'; '.join(damaged)}. Nothing was restored; "
             "restore a snapshot by path, or move the directory aside to start from scratch"
         )
+    logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
 
 

@@ -75,6 +75,8 @@ class _Job:
     stall_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     durable_s: float = 0.0
+    waited_s: float = 0.0
+    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,17 @@ class SnapshotRecord:
     stall_s: float
     #: from the start of the snapshot until it was committed (durable and visible)
     durable_s: float
+    #: bytes of the files written (all ranks; the sum of the index's file sizes)
+    bytes_written: int = 0
+    #: how long training waited, before taking it, for the previous snapshot to be written
+    waited_s: float = 0.0
+    #: how many times training has waited for a snapshot still being written (this saver)
+    busy_waits: int = 0
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        """Bytes written per second, from the start of the snapshot until its commit."""
+        return self.bytes_written / self.durable_s if self.durable_s > 0 else 0.0
 
 
 @dataclass
@@ -96,6 +109,9 @@ class SnapshotStats:
 
     committed: list[SnapshotRecord] = field(default_factory=list)
     failures: int = 0
+    #: times a snapshot was due while the previous one was still being written, and the total wait
+    busy_waits: int = 0
+    busy_wait_s: float = 0.0
 
 
 class Snapshotter:
@@ -148,6 +164,9 @@ class Snapshotter:
         self._wall: Optional[WallClock] = None
         self._wall_flag: Optional[AgreedFlag] = None
         self.stats = SnapshotStats()
+        self._busy_warned = False
+        self._waited_s = 0.0
+        self._metrics: Optional[Any] = None
         self.attach()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -188,6 +207,7 @@ class Snapshotter:
         from . import compat  # noqa: F401  (import torchsnapshot now, not during the first snapshot's stall)
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
+        self._busy_warned = False  # the busy-wait warning is given once per run
         self.collectives.on_rank0(self._remove_leftovers)
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
@@ -310,6 +330,7 @@ class Snapshotter:
             self._wall_flag.drain()
             self._wall_flag = None
         self._wall = None
+        self.report_metrics(None)
         if self._pending is None:
             self._stager = Stager()
 
@@ -386,6 +407,7 @@ class Snapshotter:
             frozen = freeze_without_copy(entries)
         auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
         job = _Job(
+            waited_s=self._waited_s,
             name=name,
             path=self._store.child(name.text),
             staging=staging,
@@ -405,7 +427,7 @@ class Snapshotter:
             self._run(job)
             job.stall_s = time.perf_counter() - started
             self._reap()
-        logger.info("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
+        logger.debug("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
         if self._wall is not None:
             self._wall.restart()  # the interval counts training time, not this stall
         return True
@@ -415,13 +437,12 @@ class Snapshotter:
         job = self._pending
         if job is None:
             return
-        if warn_busy and not job.done.is_set():
-            logger.warning(
-                "snapshot %s is still being written; waiting for it before taking the next one "
-                "(consider snapshotting less often)",
-                job.name,
-            )
+        busy = warn_busy and not job.done.is_set()
+        started = time.perf_counter()
         job.done.wait()
+        self._waited_s = 0.0
+        if busy:
+            self._note_busy_wait(job, time.perf_counter() - started)
         if raise_errors:
             self._reap()
         else:
@@ -429,6 +450,37 @@ class Snapshotter:
                 self._reap()
             except SnapshotError as exc:
                 logger.error("tnt_snapshot_plugin: %s", exc)
+
+    def _note_busy_wait(self, job: _Job, waited: float) -> None:
+        """Training waited for a snapshot still being written: warn once per run, count every time."""
+        self.stats.busy_waits += 1
+        self.stats.busy_wait_s += waited
+        self._waited_s = waited  # recorded with the snapshot about to be taken
+        if self._busy_warned:
+            logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
+            return
+        self._busy_warned = True
+        logger.warning(
+            "snapshot %s was still being written when the next one was due; training waited %.3fs "
+            "for it (consider snapshotting less often). Further waits in this run are counted in "
+            "the snapshot metrics and logged at DEBUG",
+            job.name,
+            waited,
+        )
+
+    def report_metrics(self, sink: Optional[Callable[[dict[str, float], int], None]]) -> None:
+        """Send each committed snapshot's figures (:func:`metrics.snapshot_metrics`) to
+        ``sink(metrics, step)`` on rank 0, until training ends; None stops. Adapters pass the
+        framework's logger here."""
+        from .metrics import MetricsReporter
+
+        if self._metrics is not None:
+            with contextlib.suppress(ValueError):
+                self.plugin_manager.unregister(self._metrics)
+            self._metrics = None
+        if sink is not None:
+            self._metrics = MetricsReporter(sink, self)
+            self.plugin_manager.register(self._metrics)
 
     def _name(self, epoch: int, step: int, eval_step: Optional[int] = None) -> SnapshotName:
         default = SnapshotName.of(epoch, step, eval_step)
@@ -509,6 +561,7 @@ class Snapshotter:
                 f"{recorder.error}"
             )
         sizes = coll.all_gather(recorder.sizes)
+        job.bytes_written = sum({rel: n for rank_sizes in sizes for rel, n in rank_sizes.items()}.values())
         try:
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
         except SnapshotError:
@@ -582,12 +635,22 @@ class Snapshotter:
             warnings.warn(message, SnapshotFailedWarning, stacklevel=3)
             return
         self._failure = None
-        self.stats.committed.append(
-            SnapshotRecord(job.path, job.name.epoch, job.name.step, job.stall_s, job.durable_s)
+        record = SnapshotRecord(
+            job.path,
+            job.name.epoch,
+            job.name.step,
+            job.stall_s,
+            job.durable_s,
+            bytes_written=job.bytes_written,
+            waited_s=job.waited_s,
+            busy_waits=self.stats.busy_waits,
         )
-        logger.info("snapshot %s committed in %.3fs", job.path, job.durable_s)
+        self.stats.committed.append(record)
+        from .metrics import log_line
+
+        logger.info("%s", log_line(record))
         self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
-            path=job.path, epoch=job.name.epoch, step=job.name.step
+            path=job.path, epoch=job.name.epoch, step=job.name.step, record=record
         )
 
     def _warn_failure(self, step: int) -> None:

@@ -1,0 +1,78 @@
+"""Snapshot figures where users watch their runs: Python logging and the framework's logger.
+
+Every committed snapshot gives one INFO line on the ``tnt_snapshot_plugin.snapshotter`` logger
+(:func:`log_line`) and, when an adapter was given a framework logger, one set of metrics
+(:func:`snapshot_metrics`) through the ``tnt_snapshot_plugin_snapshot_committed`` hook:
+
+========================== =====================================================================
+``snapshot/stall_s``       how long the training thread was blocked taking it
+``snapshot/durable_s``     from its start until it was committed (durable and visible to restore)
+``snapshot/bytes_written`` bytes of its files, all ranks
+``snapshot/write_MBps``    ``bytes_written / durable_s``, in MB/s
+``snapshot/waited_s``      how long training waited for the previous snapshot before taking it
+``snapshot/busy_waits``    how many times so far training waited for a snapshot being written
+========================== =====================================================================
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from .plugins import hookimpl
+
+Sink = Callable[[dict[str, float], int], None]
+
+
+def snapshot_metrics(record: Any) -> dict[str, float]:
+    """The figures of one committed snapshot (a ``SnapshotRecord``), by metric name."""
+    return {
+        "snapshot/stall_s": float(record.stall_s),
+        "snapshot/durable_s": float(record.durable_s),
+        "snapshot/bytes_written": float(record.bytes_written),
+        "snapshot/write_MBps": record.write_bytes_per_s / 1e6,
+        "snapshot/waited_s": float(record.waited_s),
+        "snapshot/busy_waits": float(record.busy_waits),
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def log_line(record: Any) -> str:
+    """The INFO line logged for every committed snapshot."""
+    line = (
+        f"snapshot {record.path} committed: training blocked {record.stall_s:.3f}s, durable after "
+        f"{record.durable_s:.3f}s, {_size(record.bytes_written)} written "
+        f"({record.write_bytes_per_s / 1e6:.1f} MB/s)"
+    )
+    if record.waited_s:
+        line += f"; before it, training waited {record.waited_s:.3f}s for the previous one"
+    return line
+
+
+class MetricsReporter:
+    """A plugin that sends each committed snapshot's figures of one saver to ``sink(metrics,
+    step)``, on rank 0 only. Registered by :meth:`Snapshotter.report_metrics` for one run.
+
+    A sink that raises is reported with a warning, never over training.
+    """
+
+    def __init__(self, sink: Sink, snapshotter: Any) -> None:
+        self._sink = sink
+        self._snapshotter = snapshotter
+
+    @hookimpl
+    def tnt_snapshot_plugin_snapshot_committed(self, path: str, step: int, record: Any) -> None:
+        saver = self._snapshotter
+        if path.rpartition("/")[0] != saver.dirpath.rstrip("/") or saver.collectives.rank != 0:
+            return  # another saver's snapshot, or not the rank that logs
+        try:
+            self._sink(snapshot_metrics(record), step)
+        except Exception as exc:  # never fail training over a metric
+            warnings.warn(f"could not log the metrics of snapshot {path}: {type(exc).__name__}: {exc}", stacklevel=2)
