@@ -62,6 +62,11 @@ class TorchSnapshotSaver(Callback):
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        weights_only: True (default): before each snapshot is written, check that restore can
+            load every object in it with ``torch.load(weights_only=True)`` and the plugin's safe
+            globals; if not, raise UnrestorableStateError naming the entry and type (whatever
+            ``on_save_error`` says). False: no check; restore these snapshots with
+            ``weights_only=False`` (full pickle: trusted snapshots only).
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
     """
@@ -83,6 +88,7 @@ class TorchSnapshotSaver(Callback):
         process_group: Optional[Any] = None,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
@@ -98,7 +104,11 @@ class TorchSnapshotSaver(Callback):
             collective_timeout_s=collective_timeout_s,
         )
         self._snapshotter = Snapshotter(
-            dirpath, config, process_group=process_group, plugin_manager=plugin_manager
+            dirpath,
+            config,
+            process_group=process_group,
+            plugin_manager=plugin_manager,
+            weights_only=weights_only,
         )
         self._train_progress: Any = None
         self._collect: Callable[[bool], dict[str, Any]] = _not_started
@@ -163,12 +173,15 @@ class TorchSnapshotSaver(Callback):
         strict: bool = True,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
 
         ``restore_train_progress`` / ``restore_eval_progress``: whether to load the progress
         entries. Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, and
-        StateMismatchError if the unit's modules do not match it.
+        StateMismatchError if the unit's modules do not match it. ``weights_only=False`` loads
+        the snapshot's objects with full pickle (only for snapshots you trust); by default an
+        object torch's restricted unpickler refuses raises UnrestorableStateError.
         """
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
@@ -182,6 +195,7 @@ class TorchSnapshotSaver(Callback):
                 collectives=collectives,
                 plugin_manager=plugin_manager,
                 strict=strict,
+                weights_only=weights_only,
             )
 
     @staticmethod
@@ -198,6 +212,7 @@ class TorchSnapshotSaver(Callback):
         fallback: bool = True,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> bool:
         """Restore the newest complete snapshot in ``dirpath``.
 
@@ -206,6 +221,7 @@ class TorchSnapshotSaver(Callback):
         one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
         but none can be read, SnapshotCorruptError is raised rather than returning False.
         Under torch.distributed rank 0's ``dirpath`` is used and rank 0 picks the snapshot.
+        ``weights_only``: as :meth:`restore`.
         """
         app_state, optional = _restore_state(
             unit, train_dataloader, restore_train_progress, restore_eval_progress
@@ -220,6 +236,7 @@ class TorchSnapshotSaver(Callback):
                 plugin_manager=plugin_manager,
                 strict=strict,
                 fallback=fallback,
+                weights_only=weights_only,
             )
         return restored is not None
 

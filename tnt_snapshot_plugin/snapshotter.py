@@ -49,6 +49,7 @@ from .app_state import (
 from .config import SnapshotConfig
 from .distributed import Collectives, is_initialized, raise_if_any_failed
 from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
+from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
@@ -109,12 +110,17 @@ class Snapshotter:
         plugin_manager: Optional[pluggy.PluginManager] = None,
         never_replicated: Iterable[str] = (),
         on_preempted: Optional[Callable[[int], None]] = None,
+        weights_only: bool = True,
     ) -> None:
         """``never_replicated``: entry keys that differ between ranks by nature (beyond the
         built-in reserved and ``*_progress`` keys), never marked replicated whatever the
         ``replicated`` globs say. ``on_preempted(signum)``: called once the preemption snapshot is
         durable, instead of handing the signal to the handler that was installed before the saver's,
         for frameworks with their own way to stop on a signal (it may raise to stop training).
+        ``weights_only``: how restore will load this run's snapshots. True (default): every
+        snapshot is checked to load under ``torch.load(weights_only=True)`` and the plugin's safe
+        globals before it is written (``loading.LoadCheck``; UnrestorableStateError otherwise).
+        False: no check; the snapshots must then be restored with ``weights_only=False``.
         """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
@@ -127,6 +133,7 @@ class Snapshotter:
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
+        self._load_check = LoadCheck(weights_only=weights_only)
         self._pending: Optional[_Job] = None
         self._failure: Optional[str] = None
         self._last_name: Optional[str] = None
@@ -173,7 +180,17 @@ class Snapshotter:
         from . import compat  # noqa: F401  (import torchsnapshot now, not during the first snapshot's stall)
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
-        self.collectives.on_rank0(self._remove_leftovers)
+        try:
+            self.collectives.on_rank0(self._remove_leftovers)
+        except Exception as exc:  # the storage is unreachable now: the snapshots will say so
+            if self.config.on_save_error == "raise":
+                raise
+            warnings.warn(
+                f"could not look for leftovers of interrupted snapshots in {self.dirpath}: "
+                f"{type(exc).__name__}: {exc}",
+                SnapshotFailedWarning,
+                stacklevel=3,
+            )
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
             self._preemption = PreemptionHandler(self.config.preemption_signals, self._flag_coll)
@@ -298,9 +315,14 @@ class Snapshotter:
         self._last_name = name.text
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
-        exists, staging = self.collectives.on_rank0(
-            lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
-        )
+        try:
+            exists, staging = self.collectives.on_rank0(
+                lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
+            )
+        except Exception as exc:  # the storage is unreachable (botocore retried already)
+            self._last_name = None
+            self._fail(name, self._store.child(name.text), exc)
+            return False
         if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
@@ -318,6 +340,7 @@ class Snapshotter:
             frozen = self._stager.stage(entries)
         else:
             frozen = freeze_without_copy(entries)
+        self._check_loadable(frozen, name)
         auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
         job = _Job(
             name=name,
@@ -341,6 +364,33 @@ class Snapshotter:
             self._reap()
         logger.info("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
         return True
+
+    def _check_loadable(self, frozen: Mapping[str, Any], name: SnapshotName) -> None:
+        """Refuse to write a snapshot restore could not load (every rank, agreed: one rank's
+        refusal is raised on all, before any of them enters torchsnapshot's collectives)."""
+        error: Optional[SnapshotError] = None
+        try:
+            self._load_check.check(frozen)
+        except SnapshotError as exc:
+            error = exc
+        coll = self.collectives
+        if coll.world_size > 1:
+            raise_if_any_failed(coll, error, f"checking snapshot {name}")
+        elif error is not None:
+            self._last_name = None
+            raise error
+
+    def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
+        """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
+        self.stats.failures += 1
+        message = (
+            f"snapshot {path} (epoch {name.epoch}, step {name.step}) failed and was not committed: "
+            f"{type(exc).__name__}: {exc}. Older snapshots are intact."
+        )
+        if self.config.on_save_error == "raise":
+            raise SnapshotWriteError(message) from exc
+        self._failure = message
+        warnings.warn(message, SnapshotFailedWarning, stacklevel=4)
 
     def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
         """Block until the pending snapshot (if any) is committed or failed, and reap it."""
