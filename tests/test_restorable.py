@@ -103,7 +103,6 @@ def test_unloadable_type_fails_the_first_snapshot_loudly(tmp_path, value):
     assert "extra/nested/1/setting" in message and kind in message
     assert "add_safe_globals" in message and "weights_only=False" in message
     assert latest_snapshot(dirpath) is None
-    assert unit.train_progress.num_steps_completed == 2  # stopped at the first snapshot
 
     if isinstance(value, collections.deque):
         return  # torch's weights_only unpickler cannot build one, allowed or not

@@ -19,6 +19,7 @@ snapshot carries. A snapshot is still trusted input, as a pickle is.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import threading
@@ -186,17 +187,28 @@ class LoadCheck:
         Stateful) could not be loaded by restore."""
         if not self.weights_only:
             return  # the user restores with full pickle (and said so)
+        import torch
+
+        skip = {torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)}
+        walked = (list, dict, collections.OrderedDict)  # as torchsnapshot's flatten
         for key, stateful in frozen.items():
-            stack: list[tuple[str, Any]] = [(key, stateful.state_dict())]
+            root = stateful.state_dict()
+            if type(root) not in walked:
+                if type(root) not in skip and _is_leaf_object(root):
+                    self._check_one(key, root)
+                continue
+            stack: list[tuple[str, Any]] = [(key, root)]
             while stack:
-                path, value = stack.pop()
-                # As torchsnapshot's flatten: only plain lists and (Ordered)dicts are walked.
-                if type(value) is list:
-                    stack.extend((f"{path}/{i}", v) for i, v in enumerate(value))
-                elif type(value).__name__ in ("dict", "OrderedDict") and isinstance(value, dict):
-                    stack.extend((f"{path}/{k}", v) for k, v in value.items())
-                elif _is_leaf_object(value):
-                    self._check_one(path, value)
+                prefix, container = stack.pop()
+                items = enumerate(container) if type(container) is list else container.items()
+                for name, value in items:
+                    kind = type(value)
+                    if kind in skip:
+                        continue
+                    if kind in walked:
+                        stack.append((f"{prefix}/{name}", value))
+                    elif _is_leaf_object(value):
+                        self._check_one(f"{prefix}/{name}", value)
 
     def _check_one(self, path: str, value: Any) -> None:
         import torch

@@ -48,7 +48,13 @@ from .app_state import (
 )
 from .config import SnapshotConfig
 from .distributed import Collectives, is_initialized, raise_if_any_failed
-from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
+from .errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotFailedWarning,
+    SnapshotWriteError,
+    UnrestorableStateError,
+)
 from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
@@ -340,7 +346,6 @@ class Snapshotter:
             frozen = self._stager.stage(entries)
         else:
             frozen = freeze_without_copy(entries)
-        self._check_loadable(frozen, name)
         auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
         job = _Job(
             name=name,
@@ -365,19 +370,21 @@ class Snapshotter:
         logger.info("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
         return True
 
-    def _check_loadable(self, frozen: Mapping[str, Any], name: SnapshotName) -> None:
-        """Refuse to write a snapshot restore could not load (every rank, agreed: one rank's
-        refusal is raised on all, before any of them enters torchsnapshot's collectives)."""
+    def _check_loadable(self, job: _Job) -> None:
+        """Refuse to write a snapshot restore could not load (on the writer thread, off the
+        training thread; every rank agrees before any enters torchsnapshot's collectives)."""
         error: Optional[SnapshotError] = None
         try:
-            self._load_check.check(frozen)
+            self._load_check.check(job.frozen)
         except SnapshotError as exc:
             error = exc
         coll = self.collectives
         if coll.world_size > 1:
-            raise_if_any_failed(coll, error, f"checking snapshot {name}")
-        elif error is not None:
-            self._last_name = None
+            reports = coll.all_gather(None if error is None else str(error))
+            failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
+            if failed and (error is None or len(failed) > 1):
+                raise UnrestorableStateError("; ".join(failed)) from error
+        if error is not None:
             raise error
 
     def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
@@ -465,6 +472,7 @@ class Snapshotter:
 
         coll = self.collectives
         store = self._store
+        self._check_loadable(job)
         if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
             store.remove(job.staging)  # a partial write of this name on an object store
         recorder = WriteRecorder()
@@ -547,6 +555,12 @@ class Snapshotter:
             return
         for message in job.warnings:
             warnings.warn(message, stacklevel=3)
+        if isinstance(job.error, UnrestorableStateError):
+            # Not a storage failure that a later snapshot may not meet: every snapshot of this
+            # state would be unrestorable, so training stops whatever on_save_error says.
+            self.stats.failures += 1
+            self._last_name = None
+            raise job.error
         if job.error is not None:
             self.stats.failures += 1
             message = (
