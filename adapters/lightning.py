@@ -390,6 +390,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         process_group: Optional[Any] = None,
         strict: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         """Load snapshot ``path``'s weights into ``module`` (and optimizer / LR scheduler states).
 
@@ -398,7 +399,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         with the same ``state_dict`` keys); ``optimizers`` / ``lr_schedulers`` are lists in the
         order ``configure_optimizers`` returns them. The RNG state is restored too. Raises
         SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError if the
-        module or the number of optimizers does not match it.
+        module or the number of optimizers does not match it. ``weights_only=False`` loads the
+        snapshot's objects with full pickle (trusted snapshots only).
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
         with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
@@ -409,6 +411,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 collectives=collectives,
                 plugin_manager=plugin_manager,
                 strict=strict,
+                weights_only=weights_only,
             )
         _raise_mismatch(app_state)
 
@@ -424,12 +427,14 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         strict: bool = True,
         fallback: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> bool:
         """:meth:`restore` the newest complete snapshot in ``dirpath``.
 
         Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
         complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-        one restored (``fallback=False`` raises SnapshotCorruptError instead).
+        one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``:
+        as :meth:`restore`.
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
         with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
@@ -441,6 +446,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 plugin_manager=plugin_manager,
                 strict=strict,
                 fallback=fallback,
+                weights_only=weights_only,
             )
         _raise_mismatch(app_state)
         return restored is not None

@@ -63,6 +63,11 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
     object: 0.15-0.3 s of a 0.5 s take on the project's machine. The plugin pauses the collector
     while its restores and its synchronous takes run (``gc_paused``): while training waits. An
     asynchronous take, which training runs alongside, leaves it alone.
+
+12. Its object entries are read with a bare ``torch.load`` (``weights_only=True`` by torch 2.13's
+    default, with no way to pass the load settings): numpy arrays, ``datetime`` or an
+    ``argparse.Namespace`` then never load. The plugin's ``Snapshot`` reads them through
+    ``loading.load_object`` with the restore's ``weights_only`` and the plugin's safe globals.
 """
 
 from __future__ import annotations
