@@ -123,12 +123,14 @@ def allowed_globals() -> Iterator[None]:
 
 
 def load_object(buf: Any, *, weights_only: bool = True) -> Any:
-    """An object entry's bytes (written by ``torch.save``) as the object, on CPU."""
+    """An object entry's bytes (written by ``torch.save``) as the object; its tensors on CPU
+    unless CUDA is available (where torchsnapshot's own reader puts them)."""
     import torch
 
     data = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)
+    location = None if torch.cuda.is_available() else torch.device("cpu")
     with allowed_globals():
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        return torch.load(io.BytesIO(data), map_location=location, weights_only=weights_only)
 
 
 def refusal(exc: BaseException) -> str:
