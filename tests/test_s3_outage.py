@@ -8,6 +8,7 @@ of backoff per request.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import warnings
@@ -15,7 +16,14 @@ from typing import Any, Optional
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from test_s3 import BUCKET, no_aws_environment, options, s3_endpoint  # noqa: F401  (fixtures)
+from test_s3 import (  # noqa: F401  (fixtures)
+    BUCKET,
+    _start_moto,
+    _stop,
+    no_aws_environment,
+    options,
+    s3_endpoint,
+)
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 
@@ -178,6 +186,27 @@ def test_restore_from_a_missing_bucket_is_not_found(options):  # noqa: F811
         TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=options)
     with pytest.raises(SnapshotNotFoundError, match="no-such-bucket"):
         TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=options)
+
+
+def test_restore_with_refused_credentials_is_a_config_error(tmp_path):
+    # A second moto server that checks credentials (moto's IAM mode): the dummy keys are refused.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc, endpoint = _start_moto(tmp_path / "moto.log", {**env, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        opts = {
+            "endpoint_url": endpoint,
+            "region_name": "us-east-1",
+            "aws_access_key_id": "not-a-key",
+            "aws_secret_access_key": "x",
+        }
+        url = f"s3://{BUCKET}/run"
+        with pytest.raises(ConfigError, match="credentials") as info:
+            TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=opts)
+        assert url in str(info.value)
+        with pytest.raises(ConfigError, match="credentials"):
+            TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=opts)
+    finally:
+        _stop(proc)
 
 
 def test_s3_error_mapping():
