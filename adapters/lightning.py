@@ -50,10 +50,15 @@ from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
-from tnt_snapshot_plugin.errors import ConfigError, KeyCollisionError, StateMismatchError
+from tnt_snapshot_plugin.errors import (
+    ConfigError,
+    KeyCollisionError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+)
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.snapshotter import Snapshotter
-from tnt_snapshot_plugin.storage import METADATA_FNAME, LocalStore, open_store
+from tnt_snapshot_plugin.storage import METADATA_FNAME, LocalStore, open_store, split_snapshot_path
 
 #: The keys of every Lightning training checkpoint (others depend on the run).
 LIGHTNING_KEYS = (
@@ -118,6 +123,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        weights_only: True (default): before each snapshot is written, check that it loads with
+            ``torch.load(weights_only=True)`` and the plugin's safe globals (an
+            ``argparse.Namespace`` from ``save_hyperparameters(args)`` does); if not, raise
+            UnrestorableStateError naming the entry and type, whatever ``on_save_error`` says.
+            False: no check, and ``ckpt_path`` snapshots load with full pickle (trusted
+            snapshots only), as ``trainer.fit(..., weights_only=False)`` asks for one fit.
 
     Each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
     ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see :mod:`tnt_snapshot_plugin.metrics`)
@@ -153,6 +164,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         process_group: Optional[Any] = None,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         # OnExceptionCheckpoint.__init__ only sets the .ckpt file this class replaces by snapshots.
         Checkpoint.__init__(self)
@@ -171,7 +183,9 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             on_save_error=on_save_error,
             preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
             collective_timeout_s=collective_timeout_s,
+            weights_only=weights_only,
         )
+        self._weights_only = weights_only
         self._portable = process_group is None and plugin_manager is None
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
@@ -195,6 +209,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             plugin_manager=plugin_manager,
             never_replicated=NEVER_REPLICATED,
             on_preempted=_stop_like_lightning,
+            weights_only=weights_only,
         )
         self._io: Optional[SnapshotCheckpointIO] = None
         self._last_step: Optional[int] = None
@@ -294,8 +309,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             storage_options=self._snapshotter.config.storage_options,
             collectives=lambda: self._snapshotter.collectives,
             plugin_manager=self._snapshotter.plugin_manager,
+            weights_only=self._weights_only,
         )
         resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
+        # ckpt_path="last" resolved to this snapshot: if it cannot be loaded, the ones before it
+        # are tried, as restore_from_latest does.
+        self._io.fall_back_from = resolved if resolved != _NOT_ASKED else None
         coll = self._snapshotter.collectives
         answers = coll.all_gather(resolved)
         if len(set(answers)) > 1:
@@ -415,6 +434,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         process_group: Optional[Any] = None,
         strict: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         """Load snapshot ``path``'s weights into ``module`` (and optimizer / LR scheduler states).
 
@@ -423,7 +443,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         with the same ``state_dict`` keys); ``optimizers`` / ``lr_schedulers`` are lists in the
         order ``configure_optimizers`` returns them. The RNG state is restored too. Raises
         SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError if the
-        module or the number of optimizers does not match it.
+        module or the number of optimizers does not match it. ``weights_only=False`` loads the
+        snapshot's objects with full pickle (trusted snapshots only).
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
         with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
@@ -434,6 +455,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 collectives=collectives,
                 plugin_manager=plugin_manager,
                 strict=strict,
+                weights_only=weights_only,
             )
         _raise_mismatch(app_state)
 
@@ -449,12 +471,14 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         strict: bool = True,
         fallback: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> bool:
         """:meth:`restore` the newest complete snapshot in ``dirpath``.
 
         Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
         complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-        one restored (``fallback=False`` raises SnapshotCorruptError instead).
+        one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``:
+        as :meth:`restore`.
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
         with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
@@ -466,6 +490,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 plugin_manager=plugin_manager,
                 strict=strict,
                 fallback=fallback,
+                weights_only=weights_only,
             )
         _raise_mismatch(app_state)
         return restored is not None
@@ -498,12 +523,17 @@ class SnapshotCheckpointIO(CheckpointIO):
         storage_options: Optional[dict[str, Any]] = None,
         collectives: Optional[Callable[[], Collectives]] = None,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         self.checkpoint_io = checkpoint_io
         self.storage_options = storage_options
         self._collectives = collectives
         self._own_collectives: Optional[Collectives] = None
         self.plugin_manager = plugin_manager
+        self.weights_only = weights_only
+        #: A snapshot path (ckpt_path="last" resolved to it): if it cannot be loaded, the
+        #: snapshots before it in its directory are tried, with a warning naming it.
+        self.fall_back_from: Optional[str] = None
         self._restored: Optional[Restored] = None
 
     @classmethod
@@ -514,6 +544,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         storage_options: Optional[dict[str, Any]] = None,
         collectives: Optional[Callable[[], Collectives]] = None,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> "SnapshotCheckpointIO":
         """Wrap ``trainer``'s CheckpointIO in one of these (once), configured as given."""
         strategy = trainer.strategy
@@ -524,6 +555,8 @@ class SnapshotCheckpointIO(CheckpointIO):
         io.storage_options = storage_options
         io._collectives = collectives
         io.plugin_manager = plugin_manager
+        io.weights_only = weights_only
+        io.fall_back_from = None
         io._restored = None
         return io
 
@@ -558,9 +591,13 @@ class SnapshotCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Lightning's checkpoint dict from snapshot ``path``; other paths go to the wrapped IO.
 
-        ``map_location`` and ``weights_only`` apply to the wrapped IO only: snapshots are read
-        to CPU (Lightning then moves the state to the device) and, like any pickle, must come
-        from a trusted source.
+        ``map_location`` applies to the wrapped IO only: snapshots are read to CPU (Lightning
+        then moves the state to the device). ``weights_only`` (``trainer.fit(...,
+        weights_only=...)``; None: this IO's own setting, True unless the saver was given False):
+        whether a snapshot's objects load with torch's restricted unpickler and the plugin's safe
+        globals, or with full pickle (False: trusted snapshots only). A snapshot that
+        ``ckpt_path="last"`` resolved to (``fall_back_from``) and that cannot be loaded is skipped
+        with a warning naming it, and the one before it loaded, as ``restore_from_latest`` does.
         """
         snapshot = snapshot_path(path)
         if snapshot is None:
@@ -568,14 +605,35 @@ class SnapshotCheckpointIO(CheckpointIO):
         coll = self._get_collectives()
         snapshot = coll.broadcast(snapshot)
         checkpoint: dict[str, Any] = {}
-        keys = restoring.restore(
-            snapshot,
-            {},
-            storage_options=self.storage_options,
-            collectives=coll,
-            plugin_manager=self.plugin_manager,
-            rest=checkpoint,
-        )
+        full_pickle = weights_only is False or (weights_only is None and not self.weights_only)
+        fall_back = self.fall_back_from is not None and snapshot == self.fall_back_from
+        self.fall_back_from = None
+        if fall_back:
+            dirpath, name = split_snapshot_path(snapshot)
+            restored = restoring.restore_from_latest(
+                dirpath,
+                {},
+                storage_options=self.storage_options,
+                collectives=coll,
+                plugin_manager=self.plugin_manager,
+                weights_only=not full_pickle,
+                rest=checkpoint,
+                newest=name,
+            )
+            if restored is None:
+                raise SnapshotNotFoundError(f"snapshot {snapshot} is gone; pass an existing ckpt_path")
+            snapshot = restored
+            keys = [RNG_STATE_KEY]  # the saver writes it into every snapshot
+        else:
+            keys = restoring.restore(
+                snapshot,
+                {},
+                storage_options=self.storage_options,
+                collectives=coll,
+                plugin_manager=self.plugin_manager,
+                rest=checkpoint,
+                weights_only=not full_pickle,
+            )
         missing = [key for key in ("state_dict", "pytorch-lightning_version") if key not in checkpoint]
         if missing:
             raise StateMismatchError(

@@ -92,6 +92,11 @@ class TorchSnapshotSaver(Callback):
             ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see
             :mod:`tnt_snapshot_plugin.metrics`) with ``log_dict`` on rank 0. Default: the unit's
             ``metric_logger`` or ``logger`` attribute, if it has ``log_dict``.
+        weights_only: True (default): before each snapshot is written, check that restore can
+            load every object in it with ``torch.load(weights_only=True)`` and the plugin's safe
+            globals; if not, raise UnrestorableStateError naming the entry and type (whatever
+            ``on_save_error`` says). False: no check; restore these snapshots with
+            ``weights_only=False`` (full pickle: trusted snapshots only).
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
     Initialise the process group first: with ``WORLD_SIZE`` > 1 in the environment and none
@@ -120,6 +125,7 @@ class TorchSnapshotSaver(Callback):
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         metric_logger: Optional[Any] = None,
+        weights_only: bool = True,
     ) -> None:
         require_process_group("constructing the saver")
         self._metric_logger = metric_logger
@@ -141,7 +147,11 @@ class TorchSnapshotSaver(Callback):
             knob_options=knob_options,
         )
         self._snapshotter = Snapshotter(
-            dirpath, config, process_group=process_group, plugin_manager=plugin_manager
+            dirpath,
+            config,
+            process_group=process_group,
+            plugin_manager=plugin_manager,
+            weights_only=weights_only,
         )
         # What on_train_start prepared, and for which (state, unit): the hooks may also be
         # called directly, without on_train_start (as torchtnt's saver allows).
@@ -265,6 +275,7 @@ class TorchSnapshotSaver(Callback):
         restore_lr_schedulers: Optional[bool] = None,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> None:
         """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
 
@@ -278,6 +289,9 @@ class TorchSnapshotSaver(Callback):
         Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError
         if the unit does not fit it, SnapshotCorruptError if its files cannot be read; an error
         raised by the unit's own ``load_state_dict`` propagates as it is.
+        ``weights_only=False`` loads the snapshot's objects with full pickle (only for snapshots
+        you trust); by default an object torch's restricted unpickler refuses raises
+        UnrestorableStateError.
         """
         require_process_group("restoring")
         options = _restore_options(
@@ -296,6 +310,7 @@ class TorchSnapshotSaver(Callback):
                 plugin_manager=plugin_manager,
                 strict=options.strict,
                 io_concurrency=knobs.max_per_rank_io_concurrency,
+                weights_only=weights_only,
             )
         if options.restore_train_progress:
             _restored_rng[unit] = RNGState().state_dict()
@@ -318,6 +333,7 @@ class TorchSnapshotSaver(Callback):
         fallback: bool = True,
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
     ) -> bool:
         """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
 
@@ -328,6 +344,7 @@ class TorchSnapshotSaver(Callback):
         snapshot that does not fit the unit, or an error from the unit's own code, is raised at
         once, with no fallback. Under torch.distributed rank 0's ``dirpath`` is used and rank 0
         picks the snapshot.
+        ``weights_only``: as :meth:`restore`.
         """
         require_process_group("restoring")
         options = _restore_options(
@@ -347,6 +364,7 @@ class TorchSnapshotSaver(Callback):
                 strict=options.strict,
                 fallback=fallback,
                 io_concurrency=knobs.max_per_rank_io_concurrency,
+                weights_only=weights_only,
             )
         if restored is not None and options.restore_train_progress:
             _restored_rng[unit] = RNGState().state_dict()

@@ -20,6 +20,8 @@ from .errors import (
     SnapshotNotFoundError,
     SnapshotWriteError,
     StateMismatchError,
+    StorageUnavailableError,
+    UnrestorableStateError,
 )
 from .naming import SnapshotName
 from .plugins import hookimpl
@@ -41,6 +43,8 @@ __all__ = [
     "SnapshotWriteError",
     "Snapshotter",
     "StateMismatchError",
+    "StorageUnavailableError",
+    "UnrestorableStateError",
     "hookimpl",
     "latest_snapshot",
     "restore",

@@ -72,6 +72,11 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
     so an exception from the user's own code looked like a read failure. The plugin's
     ``Snapshot`` raises :class:`StatefulError` (the key, the method, the original exception as
     ``__cause__``) for those, and restoring.py tells the user's errors from damaged files.
+
+14. Its object entries are read with a bare ``torch.load`` (``weights_only=True`` by torch 2.13's
+    default, with no way to pass the load settings): numpy arrays, ``datetime`` or an
+    ``argparse.Namespace`` then never load. The plugin's ``Snapshot`` reads them through
+    ``loading.load_object`` with the restore's ``weights_only`` and the plugin's safe globals.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ import torch
 import torchsnapshot
 import torchsnapshot.snapshot as _snapshot_module
 from torchsnapshot.flatten import _encode
+
+from .errors import SnapshotError
 
 _ids = random.Random()
 
@@ -260,7 +267,13 @@ class Snapshot(torchsnapshot.Snapshot):
     and its metadata written and read as plain JSON (item 6).
 
     A subclass, not a patch: torchsnapshot used directly elsewhere in the process is unchanged.
+
+    Object entries are loaded by :func:`loading.load_object` with this instance's
+    ``weights_only`` (default True: torch's restricted unpickler, with the plugin's safe globals).
     """
+
+    #: How object entries are unpickled (loading.py); set by restoring.restore.
+    weights_only: bool = True
 
     @staticmethod
     def _write_snapshot_metadata(  # type: ignore[override]
@@ -282,6 +295,8 @@ class Snapshot(torchsnapshot.Snapshot):
         read_io = ReadIO(path=_snapshot_module.SNAPSHOT_METADATA_FNAME)
         try:
             storage.sync_read(read_io=read_io, event_loop=event_loop)
+        except SnapshotError:
+            raise  # the storage is unreachable (StorageUnavailableError): not an incomplete snapshot
         except Exception as exc:
             raise RuntimeError(
                 f"Failed to read {_snapshot_module.SNAPSHOT_METADATA_FNAME}: the snapshot is "
@@ -320,7 +335,9 @@ class Snapshot(torchsnapshot.Snapshot):
         if manifest is None:  # sharded tensors or a new rank: torchsnapshot's own handling
             self._load_stateful_own_entries(stateful_key, stateful, strict, storage, pg, event_loop)
             return
-        state_dict = self._read_state_dict(stateful_key, stateful, manifest, storage, pg, event_loop)
+        state_dict = self._read_state_dict(
+            stateful_key, stateful, manifest, storage, pg, event_loop, self.weights_only
+        )
         if isinstance(stateful, torch.nn.Module):
             stateful.load_state_dict(state_dict, strict=strict)
         else:
@@ -328,7 +345,13 @@ class Snapshot(torchsnapshot.Snapshot):
 
     @staticmethod
     def _read_state_dict(
-        stateful_key: str, stateful: Any, manifest: dict[str, Any], storage: Any, pg: Any, event_loop: Any
+        stateful_key: str,
+        stateful: Any,
+        manifest: dict[str, Any],
+        storage: Any,
+        pg: Any,
+        event_loop: Any,
+        weights_only: bool = True,
     ) -> Any:
         """What torchsnapshot's ``_get_state_dict_for_manifest`` builds, with the tensors that
         can be read straight from a local file read so (item 8) and the rest by torchsnapshot."""
@@ -336,6 +359,7 @@ class Snapshot(torchsnapshot.Snapshot):
         from torchsnapshot.flatten import flatten, inflate
         from torchsnapshot.io_preparer import prepare_read
         from torchsnapshot.knobs import is_batching_disabled
+        from torchsnapshot.manifest import ObjectEntry
         from torchsnapshot.manifest_utils import is_container_entry
         from torchsnapshot.scheduler import get_process_memory_budget_bytes, sync_execute_read_reqs
 
@@ -363,7 +387,10 @@ class Snapshot(torchsnapshot.Snapshot):
                 direct.append(found)
                 values[path] = target
                 continue
-            reqs, future = prepare_read(entry=entry, obj_out=target)
+            if isinstance(entry, ObjectEntry):
+                reqs, future = _prepare_object_read(entry, weights_only)
+            else:
+                reqs, future = prepare_read(entry=entry, obj_out=target)
             read_reqs += reqs
             futures[path] = future
         if direct:
@@ -447,6 +474,29 @@ class _Guarded:
                 target.load_state_dict(state_dict)
         except Exception as exc:
             raise StatefulError(self._key, "load_state_dict", target, exc) from exc
+
+
+def _prepare_object_read(entry: Any, weights_only: bool) -> tuple[list[Any], Any]:
+    """torchsnapshot's read of an object entry, unpickled by ``loading.load_object`` with the
+    restore's ``weights_only`` instead of a bare ``torch.load``."""
+    import sys
+
+    from torchsnapshot.io_types import BufferConsumer, Future, ReadReq
+
+    from .loading import load_object
+
+    class _ObjectConsumer(BufferConsumer):
+        def __init__(self, fut: Any) -> None:
+            self.fut = fut
+
+        async def consume_buffer(self, buf: bytes, executor: Any = None) -> None:
+            self.fut.obj = load_object(buf, weights_only=weights_only)
+
+        def get_consuming_cost_bytes(self) -> int:
+            return sys.getsizeof(self.fut.obj)
+
+    fut: Any = Future(obj=None)
+    return [ReadReq(path=entry.location, buffer_consumer=_ObjectConsumer(fut))], fut
 
 
 def manifest_for_rank(metadata: Any, rank: int, key: Optional[str] = None) -> Optional[dict[str, Any]]:

@@ -33,6 +33,17 @@ class SnapshotCorruptError(SnapshotError, RuntimeError):
     """A committed snapshot could not be read back (a truncated or damaged file)."""
 
 
+class UnrestorableStateError(ConfigError):
+    """The state holds a value that restore could not load (a type torch's ``weights_only``
+    unpickler does not allow); raised by the saver before that snapshot is written, whatever
+    ``on_save_error`` says."""
+
+
+class StorageUnavailableError(SnapshotError, ConnectionError):
+    """The storage could not be reached or refused the request (an object store's endpoint is
+    down, the bucket is missing, the credentials are refused); the message names the URL."""
+
+
 class SnapshotWriteError(SnapshotError, RuntimeError):
     """Writing a snapshot failed; the snapshot was not committed and older snapshots are intact."""
 

@@ -1,8 +1,9 @@
 """Restoring snapshots: one chosen path, or the latest complete one in a directory.
 
 Snapshots are trusted input, as a pickle is: torchsnapshot stores non-tensor objects with
-``torch.save`` and reads them back with ``torch.load``. Restore only snapshots you (or your own
-jobs) wrote.
+``torch.save``. They are read back with ``torch.load(weights_only=True)`` and the plugin's safe
+globals (loading.py), which run no code a snapshot carries; ``weights_only=False`` loads them with
+full pickle, for snapshots you (or your own jobs) wrote.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from .errors import (
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
+    UnrestorableStateError,
 )
+from .loading import allowed_globals, refusal
 from .naming import SnapshotName
 from .plugins import get_plugin_manager
 from .storage import LocalStore, Store, open_store, split_snapshot_path
@@ -71,6 +74,7 @@ def restore(
     strict: bool = True,
     rest: Optional[dict[str, Any]] = None,
     io_concurrency: Optional[int] = None,
+    weights_only: bool = True,
 ) -> list[str]:
     """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the RNG state last.
 
@@ -80,6 +84,8 @@ def restore(
     every other entry of the snapshot (none of ``app_state``'s keys, no plugin's, not the RNG
     state) is read into it as a plain state dict: an adapter reads a framework's own checkpoint
     this way without objects to load it into.
+    ``weights_only=False`` unpickles object entries with full pickle (trusted snapshots only);
+    by default an object torch's restricted unpickler refuses raises UnrestorableStateError.
     Returns the keys that were loaded.
 
     Under torch.distributed rank 0's ``path`` is used (the others may pass anything). A snapshot
@@ -118,6 +124,7 @@ def restore(
         from .compat import Snapshot, gc_paused, manifest_for_rank
 
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
+        snapshot.weights_only = bool(weights_only)
         try:
             manifest = manifest_for_rank(snapshot.metadata, coll.rank)
             if manifest is None:
@@ -166,7 +173,7 @@ def restore(
     try:
         if RNG_STATE_KEY in present:
             load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
-        with gc_paused(), io_limit(io_concurrency):
+        with gc_paused(), io_limit(io_concurrency), allowed_globals():
             snapshot.restore(load, strict=strict)
     except SnapshotError:
         raise
@@ -175,6 +182,14 @@ def restore(
         own_error = exc
     except Exception as exc:
         _close_leaked_event_loops(exc)
+        if _refused_by_weights_only(exc):
+            raise UnrestorableStateError(
+                f"snapshot {path} holds an object that torch.load(weights_only=True) refuses: "
+                f"{refusal(exc)}. Nothing was "
+                "loaded from it as pickle. If the type is safe, allow it with "
+                "torch.serialization.add_safe_globals([...]); if you trust this snapshot (you wrote "
+                "it), pass weights_only=False to load it with full pickle"
+            ) from exc
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
@@ -199,6 +214,9 @@ def restore_from_latest(
     strict: bool = True,
     fallback: bool = True,
     io_concurrency: Optional[int] = None,
+    weights_only: bool = True,
+    rest: Optional[dict[str, Any]] = None,
+    newest: Optional[str] = None,
 ) -> Optional[str]:
     """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
 
@@ -209,6 +227,9 @@ def restore_from_latest(
     with more than one rank, a load error on any rank is raised, not fallen back from. A snapshot
     that is intact but does not fit ``app_state`` (StateMismatchError), or an error raised by an
     entry's own ``load_state_dict``, is raised at once: an older snapshot would not fit either.
+    with more than one rank, a load error on any rank is raised, not fallen back from.
+    ``weights_only`` and ``rest``: as :func:`restore`. ``newest``: a snapshot name; only it and
+    the snapshots before it are tried.
     """
     coll = collectives or Collectives(None)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
@@ -219,6 +240,8 @@ def restore_from_latest(
     candidates: list[str] = coll.on_rank0(
         lambda: [s.text for s in reversed(store.complete_snapshots())]
     )
+    if newest is not None and newest in candidates:
+        candidates = candidates[candidates.index(newest):]
     damaged: list[str] = []
     for name in candidates:
         path = store.child(name)
@@ -234,6 +257,8 @@ def restore_from_latest(
                     plugin_manager=plugin_manager,
                     strict=strict,
                     io_concurrency=io_concurrency,
+                    rest=rest,
+                    weights_only=weights_only,
                 )
                 if damaged:
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
@@ -275,6 +300,19 @@ def _raise_own_error(path: str, error: Any) -> None:
             f"{error.original}); restore into the same kind of unit that was saved"
         ) from error.original
     raise error.original
+
+
+def _refused_by_weights_only(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is torch's restricted unpickler refusing a global."""
+    import pickle
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc).lower().replace(" ", "_"):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
 
 
 def _close_leaked_event_loops(exc: BaseException) -> None:

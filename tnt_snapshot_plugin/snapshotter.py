@@ -49,7 +49,14 @@ from .app_state import (
 from .cadence import PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
 from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
-from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotWriteError
+from .errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotFailedWarning,
+    SnapshotWriteError,
+    UnrestorableStateError,
+)
+from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
@@ -127,6 +134,7 @@ class Snapshotter:
         never_replicated: Iterable[str] = (),
         on_preempted: Optional[Callable[[int], None]] = None,
         clock: Callable[[], float] = time.monotonic,
+        weights_only: bool = True,
     ) -> None:
         """``never_replicated``: entry keys that differ between ranks by nature (beyond the
         built-in reserved and ``*_progress`` keys), never marked replicated whatever the
@@ -134,6 +142,10 @@ class Snapshotter:
         durable, instead of handing the signal to the handler that was installed before the saver's,
         for frameworks with their own way to stop on a signal (it may raise to stop training).
         ``clock``: the time source of ``save_every_n_seconds`` (tests pass a fake one).
+        ``weights_only``: how restore will load this run's snapshots. True (default): every
+        snapshot is checked to load under ``torch.load(weights_only=True)`` and the plugin's safe
+        globals before it is written (``loading.LoadCheck``; UnrestorableStateError otherwise).
+        False: no check; the snapshots must then be restored with ``weights_only=False``.
         """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
@@ -151,6 +163,7 @@ class Snapshotter:
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
+        self._load_check = LoadCheck(weights_only=weights_only)
         self._pending: Optional[_Job] = None
         self._failure: Optional[str] = None
         self._last_name: Optional[str] = None
@@ -208,7 +221,17 @@ class Snapshotter:
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
-        self.collectives.on_rank0(self._remove_leftovers)
+        try:
+            self.collectives.on_rank0(self._remove_leftovers)
+        except Exception as exc:  # the storage is unreachable now: the snapshots will say so
+            if self.config.on_save_error == "raise":
+                raise
+            warnings.warn(
+                f"could not look for leftovers of interrupted snapshots in {self.dirpath}: "
+                f"{type(exc).__name__}: {exc}",
+                SnapshotFailedWarning,
+                stacklevel=3,
+            )
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
             self._preemption = PreemptionHandler(self.config.preemption_signals, self._flag_coll)
@@ -385,9 +408,14 @@ class Snapshotter:
         self._last_name = name.text
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
-        exists, staging = self.collectives.on_rank0(
-            lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
-        )
+        try:
+            exists, staging = self.collectives.on_rank0(
+                lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
+            )
+        except Exception as exc:  # the storage is unreachable (botocore retried already)
+            self._last_name = None
+            self._fail(name, self._store.child(name.text), exc)
+            return False
         if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
@@ -431,6 +459,35 @@ class Snapshotter:
         if self._wall is not None:
             self._wall.restart()  # the interval counts training time, not this stall
         return True
+
+    def _check_loadable(self, job: _Job) -> None:
+        """Refuse to write a snapshot restore could not load (on the writer thread, off the
+        training thread; every rank agrees before any enters torchsnapshot's collectives)."""
+        error: Optional[SnapshotError] = None
+        try:
+            self._load_check.check(job.frozen)
+        except SnapshotError as exc:
+            error = exc
+        coll = self.collectives
+        if coll.world_size > 1:
+            reports = coll.all_gather(None if error is None else str(error))
+            failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
+            if failed and (error is None or len(failed) > 1):
+                raise UnrestorableStateError("; ".join(failed)) from error
+        if error is not None:
+            raise error
+
+    def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
+        """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
+        self.stats.failures += 1
+        message = (
+            f"snapshot {path} (epoch {name.epoch}, step {name.step}) failed and was not committed: "
+            f"{type(exc).__name__}: {exc}. Older snapshots are intact."
+        )
+        if self.config.on_save_error == "raise":
+            raise SnapshotWriteError(message) from exc
+        self._failure = message
+        warnings.warn(message, SnapshotFailedWarning, stacklevel=4)
 
     def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
         """Block until the pending snapshot (if any) is committed or failed, and reap it."""
@@ -539,6 +596,7 @@ class Snapshotter:
 
         coll = self.collectives
         store = self._store
+        self._check_loadable(job)
         if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
             store.remove(job.staging)  # a partial write of this name on an object store
         recorder = WriteRecorder()
@@ -623,6 +681,12 @@ class Snapshotter:
             return
         for message in job.warnings:
             warnings.warn(message, stacklevel=3)
+        if isinstance(job.error, UnrestorableStateError):
+            # Not a storage failure that a later snapshot may not meet: every snapshot of this
+            # state would be unrestorable, so training stops whatever on_save_error says.
+            self.stats.failures += 1
+            self._last_name = None
+            raise job.error
         if job.error is not None:
             self.stats.failures += 1
             message = (

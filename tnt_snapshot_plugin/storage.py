@@ -24,6 +24,8 @@ Work-arounds for torchsnapshot-nightly 2024.7.26, both tested in tests/test_stor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import io
 import json
 import mmap
@@ -35,7 +37,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .errors import ConfigError, SnapshotError, SnapshotWriteError
+from .errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    StorageUnavailableError,
+)
 from .naming import SnapshotName, is_staging_name
 
 METADATA_FNAME = ".snapshot_metadata"
@@ -441,8 +449,78 @@ def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
     with _s3_clients_lock:
         client = _s3_clients.get(key)
         if client is None:
-            client = _s3_clients[key] = boto3.session.Session().client("s3", **options)
+            client = _s3_clients[key] = boto3.session.Session().client(
+                "s3", config=_s3_config(), **options
+            )
     return client
+
+
+def _s3_config() -> Any:
+    """Transient errors (connection refused or reset, timeouts, throttling, 5xx) are retried with
+    exponential backoff by botocore's "standard" retry mode, 4 attempts in all unless
+    ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` say otherwise; a connection is given 10 s."""
+    from botocore.config import Config
+
+    retries: dict[str, Any] = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:
+        retries["total_max_attempts"] = 4
+    return Config(retries=retries, connect_timeout=10, read_timeout=60)
+
+
+_CREDENTIAL_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "403", "InvalidToken"}
+)
+
+
+def s3_error(url: str, exc: BaseException) -> Optional[SnapshotError]:
+    """The plugin's error for a botocore exception met at ``url`` (None: not botocore's)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code == "NoSuchBucket":
+            return SnapshotNotFoundError(
+                f"{url}: the bucket does not exist ({exc}); check the URL and storage_options"
+            )
+        if code in _CREDENTIAL_CODES:
+            return ConfigError(
+                f"{url}: the object store refused the credentials ({exc}); check "
+                "storage_options (aws_access_key_id, aws_secret_access_key, aws_session_token)"
+            )
+        return StorageUnavailableError(f"{url}: the object store failed the request ({exc})")
+    if isinstance(exc, NoCredentialsError):
+        return ConfigError(f"{url}: no credentials ({exc}); pass them in storage_options")
+    if isinstance(exc, BotoCoreError):
+        return StorageUnavailableError(
+            f"{url}: the object store could not be reached ({type(exc).__name__}: {exc}), after "
+            "retries; check endpoint_url and the network"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def s3_errors(url: str) -> Any:
+    """Raise botocore's exceptions as the plugin's (``s3_error``), naming ``url``."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        mapped = s3_error(url, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def _translated(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An ``S3Store`` method raising the plugin's errors (``s3_errors``) instead of botocore's."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with s3_errors(self.url):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 _s3_clients: dict[tuple[Any, ...], Any] = {}
@@ -469,9 +547,10 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
                     f"the manifest of s3://{bucket}/{root} names the file {rel_path!r}, outside the "
                     "snapshot: the snapshot is damaged or was not written by torchsnapshot"
                 )
-            body = self.client.get_object(
-                Bucket=bucket, Key=self._key(rel_path), Range=f"bytes={start}-{end - 1}"
-            )["Body"]
+            with s3_errors(f"s3://{bucket}/{self._key(rel_path)}"):
+                body = self.client.get_object(
+                    Bucket=bucket, Key=self._key(rel_path), Range=f"bytes={start}-{end - 1}"
+                )["Body"]
             try:
                 return body.read()  # type: ignore[no-any-return]
             finally:
@@ -491,7 +570,8 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
                 kwargs["Range"] = f"bytes={start}-{end - 1}"
 
             def get() -> bytes:
-                return self.client.get_object(**kwargs)["Body"].read()
+                with s3_errors(f"s3://{bucket}/{kwargs['Key']}"):
+                    return self.client.get_object(**kwargs)["Body"].read()  # type: ignore[no-any-return]
 
             read_io.buf = io.BytesIO(await asyncio.get_running_loop().run_in_executor(None, get))
             _check_complete_read(read_io)
@@ -731,6 +811,7 @@ class S3Store(Store):
     def torchsnapshot_url(self, name: str) -> str:
         return f"tnts3://{self.bucket}/{self._key(name)}"
 
+    @_translated
     def list_names(self) -> list[str]:
         prefix = self._key("") + "/" if self.prefix else ""
         names: list[str] = []
@@ -744,9 +825,11 @@ class S3Store(Store):
     def has_file(self, name: str, rel: str) -> bool:
         return self.file_size(name, rel) is not None
 
+    @_translated
     def read_file(self, name: str, rel: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(name, rel))["Body"].read()
 
+    @_translated
     def file_size(self, name: str, rel: str) -> Optional[int]:
         from botocore.exceptions import ClientError
 
@@ -774,10 +857,12 @@ class S3Store(Store):
         # metadata last. A leftover partial write of the same name is cleared first.
         return final
 
+    @_translated
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(final, INDEX_FNAME), Body=index)
         self.client.put_object(Bucket=self.bucket, Key=self._key(final, METADATA_FNAME), Body=metadata)
 
+    @_translated
     def _remove(self, name: str) -> None:
         # Unpublish first: a crash part-way then leaves an incomplete snapshot (ignored by
         # restore, cleared at the next train start), never a complete-looking one missing files.
