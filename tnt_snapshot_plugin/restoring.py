@@ -303,12 +303,19 @@ def _raise_own_error(path: str, error: Any) -> None:
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:
-    """Whether ``exc`` (or its cause) is torch's restricted unpickler refusing a global."""
+    """Whether ``exc`` (or its cause) is torch's restricted unpickler refusing what a snapshot
+    holds (a global not allowed, a construct it cannot build), as opposed to bytes that are no
+    pickle at all (damage: torch says "Unsupported operand" for those, or fails to unpack)."""
     import pickle
 
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc).lower().replace(" ", "_"):
+        text = str(exc)
+        if (
+            isinstance(exc, pickle.UnpicklingError)
+            and "weights_only" in text.lower().replace(" ", "_")
+            and "Unsupported operand" not in text
+        ):
             return True
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
