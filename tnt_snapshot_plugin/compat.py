@@ -408,6 +408,49 @@ def manifest_for_rank(metadata: Any, rank: int, key: Optional[str] = None) -> Op
     return own
 
 
+def read_entries(snapshot: Any, entries: dict[str, Any]) -> dict[str, Any]:
+    """The values of manifest ``entries`` (by full path, ``RANK/...``) of ``snapshot``, read on
+    this rank alone (no collective), as torchsnapshot's ``read_object`` reads one; primitives
+    come from the metadata."""
+    import asyncio
+
+    from torchsnapshot.io_preparer import prepare_read
+    from torchsnapshot.manifest import PrimitiveEntry
+    from torchsnapshot.scheduler import sync_execute_read_reqs
+    from torchsnapshot.storage_plugin import url_to_storage_plugin_in_event_loop
+
+    values: dict[str, Any] = {}
+    futures: dict[str, Any] = {}
+    read_reqs: list[Any] = []
+    for path, entry in entries.items():
+        if isinstance(entry, PrimitiveEntry):
+            values[path] = entry.get_value()
+            continue
+        reqs, future = prepare_read(entry=entry, obj_out=None)
+        read_reqs += reqs
+        futures[path] = future
+    if read_reqs:
+        event_loop = asyncio.new_event_loop()
+        try:
+            storage = url_to_storage_plugin_in_event_loop(
+                url_path=snapshot.path, event_loop=event_loop, storage_options=snapshot._storage_options
+            )
+            try:
+                sync_execute_read_reqs(
+                    read_reqs=read_reqs,
+                    storage=storage,
+                    memory_budget_bytes=512 * 1024 * 1024,
+                    rank=0,
+                    event_loop=event_loop,
+                )
+            finally:
+                storage.sync_close(event_loop=event_loop)
+        finally:
+            event_loop.close()
+    values.update((path, future.obj) for path, future in futures.items())
+    return values
+
+
 _DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -459,4 +502,4 @@ def _metadata_from_json(text: str) -> Any:
     return m.SnapshotMetadata(**doc)
 
 
-__all__ = ["Snapshot", "manifest_for_rank"]
+__all__ = ["Snapshot", "manifest_for_rank", "read_entries"]
