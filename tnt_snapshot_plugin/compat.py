@@ -63,6 +63,12 @@ Import torchsnapshot's ``Snapshot`` from here, never directly, so the fixes belo
     object: 0.15-0.3 s of a 0.5 s take on the project's machine. The plugin pauses the collector
     while its restores and its synchronous takes run (``gc_paused``): while training waits. An
     asynchronous take, which training runs alongside, leaves it alone.
+
+12. ``take`` raised ``ZeroDivisionError`` on a DTensor whose local shard is empty (FSDP2 gives
+    rank 1 of 2 nothing of a one-element bias): ``subdivide_shard`` divides by the shard's length.
+    An empty shard is written as one empty chunk (as no chunk at all, torchsnapshot's
+    partitioner, which takes a 2-d DTensor sharded on one dimension for a replicated one, drops
+    the rank's entry). Tested in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -222,6 +228,25 @@ def _install_gathered_slabs() -> None:
 
 
 _install_gathered_slabs()
+
+
+def _install_empty_shard_fix() -> None:
+    from torchsnapshot.io_preparers.sharded_tensor import ShardedTensorIOPreparer
+
+    original = ShardedTensorIOPreparer.subdivide_shard
+    if getattr(original, "_tnt_fixed", False):
+        return
+
+    def subdivide_shard(shard: torch.Tensor, offsets: Any, sizes: Any, dim: int, max_shard_sz_bytes: int) -> Any:
+        if 0 in list(sizes):
+            return [(shard, list(offsets), list(sizes))]  # one empty chunk (item 12)
+        return original(shard, offsets, sizes, dim, max_shard_sz_bytes)
+
+    subdivide_shard._tnt_fixed = True  # type: ignore[attr-defined]
+    ShardedTensorIOPreparer.subdivide_shard = staticmethod(subdivide_shard)  # type: ignore[method-assign]
+
+
+_install_empty_shard_fix()
 
 
 class Snapshot(torchsnapshot.Snapshot):
