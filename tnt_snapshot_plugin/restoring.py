@@ -365,11 +365,11 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
         named = ", ".join(unquote(p) for p in differ[:_NAMED_ENTRIES])
         more = f" and {len(differ) - _NAMED_ENTRIES} more" if len(differ) > _NAMED_ENTRIES else ""
         raise StateMismatchError(
-            f"cannot restore {path} on {coll.world_size} ranks: it was taken on {saved} ranks, and "
-            f"these entries were saved per rank with different values (or not by every rank), so "
-            f"they have no value for a world of {coll.world_size}: {named}{more}. Restore on "
-            f"{saved} ranks; or save such state replicated (replicated=[...]) or sharded "
-            "(FSDP's SHARDED_STATE_DICT, DTensor); or leave those entries out of the restore"
+            f"cannot restore {path} on {_ranks(coll.world_size)}: it was taken on {_ranks(saved)}, "
+            "and these entries were saved per rank with different values (or not by every rank), "
+            f"so they have no value for a world of {_ranks(coll.world_size)}: {named}{more}. "
+            f"Restore on {_ranks(saved)}; or save such state replicated (replicated=[...]) or "
+            "sharded (FSDP's SHARDED_STATE_DICT, DTensor); or leave those entries out of the restore"
         )
     # Entries equal on every saved rank are rank 0's for every rank of the new world: marked
     # replicated in this in-memory copy of the metadata (nothing is written).
@@ -379,12 +379,16 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
             entry.replicated = True
     if rng_differs:
         warnings.warn(
-            f"snapshot {path} was taken on {saved} ranks and is restored on {coll.world_size}: "
+            f"snapshot {path} was taken on {_ranks(saved)} and is restored on {_ranks(coll.world_size)}: "
             "its RNG states are per rank, so they are not restored (every other entry is)",
             stacklevel=4,
         )
         return False
     return True
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def _encode_key(key: str) -> str:
