@@ -37,6 +37,7 @@ from torchtnt.framework.unit import TrainUnit
 
 from tnt_snapshot_plugin import StateMismatchError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.app_state import Stager, local_shards
 from toy import Holder, StatefulLoader, make_data
 
 WRAPPINGS = tuple(os.environ.get("FSDP_WORKER_WRAPPINGS", "fsdp1_sharded,fsdp1_full,fsdp2,ddp").split(","))
@@ -121,6 +122,30 @@ class Capture(Callback):
             self.state = whole_state(unit)
 
 
+def staging_check(unit: Unit) -> dict[str, Any]:
+    """Stage the model's state as an asynchronous snapshot does, then change the parameters:
+    the staged copy must keep the old values (of this rank's shards) and the tensor types."""
+    before = {k: [t.clone() for t in local_shards(v)] for k, v in unit.model.state_dict().items()}
+    staged = Stager().stage({"model": unit.model})["model"].state_dict()
+    with torch.no_grad():
+        for param in unit.model.parameters():
+            param.add_(1.0)
+    after = unit.model.state_dict()
+
+    def same(a: dict[str, Any]) -> bool:
+        return all(
+            torch.equal(x, y)
+            for k in before
+            for x, y in zip(before[k], local_shards(a[k]), strict=True)
+        )
+
+    return {
+        "types": sorted({type(v).__name__ for v in staged.values()}),
+        "staged_kept_values": same(staged),
+        "originals_changed": not same(after),
+    }
+
+
 def loader(rank: int) -> StatefulLoader:
     return StatefulLoader(make_data(4 * STEPS, seed=rank), seed=10 * rank)
 
@@ -146,7 +171,15 @@ def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
             "final": whole_state(unit),
             "warnings": [str(w.message) for w in caught],
             "committed": [os.path.basename(r.path) for r in saver.snapshotter.stats.committed],
+            "staging": staging_check(unit),
         }
+        if rank == 0:
+            from torchsnapshot import Snapshot
+
+            manifest = Snapshot(os.path.join(out, wrapping, "epoch_0_step_4")).metadata.manifest
+            record[wrapping]["entry_types"] = sorted(
+                {type(e).__name__ for path, e in manifest.items() if path.split("/")[1] in ("model", "optimizer")}
+            )
     if rank == 0:
         with open(os.path.join(out, WRAPPINGS[0], "epoch_0_step_4", ".tnt_snapshot_index.json")) as f:
             record["index_world_size"] = json.load(f).get("world_size")
