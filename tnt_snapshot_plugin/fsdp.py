@@ -78,8 +78,10 @@ def wrap_fsdp_optimizers(
 
     An optimizer belongs to the FSDP module that holds all of its parameters; one whose
     parameters span an FSDP module and anything else cannot be saved through FSDP's APIs and
-    raises TypeError.
+    raises ConfigError.
     """
+    from .errors import ConfigError
+
     owners = []
     for module in modules.values():
         if fsdp_kind(module) is not None:
@@ -94,7 +96,7 @@ def wrap_fsdp_optimizers(
                 out[key] = FSDPOptimizerState(module, optimizer)
                 break
             if any(inside):
-                raise TypeError(
+                raise ConfigError(
                     f"optimizer {key!r} holds parameters of FSDP module {type(module).__name__} "
                     "and of other modules; FSDP's optimizer state dict needs one optimizer per "
                     "FSDP root module"

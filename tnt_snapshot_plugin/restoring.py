@@ -335,8 +335,8 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
             out.pop(logical, None)
         return out
 
-    def verdict() -> tuple[list[str], list[str]]:
-        """(logical paths equal on every saved rank, those that are not)."""
+    def verdict() -> tuple[list[str], list[str], Optional[str]]:
+        """(logical paths equal on every saved rank, those that are not, a read error)."""
         entries = per_rank_entries()
         same: list[str] = []
         differ: list[str] = []
@@ -350,14 +350,23 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
             else:
                 to_read.update((f"{rank}/{logical}", e) for rank, e in enumerate(by_rank))
         if to_read:
-            values = read_entries(snapshot, to_read)
+            try:
+                values = read_entries(snapshot, to_read)
+            except Exception as exc:  # damaged bytes: every rank raises it as corruption below
+                _close_leaked_event_loops(exc)
+                return [], [], f"{type(exc).__name__}: {exc}"
             for logical in {full.partition("/")[2] for full in to_read}:
                 first = values[f"0/{logical}"]
                 equal = all(_same_value(first, values[f"{r}/{logical}"]) for r in range(1, saved))
                 (same if equal else differ).append(logical)
-        return sorted(same), sorted(differ)
+        return sorted(same), sorted(differ), None
 
-    same, differ = coll.on_rank0(verdict)
+    same, differ, unreadable = coll.on_rank0(verdict)
+    if unreadable is not None:
+        raise SnapshotCorruptError(
+            f"could not read snapshot {path}'s per-rank entries to restore it on "
+            f"{_ranks(coll.world_size)} (taken on {_ranks(saved)}): {unreadable}"
+        )
     rng_prefix = _encode_key(RNG_STATE_KEY) + "/"
     rng_differs = [p for p in differ if p.startswith(rng_prefix)]
     differ = [p for p in differ if not p.startswith(rng_prefix)]
