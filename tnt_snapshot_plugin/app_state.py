@@ -240,8 +240,9 @@ class Stager:
     The training thread is blocked only for these copies; the write then runs from the copies
     while training mutates the originals. A buffer is reallocated only when the tensor at that
     place in the state changes shape, dtype or layout; buffers of places that disappeared are
-    released. Everything else a state dict holds (numbers, strings, tensor subclasses) is copied
-    afresh each time.
+    released. A ShardedTensor's or DTensor's local shards are staged the same way (into a new
+    ShardedTensor / DTensor with the same global metadata). Everything else a state dict holds
+    (numbers, strings, other tensor subclasses) is copied afresh each time.
 
     The copies run as one ``torch._foreach_copy_`` after every ``state_dict()`` has been called,
     so a state with thousands of tensors does not pay the per-call cost of ``copy_`` thousands of
