@@ -163,8 +163,6 @@ def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if os.environ.get("FSDP_WORKER_DEBUG"):
-                warnings.showwarning = lambda *a, **k: print("WARNING", a[0], file=sys.stderr, flush=True)
             train(unit, loader(rank), max_epochs=1, callbacks=[capture, saver])
         record[wrapping] = {
             "at_step_4": capture.state,
