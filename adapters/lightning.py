@@ -304,6 +304,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         """Join the process group, install the snapshot-reading CheckpointIO (before Lightning loads
         ``ckpt_path``) and check that all ranks resolved ``ckpt_path="last"`` alike."""
         self._snapshotter.attach()
+        _check_strategy_can_resume(trainer)
         self._io = SnapshotCheckpointIO.install(
             trainer,
             storage_options=self._snapshotter.config.storage_options,
@@ -651,6 +652,26 @@ class SnapshotCheckpointIO(CheckpointIO):
         if self._own_collectives is None or (is_initialized() and not self._own_collectives.distributed):
             self._own_collectives = Collectives.create(None, 600.0)  # collective: every rank loads
         return self._own_collectives
+
+
+def _check_strategy_can_resume(trainer: pl.Trainer) -> None:
+    """Refuse, on every rank alike, a resume from a snapshot that the strategy cannot read.
+
+    Lightning's ``FSDPStrategy.load_checkpoint`` reads ``ckpt_path`` itself (a DCP directory with
+    its ``meta.pt``, or a file) and never asks the CheckpointIO, so a snapshot given as
+    ``ckpt_path`` would fail inside Lightning with a message about checkpoint shards.
+    """
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    path = trainer.ckpt_path
+    if path is None or snapshot_path(path) is None or not isinstance(trainer.strategy, FSDPStrategy):
+        return
+    raise ConfigError(
+        f'cannot resume from snapshot {path} under strategy="fsdp": Lightning\'s FSDPStrategy loads '
+        "checkpoints itself (a DCP directory or a file) without the CheckpointIO that reads "
+        "snapshots; resume FSDP runs from Lightning's own FSDP checkpoints (ModelCheckpoint), or "
+        "train FSDP with torchtnt and this plugin's torchtnt adapter"
+    )
 
 
 def snapshot_path(path: Any) -> Optional[str]:

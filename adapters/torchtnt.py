@@ -34,6 +34,7 @@ from tnt_snapshot_plugin.app_state import (
 from tnt_snapshot_plugin.config import Knobs, SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, require_process_group
 from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.fsdp import wrap_fsdp_optimizers
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 
 TRAIN_PROGRESS_KEY = "train_progress"
@@ -424,7 +425,38 @@ def _unit_metric_logger(unit: Any) -> Optional[Any]:
 
 
 def _unit_state(unit: AppStateMixin) -> dict[str, Any]:
-    return dict(unit.app_state())
+    """The unit's app state, its optimizers over FSDP modules saved through FSDP's optimizer
+    state-dict APIs (as torchtnt's saver does)."""
+    app_state = dict(unit.app_state())
+    app_state.update(wrap_fsdp_optimizers(unit.tracked_modules(), unit.tracked_optimizers()))
+    return app_state
+
+
+class _OptimizerStateOnLoad:
+    """A tracked optimizer (or its FSDP wrapper) for restore: before its state is read, the
+    optimizer's lazily created state is made to exist (torchtnt's ``init_optim_state``) so the
+    snapshot's values load into it. Only when the snapshot is loaded, and without changing the
+    parameters: the initialising zero-gradient step would move them under weight decay."""
+
+    def __init__(self, stateful: Any, optimizer: Any) -> None:
+        self._stateful = stateful
+        self._optimizer = optimizer
+
+    def state_dict(self) -> Any:
+        if not self._optimizer.state:
+            import torch
+            from torchtnt.utils.optimizer import init_optim_state
+
+            params = [p for group in self._optimizer.param_groups for p in group["params"]]
+            with torch.no_grad():
+                kept = [p.detach().clone() for p in params]
+                init_optim_state(self._optimizer)
+                for param, value in zip(params, kept, strict=True):
+                    param.copy_(value)
+        return self._stateful.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self._stateful.load_state_dict(state_dict)
 
 
 def _collector(state: State, unit: AppStateMixin) -> Callable[[bool], dict[str, Any]]:
@@ -446,6 +478,9 @@ def _restore_state(
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     app_state = _unit_state(unit)
     check_collisions(app_state.keys())
+    for key, optimizer in unit.tracked_optimizers().items():
+        if key in app_state:
+            app_state[key] = _OptimizerStateOnLoad(app_state[key], optimizer)
     skipped: list[str] = []
     if not options.restore_train_progress:
         skipped.append(TRAIN_PROGRESS_KEY)

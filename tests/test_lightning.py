@@ -462,3 +462,22 @@ def test_pickles_for_ddp_spawn_as_its_arguments(tmp_path, pm):
     assert copy.snapshotter.config == saver.snapshotter.config
     with pytest.raises(TypeError, match="own process_group or plugin_manager"):
         pickle.dumps(TorchSnapshotSaver(str(tmp_path), plugin_manager=pm))
+
+
+def test_fsdp_strategy_refuses_to_resume_from_a_snapshot_at_setup(tmp_path):
+    """Lightning's FSDPStrategy loads ckpt_path itself, bypassing the CheckpointIO; Lightning
+    allows it only with GPUs, so the trainer here is a CPU one given a real FSDPStrategy the way
+    Lightning's connector holds it. The saver says so at setup instead of Lightning failing later."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    from tnt_snapshot_plugin import ConfigError
+
+    saver = TorchSnapshotSaver(str(tmp_path / "snaps"))
+    trainer = make_trainer(tmp_path, [saver])
+    module = ToyModule()
+    saver.setup(trainer, module, "fit")  # the CPU strategy: nothing to refuse
+    trainer._accelerator_connector.strategy = FSDPStrategy()
+    saver.setup(trainer, module, "fit")  # FSDP without a snapshot to resume: fine
+    trainer._checkpoint_connector._ckpt_path = str(tmp_path / "snaps" / "epoch_1_step_4")
+    with pytest.raises(ConfigError, match='strategy="fsdp"'):
+        saver.setup(trainer, module, "fit")

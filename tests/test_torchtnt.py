@@ -183,3 +183,30 @@ def test_dirpath_property_and_sync_mode(tmp_path):
     unit = ToyUnit()
     train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[saver])
     assert snapshot_dirs(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_1_step_2"]
+
+
+def test_optimizer_state_is_created_only_to_be_loaded_and_leaves_the_weights(tmp_path):
+    """Restore creates a fresh optimizer's lazy state (as torchtnt's init_optim_state does) only
+    when a snapshot is loaded into it: with nothing to resume from, the optimizer and weights stay
+    untouched (a zero-gradient step with weight decay would move the weights)."""
+    def adamw_unit(seed: int) -> ToyUnit:
+        unit = ToyUnit(seed=seed)
+        unit.optimizer = torch.optim.AdamW(unit.model.parameters(), lr=0.1, weight_decay=0.5)
+        unit.lr_scheduler = torch.optim.lr_scheduler.StepLR(unit.optimizer, step_size=1)
+        return unit
+
+    unit = adamw_unit(0)
+    before = weights(unit)
+    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), unit) is False
+    assert unit.optimizer.state_dict()["state"] == {}
+    assert_bitwise_equal(weights(unit), before)
+
+    train(unit, StatefulLoader(make_data(8), seed=1), max_epochs=1,
+          callbacks=[TorchSnapshotSaver(str(tmp_path / "run"), async_snapshot=False)])
+    fresh = adamw_unit(5)
+    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "run"), fresh) is True
+    assert_bitwise_equal(weights(fresh), weights(unit))
+    saved, restored = unit.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert saved.keys() == restored.keys() and saved
+    for index in saved:
+        assert_bitwise_equal(restored[index], saved[index])

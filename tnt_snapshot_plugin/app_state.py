@@ -181,7 +181,34 @@ class Value:
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: The staging-buffer path component of a sharded tensor's local shards.
+_SHARD = "<local shard>"
 _STAGED_SPEC = attrgetter("shape", "dtype", "layout")
+
+
+def sharded_kind(obj: Any) -> Optional[str]:
+    """``"sharded"`` for a ``ShardedTensor``, ``"dtensor"`` for a ``DTensor``, else None."""
+    if not isinstance(obj, torch.Tensor) or type(obj) in _PLAIN_TENSOR_TYPES:
+        return None
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, ShardedTensor):
+        return "sharded"
+    if isinstance(obj, DTensor):
+        return "dtensor"
+    return None
+
+
+def local_shards(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors this rank holds of ``tensor``: its local shards if it is a ShardedTensor or a
+    DTensor (whose ``numel()`` and storage are not this rank's), else ``[tensor]``."""
+    kind = sharded_kind(tensor)
+    if kind == "sharded":
+        return [shard.tensor for shard in tensor.local_shards()]  # type: ignore[attr-defined]
+    if kind == "dtensor":
+        return [tensor.to_local()]  # type: ignore[attr-defined]
+    return [tensor]
 
 
 def _plain_tensor(obj: Any) -> bool:
@@ -213,8 +240,9 @@ class Stager:
     The training thread is blocked only for these copies; the write then runs from the copies
     while training mutates the originals. A buffer is reallocated only when the tensor at that
     place in the state changes shape, dtype or layout; buffers of places that disappeared are
-    released. Everything else a state dict holds (numbers, strings, tensor subclasses) is copied
-    afresh each time.
+    released. A ShardedTensor's or DTensor's local shards are staged the same way (into a new
+    ShardedTensor / DTensor with the same global metadata). Everything else a state dict holds
+    (numbers, strings, other tensor subclasses) is copied afresh each time.
 
     The copies run as one ``torch._foreach_copy_`` after every ``state_dict()`` has been called,
     so a state with thousands of tensors does not pay the per-call cost of ``copy_`` thousands of
@@ -297,6 +325,9 @@ class Stager:
             self._schedule(buf, obj, on_device)
             return buf
         if isinstance(obj, torch.Tensor):
+            kind = sharded_kind(obj)
+            if kind is not None:
+                return self._copy_sharded(obj, kind, where)
             return obj.detach().clone()
         if isinstance(obj, dict):
             layout = self._layouts.get(where)
@@ -313,6 +344,40 @@ class Stager:
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._copy(v, where + (i,)) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
+
+    def _copy_sharded(self, obj: Any, kind: str, where: tuple[Any, ...]) -> torch.Tensor:
+        """A ShardedTensor or DTensor over staged copies of this rank's shards (no collective).
+
+        Shards on an accelerator are cloned there: the global metadata names their device.
+        """
+        def staged(shard: torch.Tensor, at: tuple[Any, ...]) -> torch.Tensor:
+            shard = shard.detach()
+            if self._on_device(shard) or not _plain_tensor(shard):
+                return shard.clone()
+            buf, on_device = self._buffer(at, shard)
+            self._schedule(buf, shard, on_device)
+            return buf
+
+        if kind == "sharded":
+            from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+            shards = [
+                Shard(staged(shard.tensor, where + (_SHARD, i)), shard.metadata)
+                for i, shard in enumerate(obj.local_shards())
+            ]
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, obj.metadata(), process_group=obj._process_group
+            )
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            staged(obj.to_local(), where + (_SHARD, 0)),
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
 
     def _copy_dict(self, obj: dict[Any, Any], where: tuple[Any, ...]) -> dict[Any, Any]:
         out = type(obj)() if type(obj) is not dict else {}

@@ -239,8 +239,8 @@ def raise_if_any_failed(coll: Collectives, error: Optional[BaseException], what:
     failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
     if not failed:
         return
-    if error is not None and len(failed) == 1:
-        raise error
+    if error is not None and (len(failed) == 1 or len({msg for _rank, msg in failed}) == 1):
+        raise error  # this rank's own, or the same verdict on every rank that failed
     detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
     if isinstance(error, SnapshotError):
         raise type(error)(f"{what} failed: {detail}") from error

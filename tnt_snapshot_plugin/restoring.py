@@ -126,13 +126,21 @@ def restore(
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
         snapshot.weights_only = bool(weights_only)
         try:
-            manifest = manifest_for_rank(snapshot.metadata, coll.rank)
+            saved_world_size = snapshot.metadata.world_size
+            # A rank the snapshot did not have checks against rank 0's entries; the world-size
+            # check below decides what it may load.
+            check_rank = coll.rank if coll.rank < saved_world_size else 0
+            manifest = manifest_for_rank(snapshot.metadata, check_rank)
             if manifest is None:
-                manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=coll.rank)
+                manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=check_rank)
         except Exception as exc:
             _close_leaked_event_loops(exc)
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
         present = {unquote(key.split("/", 1)[0]) for key in manifest}
+        restore_rng = True
+        if saved_world_size != coll.world_size:
+            keys = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
+            restore_rng = _fit_world_size(path, snapshot, keys, coll)
 
         optional = set(optional_keys)
         load: dict[str, Any] = {}
@@ -171,7 +179,7 @@ def restore(
 
     own_error: Optional[StatefulError] = None
     try:
-        if RNG_STATE_KEY in present:
+        if RNG_STATE_KEY in present and restore_rng:
             load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
         with gc_paused(), io_limit(io_concurrency), allowed_globals():
             snapshot.restore(load, strict=strict)
@@ -197,7 +205,7 @@ def restore(
         _raise_own_error(path, own_error)
     if rest is not None:
         rest.update((key, sink.value) for key, sink in sinks.items())
-    keys = sorted(k for k in load if k != RNG_STATE_KEY) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present else [])
+    keys = sorted(k for k in load if k != RNG_STATE_KEY) + ([RNG_STATE_KEY] if RNG_STATE_KEY in present and restore_rng else [])
     logger.info("restored snapshot %s in %.3fs (%s)", path, time.perf_counter() - started, ", ".join(keys))
     pm.hook.tnt_snapshot_plugin_after_restore(path=path, keys=keys)
     return keys
@@ -373,6 +381,150 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
         raise SnapshotNotFoundError(problem)
 
 
+#: How many entries a world-size error names before it counts the rest.
+_NAMED_ENTRIES = 12
+
+
+def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collectives) -> bool:
+    """Make the entries of ``keys`` that map exactly onto this world size available to every rank,
+    or raise StateMismatchError naming those that cannot; whether the RNG state maps.
+
+    A snapshot taken on N ranks restores exactly on M != N ranks where every entry is replicated
+    (saved once for all ranks), sharded (ShardedTensor, DTensor: torchsnapshot reshards them), or
+    saved per rank with the same value on every rank (progress counters, a full state dict saved
+    on every rank: read and compared here, on rank 0). A per-rank entry whose values differ (an
+    optimizer's flat FSDP1 shards, a loader's position) has no value for a rank of another world
+    size. The RNG state, per rank by nature, is then not restored, with a warning, rather than
+    refusing every world-size change. Every rank reaches the same verdict (rank 0 decides).
+    """
+    from torchsnapshot.manifest import DTensorEntry, PrimitiveEntry, ShardedTensorEntry
+    from torchsnapshot.manifest_utils import is_container_entry, is_fully_replicated_entry
+
+    from .compat import read_entries
+
+    metadata = snapshot.metadata
+    saved = metadata.world_size
+    wanted = {_encode_key(key) for key in keys}
+
+    def per_rank_entries() -> dict[str, list[Any]]:
+        """logical path -> each saved rank's entry (None where a rank has none)."""
+        out: dict[str, list[Any]] = {}
+        replicated: set[str] = set()
+        for full, entry in metadata.manifest.items():
+            rank, _, logical = full.partition("/")
+            if logical.split("/", 1)[0] not in wanted or is_container_entry(entry):
+                continue
+            if isinstance(entry, (ShardedTensorEntry, DTensorEntry)) or is_fully_replicated_entry(entry):
+                replicated.add(logical)
+                continue
+            out.setdefault(logical, [None] * saved)[int(rank)] = entry
+        for logical in replicated:
+            out.pop(logical, None)
+        return out
+
+    def verdict() -> tuple[list[str], list[str], Optional[str]]:
+        """(logical paths equal on every saved rank, those that are not, a read error)."""
+        entries = per_rank_entries()
+        same: list[str] = []
+        differ: list[str] = []
+        to_read: dict[str, Any] = {}
+        for logical, by_rank in entries.items():
+            if any(e is None for e in by_rank):
+                differ.append(logical)
+            elif all(isinstance(e, PrimitiveEntry) for e in by_rank):
+                values = {(e.type, e.serialized_value) for e in by_rank}
+                (same if len(values) == 1 else differ).append(logical)
+            else:
+                to_read.update((f"{rank}/{logical}", e) for rank, e in enumerate(by_rank))
+        if to_read:
+            try:
+                values = read_entries(snapshot, to_read)
+            except Exception as exc:  # damaged bytes: every rank raises it as corruption below
+                _close_leaked_event_loops(exc)
+                return [], [], f"{type(exc).__name__}: {exc}"
+            for logical in {full.partition("/")[2] for full in to_read}:
+                first = values[f"0/{logical}"]
+                equal = all(_same_value(first, values[f"{r}/{logical}"]) for r in range(1, saved))
+                (same if equal else differ).append(logical)
+        return sorted(same), sorted(differ), None
+
+    same, differ, unreadable = coll.on_rank0(verdict)
+    if unreadable is not None:
+        raise SnapshotCorruptError(
+            f"could not read snapshot {path}'s per-rank entries to restore it on "
+            f"{_ranks(coll.world_size)} (taken on {_ranks(saved)}): {unreadable}"
+        )
+    rng_prefix = _encode_key(RNG_STATE_KEY) + "/"
+    rng_differs = [p for p in differ if p.startswith(rng_prefix)]
+    differ = [p for p in differ if not p.startswith(rng_prefix)]
+    if differ:
+        named = ", ".join(unquote(p) for p in differ[:_NAMED_ENTRIES])
+        more = f" and {len(differ) - _NAMED_ENTRIES} more" if len(differ) > _NAMED_ENTRIES else ""
+        raise StateMismatchError(
+            f"cannot restore {path} on {_ranks(coll.world_size)}: it was taken on {_ranks(saved)}, "
+            "and these entries were saved per rank with different values (or not by every rank), "
+            f"so they have no value for a world of {_ranks(coll.world_size)}: {named}{more}. "
+            f"Restore on {_ranks(saved)}; or save such state replicated (replicated=[...]) or "
+            "sharded (FSDP's SHARDED_STATE_DICT, DTensor); or leave those entries out of the restore"
+        )
+    # Entries equal on every saved rank are rank 0's for every rank of the new world: marked
+    # replicated in this in-memory copy of the metadata (nothing is written).
+    for logical in same:
+        entry = metadata.manifest.get(f"0/{logical}")
+        if entry is not None and hasattr(entry, "replicated"):
+            entry.replicated = True
+    if rng_differs:
+        warnings.warn(
+            f"snapshot {path} was taken on {_ranks(saved)} and is restored on {_ranks(coll.world_size)}: "
+            "its RNG states are per rank, so they are not restored (every other entry is)",
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _encode_key(key: str) -> str:
+    from torchsnapshot.flatten import _encode
+
+    return _encode(key)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two values read from a snapshot are the same, bit for bit for tensors."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        b_bytes = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return torch.equal(a_bytes, b_bytes)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose == is not a truth value: not provably the same
+        return False
+
+
+def _global_shape(entry: Any) -> Optional[list[int]]:
+    """The whole tensor's shape of a manifest entry: a dense entry's own, or the extent of a
+    ShardedTensor's or DTensor's shards (every rank's, merged into the entry); None if no tensor."""
+    if hasattr(entry, "shape"):
+        return list(entry.shape)
+    shards = getattr(entry, "shards", None)
+    if not shards:
+        return None
+    return [
+        max(shard.offsets[d] + shard.sizes[d] for shard in shards)
+        for d in range(len(shards[0].sizes))
+    ]
+
+
 def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> None:
     import torch
 
@@ -384,9 +536,9 @@ def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, An
             name: t for name, t in obj.state_dict().items() if isinstance(t, torch.Tensor)
         }
         saved = {
-            entry_path[len(key) + 1:]: entry
+            entry_path[len(key) + 1:]: shape
             for entry_path, entry in manifest.items()
-            if entry_path.startswith(key + "/") and hasattr(entry, "shape")
+            if entry_path.startswith(key + "/") and (shape := _global_shape(entry)) is not None
         }
         missing = sorted(set(expected) - set(saved))
         unexpected = sorted(set(saved) - set(expected))
@@ -395,7 +547,7 @@ def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, An
         if unexpected:
             problems.append(f"{key}: the snapshot has {unexpected} that the module lacks")
         for name in sorted(set(expected) & set(saved)):
-            shape = list(saved[name].shape)
+            shape = saved[name]
             if list(expected[name].shape) != shape:
                 problems.append(
                     f"{key}.{name}: shape {list(expected[name].shape)} in the module, "

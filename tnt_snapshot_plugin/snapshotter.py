@@ -636,7 +636,13 @@ class Snapshotter:
             for rank_sizes in sizes:
                 files.update(rank_sizes)
             index = json.dumps(
-                {"format": 1, "epoch": job.name.epoch, "step": job.name.step, "files": files},
+                {
+                    "format": 1,
+                    "epoch": job.name.epoch,
+                    "step": job.name.step,
+                    "files": files,
+                    "world_size": coll.world_size,
+                },
                 sort_keys=True,
             ).encode()
             try:
@@ -770,13 +776,17 @@ def _write_knobs(frozen: Mapping[str, Any]) -> Iterator[None]:
 def _largest_tensor_bytes(frozen: Mapping[str, Any]) -> int:
     import torch
 
+    from .app_state import local_shards
+
     largest = 0
     stack: list[Any] = [entry.state_dict() for entry in frozen.values()]
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
-            if obj.layout == torch.strided:
-                largest = max(largest, obj.numel() * obj.element_size())
+            # A ShardedTensor or DTensor is written from this rank's shards only.
+            for tensor in local_shards(obj):
+                if tensor.layout == torch.strided:
+                    largest = max(largest, tensor.numel() * tensor.element_size())
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):

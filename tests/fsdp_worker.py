@@ -1,0 +1,268 @@
+"""One rank of the FSDP / world-size tests in tests/test_fsdp.py.
+
+Run as ``python tests/fsdp_worker.py PHASE RANK WORLD_SIZE RENDEZVOUS OUTDIR``, one process per
+rank, meeting through a FileStore at RENDEZVOUS; gloo on the loopback interface only. Each phase
+covers every wrapping in one process group and writes what it saw to ``OUTDIR/PHASE_rank{RANK}.json``:
+
+* ``save`` (2 ranks): for each wrapping, train 5 steps with the torchtnt adapter's saver
+  (snapshots at steps 2 and 4); record the whole state at step 4 and the weights after step 5.
+* ``restore`` (2 ranks, new processes): restore the newest snapshot into freshly built units
+  (other seeds), record the whole state, train the remaining step, record the weights.
+* ``world1`` (1 rank): the same restores into a world of one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torchtnt.framework.callback import Callback
+from torchtnt.framework.state import State
+from torchtnt.framework.train import train
+from torchtnt.framework.unit import TrainUnit
+
+from tnt_snapshot_plugin import StateMismatchError
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.app_state import Stager, local_shards
+from toy import Holder, StatefulLoader, make_data
+
+WRAPPINGS = tuple(os.environ.get("FSDP_WORKER_WRAPPINGS", "fsdp1_sharded,fsdp1_full,fsdp2,ddp").split(","))
+STEPS = 5
+
+
+def build_model(wrapping: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if wrapping.startswith("fsdp1"):
+        from torch.distributed.fsdp import (
+            FullStateDictConfig,
+            FullyShardedDataParallel,
+            StateDictType,
+        )
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        if wrapping == "fsdp1_sharded":
+            FullyShardedDataParallel.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        else:
+            FullyShardedDataParallel.set_state_dict_type(
+                model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)
+            )
+    elif wrapping == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+class Unit(TrainUnit[Any]):
+    def __init__(self, wrapping: str, seed: int, per_rank: bool = False) -> None:
+        super().__init__()
+        self.model = build_model(wrapping, seed)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.05, weight_decay=0.1)
+        if per_rank:  # state that differs between ranks by nature (a per-rank tally, say)
+            self.tally = Holder({"rank": torch.tensor([dist.get_rank()]), "note": f"rank {dist.get_rank()}"})
+
+    def train_step(self, state: State, data: Any) -> None:
+        x, y = data
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def whole_state(unit: Unit) -> dict[str, str]:
+    """A digest of every parameter and optimizer state value, gathered whole (a collective)."""
+    full = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(unit.model, options=full)
+    optim = get_optimizer_state_dict(unit.model, unit.optimizer, options=full)
+    out = {}
+    for name, value in sorted(model.items()):
+        out[f"model/{name}"] = digest(value)
+    for name, per_param in sorted(optim["state"].items()):
+        for field, value in sorted(per_param.items()):
+            out[f"optim/{name}/{field}"] = digest(value)
+    return out
+
+
+def digest(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        t = value.detach().cpu().contiguous()
+        return f"{list(t.shape)}:{hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]}"
+    return repr(value)
+
+
+class Capture(Callback):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+        self.state: dict[str, str] = {}
+
+    def on_train_step_end(self, state: State, unit: Unit) -> None:
+        if unit.train_progress.num_steps_completed == self.at_step:
+            self.state = whole_state(unit)
+
+
+def staging_check(unit: Unit) -> dict[str, Any]:
+    """Stage the model's state as an asynchronous snapshot does, then change the parameters:
+    the staged copy must keep the old values (of this rank's shards) and the tensor types."""
+    before = {k: [t.clone() for t in local_shards(v)] for k, v in unit.model.state_dict().items()}
+    staged = Stager().stage({"model": unit.model})["model"].state_dict()
+    with torch.no_grad():
+        for param in unit.model.parameters():
+            param.add_(1.0)
+    after = unit.model.state_dict()
+
+    def same(a: dict[str, Any]) -> bool:
+        return all(
+            torch.equal(x, y)
+            for k in before
+            for x, y in zip(before[k], local_shards(a[k]), strict=True)
+        )
+
+    return {
+        "types": sorted({type(v).__name__ for v in staged.values()}),
+        "staged_kept_values": same(staged),
+        "originals_changed": not same(after),
+    }
+
+
+def loader(rank: int) -> StatefulLoader:
+    return StatefulLoader(make_data(4 * STEPS, seed=rank), seed=10 * rank)
+
+
+def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
+    for wrapping in WRAPPINGS:
+        unit = Unit(wrapping, seed=0, per_rank=wrapping == "ddp")
+        torch.manual_seed(100 + rank)  # per-rank RNG states
+        capture = Capture(at_step=4)
+        saver = TorchSnapshotSaver(
+            os.path.join(out, wrapping),
+            save_every_n_train_steps=2,
+            save_on_train_end=False,
+            collective_timeout_s=60,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(unit, loader(rank), max_epochs=1, callbacks=[capture, saver])
+        record[wrapping] = {
+            "at_step_4": capture.state,
+            "final": whole_state(unit),
+            "warnings": [str(w.message) for w in caught],
+            "committed": [os.path.basename(r.path) for r in saver.snapshotter.stats.committed],
+            "staging": staging_check(unit),
+        }
+        if rank == 0:
+            from torchsnapshot import Snapshot
+
+            manifest = Snapshot(os.path.join(out, wrapping, "epoch_0_step_4")).metadata.manifest
+            record[wrapping]["entry_types"] = sorted(
+                {type(e).__name__ for path, e in manifest.items() if path.split("/")[1] in ("model", "optimizer")}
+            )
+    if rank == 0:
+        with open(os.path.join(out, WRAPPINGS[0], "epoch_0_step_4", ".tnt_snapshot_index.json")) as f:
+            record["index_world_size"] = json.load(f).get("world_size")
+
+
+def restore_into(
+    wrapping: str, rank: int, out: str, seed: int, with_loader: bool, per_rank: bool = False
+) -> dict[str, Any]:
+    unit = Unit(wrapping, seed=seed, per_rank=per_rank)
+    data = loader(rank)
+    result: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result["restored"] = TorchSnapshotSaver.restore_from_latest(
+                os.path.join(out, wrapping),
+                unit,
+                train_dataloader=data if with_loader else None,
+                collective_timeout_s=60,
+            )
+        except StateMismatchError as exc:
+            result["error"] = type(exc).__name__
+            result["message"] = str(exc)
+            return result
+    result["warnings"] = [str(w.message) for w in caught]
+    result["steps"] = unit.train_progress.num_steps_completed
+    result["state"] = whole_state(unit)
+    if with_loader:
+        train(unit, data, max_epochs=1)
+        result["final"] = whole_state(unit)
+    return result
+
+
+def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
+    for wrapping in WRAPPINGS:
+        record[wrapping] = restore_into(wrapping, rank, out, seed=7 + rank, with_loader=True)
+
+
+def phase_world1(rank: int, out: str, record: dict[str, Any]) -> None:
+    for wrapping in WRAPPINGS:
+        record[wrapping] = restore_into(wrapping, rank, out, seed=7, with_loader=False)
+    # The tally was saved per rank, with different values: it cannot map to one rank.
+    record["ddp_per_rank"] = restore_into("ddp", rank, out, seed=7, with_loader=False, per_rank=True)
+
+
+def phase_world3(rank: int, out: str, record: dict[str, Any]) -> None:
+    for wrapping in WRAPPINGS:
+        record[wrapping] = restore_into(wrapping, rank, out, seed=7, with_loader=False)
+    record["ddp_per_rank"] = restore_into("ddp", rank, out, seed=7, with_loader=False, per_rank=True)
+
+
+PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
+    "save": phase_save,
+    "restore": phase_restore,
+    "world1": phase_world1,
+    "world3": phase_world3,
+}
+
+
+def main() -> None:
+    phase, rank_s, world_s, rendezvous, out = sys.argv[1:6]
+    rank, world = int(rank_s), int(world_s)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    record: dict[str, Any] = {"rank": rank}
+    started = time.perf_counter()
+    try:
+        PHASES[phase](rank, out, record)
+        record["ok"] = True
+    except BaseException:
+        record["ok"] = False
+        record["traceback"] = traceback.format_exc()
+    record["seconds"] = time.perf_counter() - started
+    with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    if record["ok"]:
+        dist.destroy_process_group()
+    sys.exit(0 if record["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
