@@ -441,6 +441,7 @@ class _OptimizerStateOnLoad:
     def __init__(self, stateful: Any, optimizer: Any) -> None:
         self._stateful = stateful
         self._optimizer = optimizer
+        self.__wrapped__ = stateful  # what restore errors are attributed to
 
     def state_dict(self) -> Any:
         if not self._optimizer.state:

@@ -354,8 +354,10 @@ class Snapshot(torchsnapshot.Snapshot):
     ) -> None:
         if stateful is None:
             return
-        if not type(stateful).__module__.startswith("tnt_snapshot_plugin."):
-            stateful = _Guarded(stateful_key, stateful, strict)  # the user's code (item 13)
+        if not type(stateful).__module__.startswith("tnt_snapshot_plugin.") or hasattr(
+            stateful, "__wrapped__"
+        ):  # the user's code, or the plugin's wrapper around it (item 13)
+            stateful = _Guarded(stateful_key, stateful, strict)
         manifest = manifest_for_rank(self.metadata, pg.get_rank(), key=stateful_key)
         if manifest is None:  # sharded tensors or a new rank: torchsnapshot's own handling
             self._load_stateful_own_entries(stateful_key, stateful, strict, storage, pg, event_loop)
@@ -471,6 +473,8 @@ class StatefulError(Exception):
         super().__init__(f"{key}.{method}() raised {type(exc).__name__}: {exc}")
         self.key = key
         self.method = method
+        while hasattr(target, "__wrapped__"):  # the plugin's wrappers: the object they wrap
+            target = target.__wrapped__
         self.target = target
         self.original = exc
 

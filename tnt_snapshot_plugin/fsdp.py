@@ -45,6 +45,7 @@ class FSDPOptimizerState:
             raise TypeError(f"{type(module).__name__} is not an FSDP module")
         self.module = module
         self.optimizer = optimizer
+        self.__wrapped__ = optimizer  # what restore errors are attributed to
         self.kind = kind
 
     def state_dict(self) -> dict[str, Any]:
