@@ -155,7 +155,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
         )
         self._portable = process_group is None and plugin_manager is None
@@ -169,7 +169,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
         )
         self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
@@ -296,7 +296,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
         self._last_step = trainer.global_step
-        self._snapshotter.train_start(LIGHTNING_KEYS)
+        self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
         restored = self._io.take_restored() if self._io is not None else None
         if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
             # Lightning created the train loader's iterator after the snapshot was loaded; a loader

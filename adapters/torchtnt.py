@@ -94,7 +94,7 @@ class TorchSnapshotSaver(Callback):
             async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
         )
         self._snapshotter = Snapshotter(
@@ -118,7 +118,10 @@ class TorchSnapshotSaver(Callback):
         # Read once per run, so a step that does not snapshot only reads two counters.
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
-        self._snapshotter.train_start(_unit_state(unit).keys())
+        progress = unit.train_progress
+        self._snapshotter.train_start(
+            _unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
+        )
 
     def on_train_step_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the step cadence (or a plugin) says so; a no-op step costs microseconds."""
