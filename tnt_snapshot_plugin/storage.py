@@ -589,27 +589,39 @@ class DirLock:
 
 
 class _FileLock(DirLock):
-    """``fcntl.flock`` on ``dirpath/.tnt_snapshot.lock``, held while the run lasts. The kernel
-    drops it when the process dies, so a killed job never leaves a stale lock behind."""
+    """``fcntl.flock`` on ``dirpath/.tnt_snapshot.lock``, held while the run lasts and naming its
+    holder. The kernel drops it when the process dies, so a killed job leaves no stale lock; the
+    file is removed on release (while still locked), and a taker checks that the file it locked is
+    still the one at that path, so a file unlinked under it is never mistaken for the lock."""
 
     def __init__(self, root: str, url: str, holder: dict[str, Any]) -> None:
         import fcntl
 
         self._fd: Optional[int] = None
-        path = os.path.join(root, LOCK_FNAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        self._path = os.path.join(root, LOCK_FNAME)
+        for _attempt in range(100):
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
-                other = json.loads(os.pread(fd, 4096, 0) or b"null")
-            except ValueError:
-                other = None
-            os.close(fd)
-            raise _busy_error(url, other) from None
-        except OSError:
-            os.close(fd)
-            raise
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    other = json.loads(os.pread(fd, 4096, 0) or b"null")
+                except ValueError:
+                    other = None
+                os.close(fd)
+                raise _busy_error(url, other) from None
+            except OSError:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self._path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # released and removed by its holder meanwhile: take the new one
+        else:
+            raise SnapshotError(f"could not lock {self._path}: it keeps being replaced")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd
@@ -617,6 +629,10 @@ class _FileLock(DirLock):
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
             os.close(fd)  # closing the only descriptor drops the flock
 
     def __del__(self) -> None:
@@ -898,8 +914,12 @@ class LocalStore(Store):
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         path = os.path.join(self.root, staging)
-        os.mkdir(path)
-        _write_durably(os.path.join(path, WRITER_FNAME), json.dumps(writer).encode())
+        os.makedirs(path)  # dirpath too, if someone removed it meanwhile
+        try:
+            _write_durably(os.path.join(path, WRITER_FNAME), json.dumps(writer).encode())
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
         os.makedirs(self.root, exist_ok=True)
