@@ -807,7 +807,12 @@ class _S3Lease(DirLock):
     def __init__(self, store: "S3Store", holder: dict[str, Any]) -> None:
         self._store = store
         self._holder = dict(holder)
-        current = store._read_json("", LEASE_FNAME)
+        self._stop = threading.Event()
+        try:
+            current = store._read_json("", LEASE_FNAME)
+        except Exception as exc:  # best effort: never stop training over the lease
+            _lease_warning(store, exc)
+            current = None
         if (
             current is not None
             and current.get("run_id") != holder.get("run_id")
@@ -816,8 +821,10 @@ class _S3Lease(DirLock):
             and writer_gone(current, stale_after=float("inf")) is None
         ):
             raise _busy_error(store.url, current)
-        self._renew()
-        self._stop = threading.Event()
+        try:
+            self._renew()
+        except Exception as exc:
+            _lease_warning(store, exc)
         self._thread = threading.Thread(target=self._keep, name="tnt-snapshot-lease", daemon=True)
         self._thread.start()
 
@@ -846,6 +853,16 @@ class _S3Lease(DirLock):
                 )
         except Exception:  # it expires by itself
             pass
+
+
+def _lease_warning(store: "S3Store", exc: BaseException) -> None:
+    import warnings
+
+    warnings.warn(
+        f"could not read or write the lease {store.child(LEASE_FNAME)} ({type(exc).__name__}: "
+        f"{exc}); another job writing {store.url} at the same time would not be detected",
+        stacklevel=5,
+    )
 
 
 def _is_missing_key(exc: BaseException) -> bool:
