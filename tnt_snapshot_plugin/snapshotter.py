@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import pluggy
 
+from . import retention
 from .app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
@@ -52,7 +53,6 @@ from .errors import ConfigError, SnapshotError, SnapshotFailedWarning, SnapshotW
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
-from . import retention
 from .storage import (
     DirLock,
     Store,
