@@ -152,6 +152,7 @@ class Snapshotter:
         self._lock: Optional[DirLock] = None
         self._warned_ahead = False
         self._writes = 0
+        self._last_seq: Optional[int] = None
         self.attach()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -199,15 +200,16 @@ class Snapshotter:
         if self._lock is None:
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
+            self._last_seq = None
         ahead = self.collectives.on_rank0(functools.partial(self._start_on_rank0, epoch, step))
         if ahead and self.collectives.rank == 0 and not self._warned_ahead:
             self._warned_ahead = True
             warnings.warn(
                 f"{self.dirpath} holds snapshots ahead of this run's progress (epoch {epoch}, "
-                f"step {step}), written by another run: {', '.join(ahead)}. This run's snapshots "
-                "are ordered after them (by commit), so restore_from_latest picks this run's "
-                "newest; with keep_last_n_snapshots, the older run's are deleted as this run's "
-                "are committed. Use a new dirpath to keep the runs apart",
+                f"step {step}): {', '.join(ahead)}. This run's snapshots are ordered after them "
+                "(by commit), so restore_from_latest picks this run's newest; with "
+                "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
+                "Use a new dirpath to keep runs apart",
                 stacklevel=3,
             )
         if self.config.preemption_signals and self._preemption is None:
@@ -321,6 +323,7 @@ class Snapshotter:
             # this run is over: what it left behind is a leftover now
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
+            self._last_seq = None
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -547,8 +550,15 @@ class Snapshotter:
             files: dict[str, int] = {}
             for rank_sizes in sizes:
                 files.update(rank_sizes)
-            listed = store.listed()
-            seq = retention.next_seq(listed)
+            # The directory is listed (one read of each index) for retention, and for the first
+            # commit of a run; while this run holds the dirpath lock no one else commits, so later
+            # sequence numbers follow from the last one without listing again.
+            listed: list[retention.Listed] = []
+            if self.config.keep_last_n_snapshots is not None or self._last_seq is None or self._lock is None:
+                listed = store.listed()
+                seq = retention.next_seq(listed)
+            else:
+                seq = self._last_seq + 1
             index = json.dumps(
                 {
                     "format": 1,
@@ -573,6 +583,7 @@ class Snapshotter:
                 except Exception as exc:
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
                 raise
+            self._last_seq = seq
             committed = retention.Listed(job.name, seq=seq, ours=True, writer=writer)
             self._retain(job, [r for r in listed if r.text != job.name.text] + [committed])
 
