@@ -185,7 +185,7 @@ def test_retention_and_cleanup_never_delete_directories_the_plugin_did_not_write
     look_alike = dirpath / "epoch_0_step_1_acc=0.9"  # a complete torchsnapshot without our index
     shutil.copytree(elsewhere / "epoch_0_step_1", look_alike)
     (look_alike / INDEX_FNAME).unlink()
-    (look_alike / WRITER_FNAME).unlink()
+    (look_alike / WRITER_FNAME).unlink(missing_ok=True)
     planted = {
         "epoch_0_step_0/user.txt": "a user's file",
         "epoch_0_step_2/user.txt": "in the way of step 2",

@@ -246,7 +246,7 @@ class Snapshotter:
             parsed = SnapshotName.parse(name)
             if is_staging_name(name):
                 token = name.rsplit(".", 1)[1]
-                if token.startswith("del") and store.read_index(name) is not None:
+                if token.startswith("del") and store.provably_ours(name):
                     why: Optional[str] = "a deletion was interrupted"
                 else:
                     why = writer_gone(store.read_writer(name))

@@ -986,15 +986,38 @@ class LocalStore(Store):
         if not os.path.exists(path):
             return
         if not is_staging_name(name):
-            # Unpublish atomically first: a crash during rmtree then leaves a staging name
-            # (removed at the next train start), never a listed snapshot with files missing.
+            # Unpublish atomically first, into a staging directory whose writer marker is written
+            # before and removed after everything else: a crash part-way then leaves a staging
+            # directory that provably is the plugin's (removed at the next train start), never a
+            # listed snapshot with files missing, nor a directory that can no longer be told ours.
             from .naming import staging_name
 
             doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
-            os.rename(path, doomed)
+            os.mkdir(doomed)
+            marker = {"deleting": name, "host": socket.gethostname(), "pid": os.getpid()}
+            _write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
+            os.rename(path, os.path.join(doomed, name))
             fsync_dir(self.root)
             path = doomed
-        shutil.rmtree(path)
+        _rmtree_proof_last(path)
+
+
+def _rmtree_proof_last(path: str) -> None:
+    """Delete directory ``path``, its index and writer marker (the proof it is the plugin's) last."""
+    proofs = (WRITER_FNAME, INDEX_FNAME)
+    with os.scandir(path) as entries:
+        rest = [e for e in entries if e.name not in proofs]
+    for entry in rest:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    for proof in proofs:
+        try:
+            os.unlink(os.path.join(path, proof))
+        except FileNotFoundError:
+            pass
+    os.rmdir(path)
 
 
 class S3Store(Store):
