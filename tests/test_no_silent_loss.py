@@ -371,3 +371,19 @@ def test_restoring_a_symlinked_snapshot_says_it_is_a_symlink(tmp_path):
     with pytest.raises(SnapshotNotFoundError, match="is a symlink.*pass the snapshot directory itself") as info:
         TorchSnapshotSaver.restore(str(tmp_path / "links" / "epoch_0_step_1"), ToyUnit())
     assert "is a file" not in str(info.value)
+
+
+def test_a_staging_directory_killed_before_its_marker_is_removed_only_if_its_name_is_ours(tmp_path):
+    """A writer killed between creating its staging directory and writing its marker leaves an
+    empty directory: removed when its name carries the plugin's writer token of a dead process."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    token = storage.staging_token("0123456789ab", 1).replace(f"p{os.getpid()}n", f"p{dead.pid}n")
+    ours = tmp_path / f".tnt_staging.epoch_0_step_5.{token}"
+    ours.mkdir()
+    (ours / WRITER_FNAME).write_text("")  # killed while writing it
+    not_ours = tmp_path / ".tnt_staging.epoch_0_step_6.abc123"
+    not_ours.mkdir()
+    train_toy(tmp_path, ToyUnit(), 1, save_every_n_train_steps=None, save_on_train_end=False)
+    assert not ours.exists()
+    assert not_ours.is_dir()

@@ -61,6 +61,7 @@ from .storage import (
     new_run_id,
     open_store,
     recording,
+    staging_token,
     writer_gone,
     writer_identity,
 )
@@ -249,7 +250,8 @@ class Snapshotter:
                 if token.startswith("del") and store.provably_ours(name):
                     why: Optional[str] = "a deletion was interrupted"
                 else:
-                    why = writer_gone(store.read_writer(name))
+                    writer = store.read_writer(name) or store.bare_staging_writer(name)
+                    why = writer_gone(writer)
             elif parsed is not None and not parsed.phase_aware and not store.is_complete(name):
                 why = writer_gone(store.read_writer(name)) if store.provably_ours(name) else None
             else:
@@ -372,7 +374,7 @@ class Snapshotter:
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
         self._writes += 1
-        token = f"{self._run_id}p{os.getpid()}n{self._writes}"
+        token = staging_token(self._run_id, self._writes)
         exists, staging = self.collectives.on_rank0(
             lambda: (self._saved_by_this_run(name.text), self._store.staging_for(name.text, token))
         )

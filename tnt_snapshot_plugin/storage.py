@@ -36,6 +36,7 @@ import json
 import mmap
 import os
 import posixpath
+import re
 import shutil
 import socket
 import threading
@@ -513,6 +514,31 @@ def new_run_id() -> str:
     return run_id
 
 
+def _host_hash() -> str:
+    import hashlib
+
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+_TOKEN = re.compile(r"(?P<run_id>[0-9a-f]{12})h(?P<host>[0-9a-f]{8})p(?P<pid>[0-9]+)n[0-9]+|del[0-9a-f]{9}")
+
+
+def staging_token(run_id: str, count: int) -> str:
+    """The writer's part of a staging name: run id, host (hashed), pid, and a count."""
+    return f"{run_id}h{_host_hash()}p{os.getpid()}n{count}"
+
+
+def _writer_of_token(token: str, started_at: float) -> Optional[dict[str, Any]]:
+    """The writer a staging name's token names; None if the plugin writes no such token."""
+    match = _TOKEN.fullmatch(token)
+    if match is None:
+        return None
+    if match["run_id"] is None:  # an interrupted deletion's: the process that deleted is unnamed
+        return {"started_at": started_at - STALE_AFTER_S - 1.0}
+    host = socket.gethostname() if match["host"] == _host_hash() else f"(hash {match['host']})"
+    return {"host": host, "pid": int(match["pid"]), "run_id": match["run_id"], "started_at": started_at}
+
+
 def writer_identity(run_id: str) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}
 
@@ -731,6 +757,12 @@ class Store:
         writer = index.get("writer") if index is not None else None
         return writer if isinstance(writer, dict) else None
 
+    def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
+        """For a staging directory holding nothing but (perhaps) a writer marker still being
+        written - a writer killed between creating it and its marker - the writer its name
+        names; else None. Such a directory holds nothing anyone could lose."""
+        return None
+
     def provably_ours(self, name: str) -> bool:
         """Whether child ``name`` holds the plugin's index or writer marker."""
         return self.read_index(name) is not None or self._read_json(name, WRITER_FNAME) is not None
@@ -769,7 +801,11 @@ class Store:
                 f"refusing to delete {name!r} in {self.url}: it is not a snapshot or staging "
                 "directory name this plugin writes"
             )
-        if not self.provably_ours(name) and name in self.list_names():
+        if (
+            not self.provably_ours(name)
+            and self.bare_staging_writer(name) is None
+            and name in self.list_names()
+        ):
             raise SnapshotError(
                 f"refusing to delete {self.child(name)}: it holds neither the plugin's index "
                 f"{INDEX_FNAME} nor its writer marker {WRITER_FNAME}, so the plugin did not write it"
@@ -937,6 +973,16 @@ class LocalStore(Store):
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
+
+    def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
+        path = os.path.join(self.root, name)
+        try:
+            if os.path.islink(path) or not set(os.listdir(path)) <= {WRITER_FNAME}:
+                return None
+            started = os.stat(path).st_mtime
+        except OSError:
+            return None
+        return _writer_of_token(name.rsplit(".", 1)[1], started) if is_staging_name(name) else None
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
         os.makedirs(self.root, exist_ok=True)
