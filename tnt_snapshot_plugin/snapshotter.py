@@ -4,7 +4,9 @@ An adapter translates its framework's events into four calls, each given the pro
 (``epoch`` = epochs completed, ``step`` = train steps completed across all epochs) and a
 ``collect(intra_epoch) -> {key: Stateful}`` function that is only called when a snapshot is taken:
 
-* :meth:`Snapshotter.train_start` - collision checks, leftover staging cleanup, signal handlers;
+* :meth:`Snapshotter.train_start` - collision checks, the dirpath lock for the run (rank 0; a
+  second live saver on the dirpath gets ConfigError), cleanup of leftovers whose writer is gone, a
+  warning about snapshots ahead of the run's progress, signal handlers;
 * :meth:`Snapshotter.step_end` / :meth:`Snapshotter.epoch_end` - cadence, preemption;
 * :meth:`Snapshotter.train_end` - the final snapshot, then wait for it;
 * :meth:`Snapshotter.exception` - wait for the pending snapshot, keep what is committed.
@@ -16,8 +18,9 @@ How a snapshot is taken (asynchronous mode):
    whole stall; training then mutates its tensors freely.
 2. on a background thread: torchsnapshot writes the copies under a staging name through the
    plugin's storage layer (every file fsynced, ``.snapshot_metadata`` held back, errors recorded);
-   the ranks agree whether every rank wrote everything; rank 0 commits (index and metadata
-   written last, then an atomic rename on disk); retention deletes older snapshots only then.
+   the ranks agree whether every rank wrote everything; rank 0 commits (index, with the commit
+   sequence number, and metadata written last, then an atomic rename on disk); retention
+   (retention.py) deletes older snapshots only then.
 3. at the next hook on the training thread: the outcome is reaped - the ``snapshot_committed``
    hook runs, or the failure is reported with its step.
 """
