@@ -662,7 +662,10 @@ class _FileLock(DirLock):
             os.close(fd)  # closing the only descriptor drops the flock
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown; the kernel drops the lock at exit anyway
+            pass
 
 
 # --------------------------------------------------------------------------------------------
