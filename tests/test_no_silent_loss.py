@@ -387,3 +387,23 @@ def test_a_staging_directory_killed_before_its_marker_is_removed_only_if_its_nam
     train_toy(tmp_path, ToyUnit(), 1, save_every_n_train_steps=None, save_on_train_end=False)
     assert not ours.exists()
     assert not_ours.is_dir()
+
+
+def test_a_failed_write_whose_marker_was_lost_is_still_removed_by_its_own_writer(tmp_path, monkeypatch):
+    """The saver removes its own failed staging directory by its run's name, even when the marker
+    inside is gone (the directory was removed and recreated by a later file of the same write)."""
+    real = storage._write_durably
+
+    def write(path, data):
+        if "epoch_0_step_2." in path and not path.endswith(WRITER_FNAME):
+            real(path, data)  # a data file is there, the marker is not
+            staging = tmp_path / os.path.relpath(path, tmp_path).split(os.sep)[0]
+            (staging / WRITER_FNAME).unlink(missing_ok=True)
+            raise OSError(5, "Input/output error (injected)", path)
+        real(path, data)
+
+    monkeypatch.setattr(storage, "_write_durably", write)
+    with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_2 .*Input/output error"):
+        train_toy(tmp_path, ToyUnit(), 3, save_every_n_train_steps=1, save_on_train_end=False)
+    assert not [n for n in os.listdir(tmp_path) if is_staging_name(n)]
+    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_3"]

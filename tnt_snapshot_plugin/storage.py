@@ -539,6 +539,20 @@ def _writer_of_token(token: str, started_at: float) -> Optional[dict[str, Any]]:
     return {"host": host, "pid": int(match["pid"]), "run_id": match["run_id"], "started_at": started_at}
 
 
+def _staged_by_this_process(name: str) -> bool:
+    """Whether ``name`` is a staging name of a live run of this very process (its own write, even
+    where its marker was lost, e.g. the directory removed and recreated during the write)."""
+    if not is_staging_name(name):
+        return False
+    match = _TOKEN.fullmatch(name.rsplit(".", 1)[1])
+    return (
+        match is not None
+        and match["run_id"] in live_runs
+        and match["host"] == _host_hash()
+        and int(match["pid"]) == os.getpid()
+    )
+
+
 def writer_identity(run_id: str) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}
 
@@ -805,7 +819,8 @@ class Store:
                 "directory name this plugin writes"
             )
         if (
-            not self.provably_ours(name)
+            not _staged_by_this_process(name)
+            and not self.provably_ours(name)
             and self.bare_staging_writer(name) is None
             and name in self.list_names()
         ):
