@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -564,18 +565,19 @@ class Snapshotter:
                 seq = retention.next_seq(listed)
             else:
                 seq = self._last_seq + 1
-            index = json.dumps(
-                {
-                    "format": 1,
-                    "epoch": job.name.epoch,
-                    "step": job.name.step,
-                    "files": files,
-                    "seq": seq,
-                    "committed_at": time.time(),
-                    "writer": writer,
-                },
-                sort_keys=True,
-            ).encode()
+            fields: dict[str, Any] = {
+                "format": 1,
+                "epoch": job.name.epoch,
+                "step": job.name.step,
+                "files": files,
+                "seq": seq,
+                "committed_at": time.time(),
+                "writer": writer,
+            }
+            if job.name.metric is not None and job.name.metric_value is not None:
+                value = job.name.metric_value
+                fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
+            index = json.dumps(fields, sort_keys=True).encode()
             try:
                 store.commit(job.staging, job.name.text, recorder.metadata, index)
             except Exception:
