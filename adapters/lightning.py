@@ -181,7 +181,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
             weights_only=weights_only,
         )
@@ -198,7 +198,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
         )
         self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
@@ -333,7 +333,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
-        self._snapshotter.train_start(LIGHTNING_KEYS)
+        self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
         loggers = list(trainer.loggers)
         if loggers:  # each committed snapshot's figures, at the global step it was taken
 

@@ -143,7 +143,7 @@ class TorchSnapshotSaver(Callback):
             async_checkpoint=async_checkpoint,
             save_on_train_end=save_on_train_end,
             on_save_error=on_save_error,
-            preemption_signals=list(preemption_signals) if preemption_signals is not None else None,
+            preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
             knob_options=knob_options,
         )
@@ -181,7 +181,10 @@ class TorchSnapshotSaver(Callback):
         self._state, self._unit = state, unit
         self._train_progress = unit.train_progress
         self._collect = _collector(state, unit)
-        self._snapshotter.train_start(_unit_state(unit).keys())
+        progress = unit.train_progress
+        self._snapshotter.train_start(
+            _unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
+        )
         metric_logger = self._metric_logger if self._metric_logger is not None else _unit_metric_logger(unit)
         if metric_logger is not None:
             self._snapshotter.report_metrics(lambda metrics, step: metric_logger.log_dict(metrics, step))

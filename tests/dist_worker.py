@@ -104,7 +104,12 @@ class CaptureSaver(TorchSnapshotSaver):
 
     def on_train_step_end(self, state: Any, unit: Any) -> None:
         if unit.train_progress.num_steps_completed == self.capture_step:
-            self.captured = {"rng": rng_digest(), "weights": weights_digest(unit)}
+            self.captured = {
+                "rng": rng_digest(),
+                "weights": weights_digest(unit),
+                "holds_lock": self.snapshotter._lock is not None,
+                "lock_file": os.path.exists(os.path.join(self.dirpath, ".tnt_snapshot.lock")),
+            }
         super().on_train_step_end(state, unit)
 
 

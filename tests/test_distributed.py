@@ -245,6 +245,14 @@ def test_wall_clock_cadence_follows_rank0_and_every_rank_snapshots_the_same_step
     assert [record["wall_clock_steps"] for record in ddp] == [[4, 8], [4, 8]]
 
 
+def test_only_rank0_holds_the_dirpath_lock(ddp):
+    """Under torch.distributed only rank 0 takes the dirpath lock for the run (the ranks are one
+    job); it is let go when training ends."""
+    assert [r["captured"]["holds_lock"] for r in ddp] == [True, False]
+    assert [r["captured"]["lock_file"] for r in ddp] == [True, True]  # one shared dirpath
+    assert ".tnt_snapshot.lock" not in ddp[0]["run_dirs"]["0"]
+
+
 def test_ranks_agree_on_the_staging_path(ddp):
     """torchsnapshot warns on every rank whose path differs from rank 0's: rank 0 names it."""
     for record in ddp:

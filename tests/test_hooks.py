@@ -111,6 +111,8 @@ def test_snapshot_name_may_add_a_metric_suffix_and_stays_findable(tmp_path, pm):
     pm.register(Plugin())
     run(tmp_path, pm, save_every_n_train_steps=2, save_on_train_end=False)
     assert names(tmp_path) == ["epoch_0_step_2_loss=0.5", "epoch_0_step_4_loss=0.25"]
+    index = (tmp_path / "epoch_0_step_4_loss=0.25" / ".tnt_snapshot_index.json").read_text()
+    assert '"metric": {"name": "loss", "value": 0.25}' in index
     model = torch.nn.Linear(3, 2)
     assert restore_from_latest(str(tmp_path), {"model": model}, plugin_manager=pm).endswith("loss=0.25")
     assert torch.all(model.weight == 4)

@@ -11,6 +11,7 @@ aiobotocore, and a demonstration could only fail by reaching for the network.)
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -27,7 +28,12 @@ import pytest
 import torch
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotNotFoundError
+from tnt_snapshot_plugin import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotFailedWarning,
+    SnapshotNotFoundError,
+)
 from tnt_snapshot_plugin import storage as storage_mod
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.restoring import latest_snapshot
@@ -259,13 +265,22 @@ def test_incomplete_snapshot_on_s3_is_ignored(options, run_url):
     with pytest.raises(SnapshotNotFoundError, match="not a complete snapshot"):
         TorchSnapshotSaver.restore(f"{run_url}/epoch_9_step_99", ToyUnit(), storage_options=options)
 
-    # S3 has no staging name: the next run's train start clears the interrupted write, and
-    # leaves complete snapshots and names the plugin does not write alone.
+    # S3 has no staging name: the next run's train start clears the interrupted write when its
+    # writer marker proves it the plugin's and its writer gone (here: a dead process on this
+    # host), and leaves complete snapshots, unmarked writes and other names alone.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    marker = {"host": socket.gethostname(), "pid": dead.pid, "run_id": "gone", "started_at": time.time()}
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_9_step_99/{storage_mod.WRITER_FNAME}",
+                      Body=json.dumps(marker).encode())
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_7_step_70/partial", Body=b"no marker")
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/notes/readme.txt", Body=b"mine")
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_8_train_step_80/partial", Body=b"torchtnt's")
     saver = TorchSnapshotSaver(run_url, save_every_n_epochs=5, storage_options=options)
     train(fresh, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
-    assert names_under(options, run_url) == ["epoch_1_step_5", "epoch_8_train_step_80", "notes"]
+    assert names_under(options, run_url) == [
+        "epoch_1_step_5", "epoch_7_step_70", "epoch_8_train_step_80", "notes"
+    ]
 
 
 def test_deleting_an_s3_snapshot_unpublishes_it_first(options, run_url, monkeypatch):
@@ -339,8 +354,9 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     saver = TorchSnapshotSaver(
         run_url, save_every_n_train_steps=2, keep_last_n_snapshots=1, storage_options=options
     )
-    with pytest.warns(SnapshotFailedWarning, match="injected"):
-        train(unit, loader, max_epochs=2, callbacks=[saver])
+    with pytest.warns(UserWarning, match="could not read or write the lease .*injected"):
+        with pytest.warns(SnapshotFailedWarning, match="injected"):
+            train(unit, loader, max_epochs=2, callbacks=[saver])
     assert unit.train_progress.num_steps_completed == 10  # training went on
     assert not [e for e in events if e[0] == "commit"]
     assert names_under(options, run_url) == ["epoch_0_step_4", "epoch_1_step_5"]
@@ -431,3 +447,49 @@ def test_truncated_s3_object_is_an_error_naming_it(options, run_url):
     client.put_object(Bucket=bucket, Key=key, Body=body[:-100])
     with pytest.raises(SnapshotCorruptError, match="truncated"):
         restore(path, {"h": Holder(zeros_like_state(want))}, storage_options=options)
+
+
+def test_a_second_saver_on_a_leased_s3_dirpath_is_refused(options, run_url):
+    """Best effort on S3: the live saver's lease object names it; a second saver is refused while
+    the lease is held, and takes the dirpath once the first run has ended."""
+    from tnt_snapshot_plugin.config import SnapshotConfig
+    from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+    config = SnapshotConfig.build(storage_options=options, preemption_signals=[])
+    first, second = Snapshotter(run_url, config), Snapshotter(run_url, config)
+    first.train_start(["m"])
+    assert ".tnt_snapshot.lease.json" in keys_under(options, run_url)
+    with pytest.raises(ConfigError, match=rf"in use by another saver \(host .* pid {os.getpid()} run"):
+        second.train_start(["m"])
+    first.train_end(0, 0, lambda intra: {"m": torch.nn.Linear(2, 2)})
+    assert ".tnt_snapshot.lease.json" not in keys_under(options, run_url)
+    second.train_start(["m"])
+    second.train_end(0, 1, lambda intra: {"m": torch.nn.Linear(2, 2)})
+    assert names_under(options, run_url) == ["epoch_0_step_0", "epoch_0_step_1"]
+
+
+def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_request(options, run_url):
+    from tnt_snapshot_plugin.restoring import restore
+
+    path = _write_to_s3(options, run_url, {"w": torch.zeros(16, dtype=torch.float64)})
+    bucket, _, prefix = run_url[len("s3://"):].partition("/")
+    client = client_for(options)
+    meta_key = f"{prefix}/epoch_0_step_1/.snapshot_metadata"
+    meta = json.loads(client.get_object(Bucket=bucket, Key=meta_key)["Body"].read())
+    (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
+    entry["location"], entry["byte_range"] = "../../elsewhere/secret", None
+    client.put_object(Bucket=bucket, Key=meta_key, Body=json.dumps(meta).encode())
+
+    requested: list[str] = []
+    shared = storage_mod.s3_client(options)
+
+    def record(params, **kwargs):
+        requested.append(params.get("Key", ""))
+
+    shared.meta.events.register("provide-client-params.s3.GetObject", record)
+    try:
+        with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+            restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})}, storage_options=options)
+    finally:
+        shared.meta.events.unregister("provide-client-params.s3.GetObject", record)
+    assert requested and not [key for key in requested if ".." in key or "elsewhere" in key]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from .errors import ConfigError
 
@@ -59,7 +59,7 @@ def string_list_or_none(name: str, value: Any) -> Optional[list[str]]:
 def _signals(name: str, value: Any) -> tuple[signal.Signals, ...]:
     if value is None:
         return ()
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (int, str, bytes)) or not isinstance(value, Iterable):
         raise ConfigError(f"{name} must be a list of signals such as [signal.SIGTERM], got {value!r}")
     out = []
     for v in value:
@@ -195,6 +195,7 @@ class SnapshotConfig:
         if (
             isinstance(collective_timeout_s, bool)
             or not isinstance(collective_timeout_s, (int, float))
+            or not math.isfinite(collective_timeout_s)
             or collective_timeout_s <= 0
         ):
             raise ConfigError(

@@ -61,7 +61,8 @@ class SnapshotName:
     @classmethod
     def parse(cls, text: str) -> Optional["SnapshotName"]:
         """Parse a directory name (not a path); ``None`` when it is not a snapshot name."""
-        match = _NAME.match(text)
+        # fullmatch: ``$`` would also accept a trailing newline ("epoch_0_step_2\n").
+        match = _NAME.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             return None
         step = match["step"] if match["step"] is not None else match["train_step"]

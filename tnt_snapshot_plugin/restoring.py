@@ -136,6 +136,8 @@ def restore(
         except Exception as exc:
             _close_leaked_event_loops(exc)
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
+        if not manifest:
+            raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
         present = {unquote(key.split("/", 1)[0]) for key in manifest}
         restore_rng = True
         if saved_world_size != coll.world_size:
@@ -371,6 +373,11 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
             return (
                 f"{path} is not a complete snapshot (it has no .snapshot_metadata: an interrupted "
                 "write?); pass a committed snapshot directory"
+            )
+        if isinstance(store, LocalStore) and os.path.islink(os.path.join(store.root, name)):
+            return (
+                f"{path} is a symlink; snapshots are never read through symlinks: pass the "
+                f"snapshot directory itself ({os.path.realpath(os.path.join(store.root, name))})"
             )
         if isinstance(store, LocalStore) and os.path.lexists(os.path.join(store.root, name)):
             return f"{path} is a file, not a snapshot directory; pass a directory written by the saver"

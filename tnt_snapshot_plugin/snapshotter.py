@@ -4,7 +4,9 @@ An adapter translates its framework's events into four calls, each given the pro
 (``epoch`` = epochs completed, ``step`` = train steps completed across all epochs) and a
 ``collect(intra_epoch) -> {key: Stateful}`` function that is only called when a snapshot is taken:
 
-* :meth:`Snapshotter.train_start` - collision checks, leftover staging cleanup, signal handlers;
+* :meth:`Snapshotter.train_start` - collision checks, the dirpath lock for the run (rank 0; a
+  second live saver on the dirpath gets ConfigError), cleanup of leftovers whose writer is gone, a
+  warning about snapshots ahead of the run's progress, signal handlers;
 * :meth:`Snapshotter.step_end` / :meth:`Snapshotter.epoch_end` - cadence, preemption;
 * :meth:`Snapshotter.train_end` - the final snapshot, then wait for it;
 * :meth:`Snapshotter.exception` - wait for the pending snapshot, keep what is committed.
@@ -16,8 +18,9 @@ How a snapshot is taken (asynchronous mode):
    whole stall; training then mutates its tensors freely.
 2. on a background thread: torchsnapshot writes the copies under a staging name through the
    plugin's storage layer (every file fsynced, ``.snapshot_metadata`` held back, errors recorded);
-   the ranks agree whether every rank wrote everything; rank 0 commits (index and metadata
-   written last, then an atomic rename on disk); retention deletes older snapshots only then.
+   the ranks agree whether every rank wrote everything; rank 0 commits (index, with the commit
+   sequence number, and metadata written last, then an atomic rename on disk); retention
+   (retention.py) deletes older snapshots only then.
 3. at the next hook on the training thread: the outcome is reaped - the ``snapshot_committed``
    hook runs, or the failure is reported with its step.
 """
@@ -28,6 +31,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -37,6 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import pluggy
 
+from . import retention
 from .app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
@@ -60,7 +65,19 @@ from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
-from .storage import Store, WriteRecorder, io_concurrency, open_store, recording
+from .storage import (
+    DirLock,
+    Store,
+    WriteRecorder,
+    live_runs,
+    new_run_id,
+    io_concurrency,
+    open_store,
+    recording,
+    staging_token,
+    writer_gone,
+    writer_identity,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +197,13 @@ class Snapshotter:
         self._busy_warned = False
         self._waited_s = 0.0
         self._metrics: Optional[Any] = None
+        #: identifies this saver's run in its writes (staging names, markers, the index), so a
+        #: leftover can be told from a live write; renewed at each train start
+        self._run_id = new_run_id()
+        self._lock: Optional[DirLock] = None
+        self._warned_ahead = False
+        self._writes = 0
+        self._last_seq: Optional[int] = None
         self.attach()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -214,22 +238,44 @@ class Snapshotter:
             self._store = open_store(dirpath, self.config.storage_options)
         self._coll.on_rank0(self._store.check_writable)
 
-    def train_start(self, unit_keys: Iterable[str]) -> None:
-        """Check the app state keys, clear leftover staging directories, watch for preemption."""
+    def train_start(
+        self, unit_keys: Iterable[str], epoch: Optional[int] = None, step: Optional[int] = None
+    ) -> None:
+        """Check the app state keys, take the dirpath for this run, clear leftovers of writers
+        that are gone, warn once about snapshots ahead of (epoch, step), watch for preemption.
+
+        Raises ConfigError (on every rank) when another live saver holds ``dirpath``.
+        """
         self.attach()
         from . import compat  # noqa: F401  (import torchsnapshot now, not during the first snapshot's stall)
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
+        if self._lock is None:
+            live_runs.discard(self._run_id)
+            self._run_id = new_run_id()
+            self._last_seq = None
         try:
-            self.collectives.on_rank0(self._remove_leftovers)
-        except Exception as exc:  # the storage is unreachable now: the snapshots will say so
+            ahead = self.collectives.on_rank0(functools.partial(self._start_on_rank0, epoch, step))
+        except OSError as exc:  # the storage is unreachable now (StorageUnavailableError is one)
             if self.config.on_save_error == "raise":
                 raise
             warnings.warn(
-                f"could not look for leftovers of interrupted snapshots in {self.dirpath}: "
-                f"{type(exc).__name__}: {exc}",
+                f"could not prepare {self.dirpath} for snapshots (its lock, the leftovers of "
+                f"interrupted snapshots): {type(exc).__name__}: {exc}; the snapshots will say "
+                "whether the storage comes back",
                 SnapshotFailedWarning,
+                stacklevel=3,
+            )
+            ahead = []
+        if ahead and self.collectives.rank == 0 and not self._warned_ahead:
+            self._warned_ahead = True
+            warnings.warn(
+                f"{self.dirpath} holds snapshots ahead of this run's progress (epoch {epoch}, "
+                f"step {step}): {', '.join(ahead)}. This run's snapshots are ordered after them "
+                "(by commit), so restore_from_latest picks this run's newest; with "
+                "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
+                "Use a new dirpath to keep runs apart",
                 stacklevel=3,
             )
         if self.config.preemption_signals and self._preemption is None:
@@ -248,28 +294,56 @@ class Snapshotter:
             if self._flag_coll.distributed and self._preemption is None:
                 self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
 
+    def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
+        if self._lock is None:
+            holder = {**writer_identity(self._run_id), "started_at": time.time()}
+            self._lock = self._store.lock(holder)
+        self._remove_leftovers()
+        if epoch is None or step is None:
+            return []
+        try:
+            return [r.text for r in retention.ahead_of(self._store.listed(), epoch, step)]
+        except Exception as exc:  # a warning's worth only
+            logger.warning("could not list %s: %s", self.dirpath, exc)
+            return []
+
     def _remove_leftovers(self) -> None:
+        """Remove what interrupted writes left, when provably the plugin's and the writer is gone.
+
+        * staging directories holding the plugin's writer marker whose writer is gone, and those
+          a retention deletion left (their token starts with ``del``, they hold the index);
+        * snapshot-named directories without ``.snapshot_metadata`` (an interrupted write on an
+          object store, or a crash) holding the plugin's marker or index, whose writer is gone.
+
+        Nothing else is touched: not another live job's write, not a directory the plugin did
+        not write (a look-alike name without the plugin's marker), never a complete snapshot.
+        """
         store = self._store
         for name in store.list_names():
             parsed = SnapshotName.parse(name)
-            # On object stores a snapshot is written under its final name: an interrupted write
-            # leaves an incomplete snapshot of this plugin's naming, which is removed too.
-            interrupted = (
-                not store.atomic_rename
-                and parsed is not None
-                and not parsed.phase_aware
-                and not store.is_complete(name)
-            )
-            if is_staging_name(name) or interrupted:
-                try:
-                    self._store.remove(name)
-                    logger.info("removed staging directory %s left by an interrupted snapshot", name)
-                except (OSError, SnapshotError) as exc:
-                    warnings.warn(
-                        f"could not remove staging directory {self._store.child(name)} left by an "
-                        f"interrupted snapshot: {exc}; restore ignores it, delete it by hand",
-                        stacklevel=3,
-                    )
+            if is_staging_name(name):
+                token = name.rsplit(".", 1)[1]
+                if token.startswith("del") and store.provably_ours(name):
+                    why: Optional[str] = "a deletion was interrupted"
+                else:
+                    writer = store.read_writer(name) or store.bare_staging_writer(name)
+                    why = writer_gone(writer)
+            elif parsed is not None and not parsed.phase_aware and not store.is_complete(name):
+                why = writer_gone(store.read_writer(name)) if store.provably_ours(name) else None
+            else:
+                continue
+            if why is None:
+                logger.info("leaving %s alone: not provably an abandoned write of the plugin's", name)
+                continue
+            try:
+                store.remove(name)
+                logger.info("removed %s left by an interrupted snapshot (%s)", name, why)
+            except (OSError, SnapshotError) as exc:
+                warnings.warn(
+                    f"could not remove {store.child(name)} left by an interrupted snapshot: "
+                    f"{exc}; restore ignores it, delete it by hand",
+                    stacklevel=4,
+                )
 
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
@@ -344,8 +418,16 @@ class Snapshotter:
             self._stop_watching()
 
     def _stop_watching(self) -> None:
-        """Training is over (the pending snapshot waited for): stop watching for preemption and
-        hand back the staging copy (1x the state), which a later snapshot allocates again."""
+        """Training is over (the pending snapshot waited for): stop watching for preemption, let
+        go of dirpath, and hand back the staging copy (1x the state), which a later snapshot
+        allocates again."""
+        if self._lock is not None and self._pending is None:
+            lock, self._lock = self._lock, None
+            lock.release()
+            # this run is over: what it left behind is a leftover now
+            live_runs.discard(self._run_id)
+            self._run_id = new_run_id()
+            self._last_seq = None
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -408,9 +490,11 @@ class Snapshotter:
         self._last_name = name.text
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
+        self._writes += 1
+        token = staging_token(self._run_id, self._writes)
         try:
             exists, staging = self.collectives.on_rank0(
-                lambda: (self._store.is_complete(name.text), self._store.staging_for(name.text))
+                lambda: (self._saved_by_this_run(name.text), self._store.staging_for(name.text, token))
             )
         except Exception as exc:  # the storage is unreachable (botocore retried already)
             self._last_name = None
@@ -488,6 +572,17 @@ class Snapshotter:
             raise SnapshotWriteError(message) from exc
         self._failure = message
         warnings.warn(message, SnapshotFailedWarning, stacklevel=4)
+
+    def _saved_by_this_run(self, name: str) -> bool:
+        """Whether this run committed snapshot ``name`` already (one read of its index). Another
+        run's snapshot of that name is replaced: it is not this run's state."""
+        index = self._store.read_index(name)
+        writer = index.get("writer") if index is not None else None
+        return (
+            isinstance(writer, dict)
+            and writer.get("run_id") == self._run_id
+            and self._store.is_complete(name)
+        )
 
     def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
         """Block until the pending snapshot (if any) is committed or failed, and reap it."""
@@ -597,8 +692,21 @@ class Snapshotter:
         coll = self.collectives
         store = self._store
         self._check_loadable(job)
-        if coll.rank == 0 and job.staging == job.name.text and job.staging in store.list_names():
-            store.remove(job.staging)  # a partial write of this name on an object store
+        writer = writer_identity(self._run_id)
+
+        def begin() -> None:
+            occupant = store.occupant(job.name.text)
+            if occupant == "foreign":
+                raise SnapshotWriteError(
+                    f"{store.child(job.name.text)} exists and was not written by the plugin (it "
+                    "holds no index or writer marker of the plugin's); it is left alone and this "
+                    "snapshot cannot take its name: move it out of dirpath"
+                )
+            if occupant == "ours" and job.staging == job.name.text:
+                store.remove(job.staging)  # written in place (object stores): clear the old first
+            store.begin(job.staging, {**writer, "started_at": time.time()})
+
+        coll.on_rank0(begin)
         recorder = WriteRecorder()
         # The cyclic collector is paused only while training waits for this write anyway: an
         # asynchronous write can last minutes on an object store, and training goes on meanwhile.
@@ -635,16 +743,29 @@ class Snapshotter:
             files: dict[str, int] = {}
             for rank_sizes in sizes:
                 files.update(rank_sizes)
-            index = json.dumps(
-                {
-                    "format": 1,
-                    "epoch": job.name.epoch,
-                    "step": job.name.step,
-                    "files": files,
-                    "world_size": coll.world_size,
-                },
-                sort_keys=True,
-            ).encode()
+            # The directory is listed (one read of each index) for retention, and for the first
+            # commit of a run; while this run holds the dirpath lock no one else commits, so later
+            # sequence numbers follow from the last one without listing again.
+            listed: list[retention.Listed] = []
+            if self.config.keep_last_n_snapshots is not None or self._last_seq is None or self._lock is None:
+                listed = store.listed()
+                seq = retention.next_seq(listed)
+            else:
+                seq = self._last_seq + 1
+            fields: dict[str, Any] = {
+                "format": 1,
+                "epoch": job.name.epoch,
+                "step": job.name.step,
+                "files": files,
+                "seq": seq,
+                "committed_at": time.time(),
+                "writer": writer,
+                "world_size": coll.world_size,
+            }
+            if job.name.metric is not None and job.name.metric_value is not None:
+                value = job.name.metric_value
+                fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
+            index = json.dumps(fields, sort_keys=True).encode()
             try:
                 store.commit(job.staging, job.name.text, recorder.metadata, index)
             except Exception:
@@ -657,29 +778,18 @@ class Snapshotter:
                 except Exception as exc:
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
                 raise
-            self._retain(job)
+            self._last_seq = seq
+            committed = retention.Listed(job.name, seq=seq, ours=True, writer=writer)
+            self._retain(job, [r for r in listed if r.text != job.name.text] + [committed])
 
         coll.on_rank0(commit)
 
-    def _retain(self, job: _Job) -> None:
+    def _retain(self, job: _Job, listed: list[retention.Listed]) -> None:
         keep = self.config.keep_last_n_snapshots
         if keep is None:
             return
-        try:
-            complete = [s for s in self._store.complete_snapshots() if not s.phase_aware]
-        except Exception as exc:
-            job.warnings.append(f"retention could not list {self.dirpath}: {exc}")
-            return
-        if not complete:
-            return
-        newest = complete[-1]
-        for old in complete[:-keep]:
-            if old == newest:
-                continue
-            try:
-                self._store.remove(old.text)
-            except Exception as exc:  # never fail training over a deletion
-                job.warnings.append(f"retention could not delete {self._store.child(old.text)}: {exc}")
+        doomed = retention.to_delete(listed, keep, protect=[job.name.text])
+        job.warnings.extend(retention.apply(self._store, doomed))
 
     def _reap(self) -> None:
         job, self._pending = self._pending, None

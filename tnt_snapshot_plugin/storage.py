@@ -3,9 +3,16 @@
 Two layers:
 
 * :class:`Store` (``LocalStore``, ``S3Store``) works on a snapshot *directory* ``dirpath``: it lists
-  the snapshot names in it, tells whether one is complete, commits one, and deletes one. Deletion
-  only ever removes a child of ``dirpath`` whose name this plugin could have written (a snapshot
-  or staging name), never follows a symlink, and never touches anything else.
+  the snapshot names in it (in commit order, see retention.py), tells whether one is complete,
+  commits one, and deletes one. Deletion only ever removes a child of ``dirpath`` whose name this
+  plugin writes *and* that provably holds what the plugin wrote (its index, or its writer marker
+  ``.tnt_writer.json``), never follows a symlink, and never touches anything else.
+* Writers and the dirpath lock: every write carries its writer's identity (host, pid, a per-run
+  id), in its staging name and in the marker written first into it; the live saver holds a lock on
+  ``dirpath`` for its run (``fcntl.flock`` on ``.tnt_snapshot.lock`` locally, best effort on S3: a
+  lease object), so a second job on the same ``dirpath`` is refused instead of mixing runs. A
+  leftover of an interrupted write is removed only when its writer is provably gone (same host and
+  its process dead, or the pid now runs another process) or it is older than ``STALE_AFTER_S``.
 * The torchsnapshot storage plugins registered under torchsnapshot's ``storage_plugins``
   entry-point group (``tntfs://``, ``tnts3://``) carry the bytes. While a snapshot is written they
   fsync every file, remember its size, hold back ``.snapshot_metadata`` (torchsnapshot's commit
@@ -31,8 +38,11 @@ import json
 import mmap
 import os
 import posixpath
+import re
 import shutil
+import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -45,9 +55,21 @@ from .errors import (
     StorageUnavailableError,
 )
 from .naming import SnapshotName, is_staging_name
+from .retention import Listed, commit_order, from_index
 
 METADATA_FNAME = ".snapshot_metadata"
 INDEX_FNAME = ".tnt_snapshot_index.json"
+#: Written first into every write (staging directory, or the final name on object stores): who
+#: writes it ({"host", "pid", "run_id", "started_at"}). Proves the directory is the plugin's.
+WRITER_FNAME = ".tnt_writer.json"
+#: The lock file (local disk) and lease object (S3) of a dirpath's live saver.
+LOCK_FNAME = ".tnt_snapshot.lock"
+LEASE_FNAME = ".tnt_snapshot.lease.json"
+#: A leftover write whose writer cannot be proven gone (another host) is removed once it is older
+#: than this (seconds since its writer started it): no snapshot write takes a day.
+STALE_AFTER_S = 24 * 3600.0
+#: How long an S3 lease lasts without renewal (it is renewed at every commit and every minute).
+LEASE_S = 300.0
 
 S3_OPTION_KEYS = frozenset(
     {
@@ -564,6 +586,11 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             )
 
         async def read(self, read_io: Any) -> None:
+            if not _relative_inside(read_io.path):  # refused before any request, as on disk
+                raise RuntimeError(
+                    f"the manifest of s3://{bucket}/{root} names the file {read_io.path!r}, "
+                    "outside the snapshot: the snapshot is damaged or was not written by torchsnapshot"
+                )
             kwargs: dict[str, Any] = {"Bucket": bucket, "Key": self._key(read_io.path)}
             if read_io.byte_range is not None:
                 start, end = read_io.byte_range
@@ -586,6 +613,187 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             pass
 
     return _S3Plugin()
+
+
+# --------------------------------------------------------------------------------------------
+# Writers: who writes a snapshot, and whether that writer is provably gone.
+
+#: Run ids of the savers alive in this process (a leftover of this pid with another id is stale).
+live_runs: set[str] = set()
+
+
+def new_run_id() -> str:
+    run_id = uuid.uuid4().hex[:12]
+    live_runs.add(run_id)
+    return run_id
+
+
+def _host_hash() -> str:
+    import hashlib
+
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+_TOKEN = re.compile(r"(?P<run_id>[0-9a-f]{12})h(?P<host>[0-9a-f]{8})p(?P<pid>[0-9]+)n[0-9]+|del[0-9a-f]{9}")
+
+
+def staging_token(run_id: str, count: int) -> str:
+    """The writer's part of a staging name: run id, host (hashed), pid, and a count."""
+    return f"{run_id}h{_host_hash()}p{os.getpid()}n{count}"
+
+
+def _writer_of_token(token: str, started_at: float) -> Optional[dict[str, Any]]:
+    """The writer a staging name's token names; None if the plugin writes no such token."""
+    match = _TOKEN.fullmatch(token)
+    if match is None:
+        return None
+    if match["run_id"] is None:  # an interrupted deletion's: the process that deleted is unnamed
+        return {"started_at": started_at - STALE_AFTER_S - 1.0}
+    host = socket.gethostname() if match["host"] == _host_hash() else f"(hash {match['host']})"
+    return {"host": host, "pid": int(match["pid"]), "run_id": match["run_id"], "started_at": started_at}
+
+
+def _staged_by_this_process(name: str) -> bool:
+    """Whether ``name`` is a staging name of a live run of this very process (its own write, even
+    where its marker was lost, e.g. the directory removed and recreated during the write)."""
+    if not is_staging_name(name):
+        return False
+    match = _TOKEN.fullmatch(name.rsplit(".", 1)[1])
+    return (
+        match is not None
+        and match["run_id"] in live_runs
+        and match["host"] == _host_hash()
+        and int(match["pid"]) == os.getpid()
+    )
+
+
+def writer_identity(run_id: str) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}
+
+
+def _process_start_time(pid: int) -> Optional[float]:
+    """When process ``pid`` started (unix seconds), from /proc; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def writer_gone(
+    writer: Any, now: Optional[float] = None, stale_after: float = STALE_AFTER_S
+) -> Optional[str]:
+    """Why the writer of a leftover is provably gone (so the leftover may be removed), or None.
+
+    Gone: started more than ``STALE_AFTER_S`` ago; or on this host, its pid is this process and
+    its run is not one of this process's live savers, its pid is dead, or the pid now belongs to a
+    process started after the write began (pid reuse).
+    """
+    if not isinstance(writer, dict):
+        return None
+    now = time.time() if now is None else now
+    started = writer.get("started_at")
+    if isinstance(started, (int, float)) and now - started > stale_after:
+        return f"started {now - started:.0f}s ago (more than {stale_after:.0f}s)"
+    pid = writer.get("pid")
+    if writer.get("host") != socket.gethostname() or isinstance(pid, bool) or not isinstance(pid, int):
+        return None
+    if pid == os.getpid():
+        return None if writer.get("run_id") in live_runs else "its run in this process has ended"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its process {pid} is dead"
+    except OSError:  # exists (owned by someone else)
+        pass
+    begun = _process_start_time(pid)
+    if begun is not None and isinstance(started, (int, float)) and begun > started + 1.0:
+        return f"pid {pid} now belongs to a process started after the write began"
+    return None
+
+
+def _holder_text(holder: Any) -> str:
+    if not isinstance(holder, dict):
+        return "an unknown process"
+    since = holder.get("started_at")
+    when = (
+        time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since))
+        if isinstance(since, (int, float))
+        else ""
+    )
+    return f"host {holder.get('host')!r} pid {holder.get('pid')} run {holder.get('run_id')!r}{when}"
+
+
+def _busy_error(url: str, holder: Any) -> ConfigError:
+    return ConfigError(
+        f"dirpath {url!r} is in use by another saver ({_holder_text(holder)}): two jobs writing "
+        "one dirpath would mix their snapshots and delete each other's. Give each job its own "
+        "dirpath, or stop the other job first"
+    )
+
+
+class DirLock:
+    """The live saver's hold on a dirpath for its run; :meth:`release` lets go (idempotent)."""
+
+    def release(self) -> None:
+        pass
+
+
+class _FileLock(DirLock):
+    """``fcntl.flock`` on ``dirpath/.tnt_snapshot.lock``, held while the run lasts and naming its
+    holder. The kernel drops it when the process dies, so a killed job leaves no stale lock; the
+    file is removed on release (while still locked), and a taker checks that the file it locked is
+    still the one at that path, so a file unlinked under it is never mistaken for the lock."""
+
+    def __init__(self, root: str, url: str, holder: dict[str, Any]) -> None:
+        import fcntl
+
+        self._fd: Optional[int] = None
+        self._path = os.path.join(root, LOCK_FNAME)
+        for _attempt in range(100):
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    other = json.loads(os.pread(fd, 4096, 0) or b"null")
+                except ValueError:
+                    other = None
+                os.close(fd)
+                raise _busy_error(url, other) from None
+            except OSError:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self._path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # released and removed by its holder meanwhile: take the new one
+        else:
+            raise SnapshotError(f"could not lock {self._path}: it keeps being replaced")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+            os.close(fd)  # closing the only descriptor drops the flock
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown; the kernel drops the lock at exit anyway
+            pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -629,13 +837,22 @@ class Store:
     def check_writable(self) -> None:
         raise NotImplementedError
 
-    def staging_for(self, final: str) -> str:
-        """Where to write snapshot ``final`` before its commit."""
+    def staging_for(self, final: str, token: str) -> str:
+        """Where to write snapshot ``final`` before its commit (``token``: the writer's, alnum)."""
+        raise NotImplementedError
+
+    def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        """Start a write: the writer marker goes in first, so the write is provably ours."""
         raise NotImplementedError
 
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
-        """Make ``final`` complete: index, then metadata last (and the rename, on disk)."""
+        """Make ``final`` complete: index, then metadata last (and the rename, on disk). A
+        snapshot of the plugin's already named ``final`` (another run's) is replaced."""
         raise NotImplementedError
+
+    def lock(self, holder: dict[str, Any]) -> DirLock:
+        """Take this dirpath for one run; ConfigError naming the holder if another saver has it."""
+        return DirLock()
 
     def _remove(self, name: str) -> None:
         raise NotImplementedError
@@ -645,17 +862,65 @@ class Store:
     def is_complete(self, name: str) -> bool:
         return self.has_file(name, METADATA_FNAME)
 
-    def complete_snapshots(self) -> list[SnapshotName]:
-        """Complete snapshots in ``dirpath``, oldest first (by epoch, then step)."""
+    def _read_json(self, name: str, rel: str) -> Optional[dict[str, Any]]:
+        """The JSON object in file ``rel`` of child ``name``; None if missing or not one."""
+        try:
+            value = json.loads(self.read_file(name, rel))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
+            return None
+        except Exception as exc:
+            if _is_missing_key(exc):
+                return None
+            raise
+        return value if isinstance(value, dict) else None
+
+    def read_index(self, name: str) -> Optional[dict[str, Any]]:
+        """The plugin's index of child ``name`` (a JSON object with ``format``), or None."""
+        index = self._read_json(name, INDEX_FNAME)
+        return index if index is not None and "format" in index else None
+
+    def read_writer(self, name: str) -> Optional[dict[str, Any]]:
+        """Who wrote child ``name``: its writer marker, else its index's ``writer``; or None."""
+        marker = self._read_json(name, WRITER_FNAME)
+        if marker is not None and "run_id" in marker:
+            return marker
+        index = self.read_index(name)
+        writer = index.get("writer") if index is not None else None
+        return writer if isinstance(writer, dict) else None
+
+    def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
+        """For a staging directory holding nothing but (perhaps) a writer marker still being
+        written - a writer killed between creating it and its marker - the writer its name
+        names; else None. Such a directory holds nothing anyone could lose."""
+        return None
+
+    def provably_ours(self, name: str) -> bool:
+        """Whether child ``name`` holds the plugin's index or writer marker."""
+        return self.read_index(name) is not None or self._read_json(name, WRITER_FNAME) is not None
+
+    def listed(self) -> list[Listed]:
+        """Complete snapshots in ``dirpath`` with what their indexes say, in commit order (oldest
+        first): one listing, then one read of each index and one existence check each."""
         found = []
         for text in self.list_names():
             parsed = SnapshotName.parse(text)
             if parsed is not None and self.is_complete(text):
-                found.append(parsed)
-        return sorted(found)
+                found.append(from_index(parsed, None if parsed.phase_aware else self.read_index(text)))
+        return commit_order(found)
+
+    def complete_snapshots(self) -> list[SnapshotName]:
+        """Complete snapshots in ``dirpath``, oldest first in commit order (retention.py)."""
+        return [r.name for r in self.listed()]
+
+    def occupant(self, name: str) -> Optional[str]:
+        """What holds child ``name``: None (nothing), "ours" (provably the plugin's) or "foreign"."""
+        if name not in self.list_names():
+            return None
+        return "ours" if self.provably_ours(name) else "foreign"
 
     def remove(self, name: str) -> None:
-        """Delete child ``name``: only a name this plugin writes, only inside ``dirpath``."""
+        """Delete child ``name``: only a name this plugin writes, only inside ``dirpath``, and only
+        if it provably holds what the plugin wrote (its index or writer marker)."""
         if (
             not name
             or "/" in name
@@ -666,6 +931,16 @@ class Store:
             raise SnapshotError(
                 f"refusing to delete {name!r} in {self.url}: it is not a snapshot or staging "
                 "directory name this plugin writes"
+            )
+        if (
+            not _staged_by_this_process(name)
+            and not self.provably_ours(name)
+            and self.bare_staging_writer(name) is None
+            and name in self.list_names()
+        ):
+            raise SnapshotError(
+                f"refusing to delete {self.child(name)}: it holds neither the plugin's index "
+                f"{INDEX_FNAME} nor its writer marker {WRITER_FNAME}, so the plugin did not write it"
             )
         self._remove(name)
 
@@ -688,6 +963,80 @@ class Store:
             if actual != size:
                 return f"file {rel} has {actual} bytes, {size} were written"
         return None
+
+
+class _S3Lease(DirLock):
+    """Best effort on S3 (no compare-and-swap): the lease object ``dirpath/.tnt_snapshot.lease.json``
+    names the live saver and when its lease expires (``LEASE_S``); a thread renews it every
+    minute. A second saver is refused while an unexpired lease of another run is there, unless
+    that run's process is provably dead on this host. Two jobs starting within the same second
+    can both miss each other's lease; jobs that overlap longer are refused."""
+
+    def __init__(self, store: "S3Store", holder: dict[str, Any]) -> None:
+        self._store = store
+        self._holder = dict(holder)
+        self._stop = threading.Event()
+        try:
+            current = store._read_json("", LEASE_FNAME)
+        except Exception as exc:  # best effort: never stop training over the lease
+            _lease_warning(store, exc)
+            current = None
+        if (
+            current is not None
+            and current.get("run_id") != holder.get("run_id")
+            and isinstance(current.get("expires_at"), (int, float))
+            and current["expires_at"] > time.time()
+            and writer_gone(current, stale_after=float("inf")) is None
+        ):
+            raise _busy_error(store.url, current)
+        try:
+            self._renew()
+        except Exception as exc:
+            _lease_warning(store, exc)
+        self._thread = threading.Thread(target=self._keep, name="tnt-snapshot-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        body = json.dumps({**self._holder, "expires_at": time.time() + LEASE_S}).encode()
+        self._store.client.put_object(
+            Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME), Body=body
+        )
+
+    def _keep(self) -> None:
+        while not self._stop.wait(min(60.0, LEASE_S / 5)):
+            try:
+                self._renew()
+            except Exception:  # best effort; the next renewal tries again
+                pass
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            current = self._store._read_json("", LEASE_FNAME)
+            if current is not None and current.get("run_id") == self._holder.get("run_id"):
+                self._store.client.delete_object(
+                    Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME)
+                )
+        except Exception:  # it expires by itself
+            pass
+
+
+def _lease_warning(store: "S3Store", exc: BaseException) -> None:
+    import warnings
+
+    warnings.warn(
+        f"could not read or write the lease {store.child(LEASE_FNAME)} ({type(exc).__name__}: "
+        f"{exc}); another job writing {store.url} at the same time would not be detected",
+        stacklevel=5,
+    )
+
+
+def _is_missing_key(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("404", "NoSuchKey", "NotFound")
 
 
 class LocalStore(Store):
@@ -743,10 +1092,33 @@ class LocalStore(Store):
                 "pass a directory this process can create files in"
             ) from exc
 
-    def staging_for(self, final: str) -> str:
+    def staging_for(self, final: str, token: str) -> str:
         from .naming import staging_name
 
-        return staging_name(final, uuid.uuid4().hex[:12])
+        return staging_name(final, token)
+
+    def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        path = os.path.join(self.root, staging)
+        os.makedirs(path)  # dirpath too, if someone removed it meanwhile
+        try:
+            _write_durably(os.path.join(path, WRITER_FNAME), json.dumps(writer).encode())
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
+        path = os.path.join(self.root, name)
+        try:
+            if os.path.islink(path) or not set(os.listdir(path)) <= {WRITER_FNAME}:
+                return None
+            started = os.stat(path).st_mtime
+        except OSError:
+            return None
+        return _writer_of_token(name.rsplit(".", 1)[1], started) if is_staging_name(name) else None
+
+    def lock(self, holder: dict[str, Any]) -> DirLock:
+        os.makedirs(self.root, exist_ok=True)
+        return _FileLock(self.root, self.url, holder)
 
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
         staged = os.path.join(self.root, staging)
@@ -763,8 +1135,25 @@ class LocalStore(Store):
         _write_durably(os.path.join(staged, METADATA_FNAME), metadata)
         for parent, _dirs, _files in os.walk(staged, topdown=False):
             fsync_dir(parent)
-        os.rename(staged, os.path.join(self.root, final))
+        target = os.path.join(self.root, final)
+        doomed = None
+        if os.path.lexists(target):
+            # Another run's snapshot (or an interrupted write) of the plugin's under this name:
+            # unpublished first, replaced, then deleted. Anything else is never touched.
+            if os.path.islink(target) or not self.provably_ours(final):
+                raise SnapshotWriteError(
+                    f"{self.child(final)} exists and was not written by the plugin (no "
+                    f"{INDEX_FNAME} or {WRITER_FNAME}); move it out of dirpath. The snapshot "
+                    "was not committed"
+                )
+            from .naming import staging_name
+
+            doomed = os.path.join(self.root, staging_name(final, "del" + uuid.uuid4().hex[:9]))
+            os.rename(target, doomed)
+        os.rename(staged, target)
         fsync_dir(self.root)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove(self, name: str) -> None:
         path = os.path.join(self.root, name)
@@ -775,15 +1164,38 @@ class LocalStore(Store):
         if not os.path.exists(path):
             return
         if not is_staging_name(name):
-            # Unpublish atomically first: a crash during rmtree then leaves a staging name
-            # (removed at the next train start), never a listed snapshot with files missing.
+            # Unpublish atomically first, into a staging directory whose writer marker is written
+            # before and removed after everything else: a crash part-way then leaves a staging
+            # directory that provably is the plugin's (removed at the next train start), never a
+            # listed snapshot with files missing, nor a directory that can no longer be told ours.
             from .naming import staging_name
 
             doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
-            os.rename(path, doomed)
+            os.mkdir(doomed)
+            marker = {"deleting": name, "host": socket.gethostname(), "pid": os.getpid()}
+            _write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
+            os.rename(path, os.path.join(doomed, name))
             fsync_dir(self.root)
             path = doomed
-        shutil.rmtree(path)
+        _rmtree_proof_last(path)
+
+
+def _rmtree_proof_last(path: str) -> None:
+    """Delete directory ``path``, its index and writer marker (the proof it is the plugin's) last."""
+    proofs = (WRITER_FNAME, INDEX_FNAME)
+    with os.scandir(path) as entries:
+        rest = [e for e in entries if e.name not in proofs]
+    for entry in rest:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    for proof in proofs:
+        try:
+            os.unlink(os.path.join(path, proof))
+        except FileNotFoundError:
+            pass
+    os.rmdir(path)
 
 
 class S3Store(Store):
@@ -852,15 +1264,23 @@ class S3Store(Store):
                 "the bucket name and storage_options (endpoint_url, credentials)"
             ) from exc
 
-    def staging_for(self, final: str) -> str:
+    def staging_for(self, final: str, token: str) -> str:
         # Object stores cannot rename atomically: write in place, commit by writing the
-        # metadata last. A leftover partial write of the same name is cleared first.
+        # metadata last. A leftover of the plugin's under the same name is removed first.
         return final
+
+    def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(staging, WRITER_FNAME), Body=json.dumps(writer).encode()
+        )
 
     @_translated
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(final, INDEX_FNAME), Body=index)
         self.client.put_object(Bucket=self.bucket, Key=self._key(final, METADATA_FNAME), Body=metadata)
+
+    def lock(self, holder: dict[str, Any]) -> DirLock:
+        return _S3Lease(self, holder)
 
     @_translated
     def _remove(self, name: str) -> None:
@@ -881,9 +1301,14 @@ def open_store(dirpath: str, storage_options: Optional[dict[str, Any]] = None) -
     if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
         raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
     dirpath = os.fspath(dirpath)
+    protocol = dirpath.split("://", 1)[0] if "://" in dirpath else "file"
+    if protocol == "file" and storage_options:
+        raise ConfigError(
+            f"storage_options {sorted(storage_options)} was given for the local dirpath "
+            f"{dirpath!r}, where it has no effect; pass storage_options only with s3:// paths"
+        )
     if "://" not in dirpath:
         return LocalStore(dirpath)
-    protocol = dirpath.split("://", 1)[0]
     if protocol == "file":
         return LocalStore(dirpath[len("file://"):])
     if protocol == "s3":

@@ -40,7 +40,7 @@ from tnt_snapshot_plugin import hookimpl  # noqa: E402
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name  # noqa: E402
 from tnt_snapshot_plugin.plugins import new_plugin_manager  # noqa: E402
-from tnt_snapshot_plugin.storage import LocalStore  # noqa: E402
+from tnt_snapshot_plugin.storage import LOCK_FNAME, LocalStore  # noqa: E402
 
 KEEP_LAST = 3
 
@@ -138,7 +138,11 @@ def run_checker(dirpath: str) -> None:
     problems = {name: store.verify(name) for name in complete}
     damaged = {name: why for name, why in problems.items() if why is not None}
     staging = [n for n in names if is_staging_name(n)]
-    others = [n for n in names if not is_staging_name(n) and SnapshotName.parse(n) is None]
+    # A SIGKILLed saver's lock file stays behind (the kernel dropped the lock itself).
+    others = [
+        n for n in names
+        if not is_staging_name(n) and SnapshotName.parse(n) is None and n != LOCK_FNAME
+    ]
     unit = StepUnit(fill=-1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
