@@ -504,6 +504,8 @@ def s3_error(url: str, exc: BaseException) -> Optional[SnapshotError]:
             return SnapshotNotFoundError(
                 f"{url}: the bucket does not exist ({exc}); check the URL and storage_options"
             )
+        if code in ("NoSuchKey", "404", "NotFound"):  # a FileNotFoundError, as for local files
+            return SnapshotNotFoundError(f"{url}: no such object ({exc})")
         if code in _CREDENTIAL_CODES:
             return ConfigError(
                 f"{url}: the object store refused the credentials ({exc}); check "
