@@ -238,6 +238,7 @@ def plant_foreign_entries(dirpath: Path, outside: Path) -> dict[str, Any]:
     }
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 @pytest.mark.parametrize("keep", [1, 2])
 def test_retention_deletes_only_after_a_newer_commit_and_only_its_own_snapshots(
     tmp_path, monkeypatch, keep
@@ -274,6 +275,7 @@ def test_retention_alias_keep_last_n_checkpoints(tmp_path):
     assert listing(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_failed_deletion_warns_and_training_goes_on(tmp_path, monkeypatch):
     real_rmtree = shutil.rmtree
     refused = []
@@ -551,6 +553,7 @@ def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(sm
 # Staging leftovers
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_staging_leftovers_are_never_restored_and_only_ours_are_removed_at_train_start(snapshots, tmp_path):
     dirpath, step_weights = snapshots
     outside = tmp_path / "outside"

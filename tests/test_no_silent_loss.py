@@ -229,6 +229,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> Non
         time.sleep(0.2)
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_path):
     dirpath = tmp_path / "run"
     dirpath.mkdir()
@@ -269,6 +270,7 @@ def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_pa
     assert path.endswith("epoch_0_step_2")
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_the_lock_is_let_go_at_train_end_and_on_an_exception(tmp_path):
     with pytest.raises(RuntimeError, match="injected"):
         train_toy(tmp_path, ToyUnit(fail_at_step=1), 2, save_every_n_train_steps=1)
@@ -311,6 +313,7 @@ def test_a_newest_snapshot_with_an_empty_manifest_falls_back(tmp_path):
     assert unit.train_progress.num_steps_completed == 2
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_an_incomplete_snapshot_of_ours_is_cleaned_up_and_its_step_saved_again(tmp_path):
     train_toy(tmp_path, ToyUnit(), 2, save_every_n_train_steps=1, save_on_train_end=False)
     (tmp_path / "epoch_0_step_2" / ".snapshot_metadata").unlink()  # a crash left it incomplete

@@ -249,6 +249,7 @@ def test_restore_keyword_arguments_keep_working_and_contradictions_are_refused(t
 # -- 3. hooks called directly ----------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 def test_hooks_called_without_on_train_start(tmp_path):
     unit = ToyUnit()
     loader = StatefulLoader(make_data(8))

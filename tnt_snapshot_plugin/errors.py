@@ -54,3 +54,8 @@ class DistributedError(SnapshotError, RuntimeError):
 
 class SnapshotFailedWarning(UserWarning):
     """Issued at every hook after a failed snapshot until a snapshot succeeds again."""
+
+
+class SnapshotsAheadWarning(UserWarning):
+    """A run starts in a dirpath holding snapshots ahead of its own progress (another, longer
+    run's); this run's snapshots are ordered after them by commit. Issued once per saver."""

@@ -58,6 +58,7 @@ from .errors import (
     ConfigError,
     SnapshotError,
     SnapshotFailedWarning,
+    SnapshotsAheadWarning,
     SnapshotWriteError,
     UnrestorableStateError,
 )
@@ -276,6 +277,7 @@ class Snapshotter:
                 "(by commit), so restore_from_latest picks this run's newest; with "
                 "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
                 "Use a new dirpath to keep runs apart",
+                SnapshotsAheadWarning,
                 stacklevel=3,
             )
         if self.config.preemption_signals and self._preemption is None:
