@@ -180,7 +180,7 @@ class Collectives:
             raise error
         ok, value = outcome
         if not ok:
-            kind, message = value
+            kind, message = cast(tuple[str, str], value)
             cls = getattr(errors, kind, None)
             if not (isinstance(cls, type) and issubclass(cls, SnapshotError)):
                 cls = DistributedError

@@ -141,8 +141,8 @@ def restore(
         present = {unquote(key.split("/", 1)[0]) for key in manifest}
         restore_rng = True
         if saved_world_size != coll.world_size:
-            keys = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            restore_rng = _fit_world_size(path, snapshot, keys, coll)
+            mapped = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
+            restore_rng = _fit_world_size(path, snapshot, mapped, coll)
 
         optional = set(optional_keys)
         load: dict[str, Any] = {}
@@ -445,13 +445,13 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
                 to_read.update((f"{rank}/{logical}", e) for rank, e in enumerate(by_rank))
         if to_read:
             try:
-                values = read_entries(snapshot, to_read)
+                read = read_entries(snapshot, to_read)
             except Exception as exc:  # damaged bytes: every rank raises it as corruption below
                 _close_leaked_event_loops(exc)
                 return [], [], f"{type(exc).__name__}: {exc}"
             for logical in {full.partition("/")[2] for full in to_read}:
-                first = values[f"0/{logical}"]
-                equal = all(_same_value(first, values[f"{r}/{logical}"]) for r in range(1, saved))
+                first = read[f"0/{logical}"]
+                equal = all(_same_value(first, read[f"{r}/{logical}"]) for r in range(1, saved))
                 (same if equal else differ).append(logical)
         return sorted(same), sorted(differ), None
 

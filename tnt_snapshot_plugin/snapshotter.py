@@ -70,9 +70,9 @@ from .storage import (
     DirLock,
     Store,
     WriteRecorder,
+    io_concurrency,
     live_runs,
     new_run_id,
-    io_concurrency,
     open_store,
     recording,
     staging_token,
@@ -781,8 +781,8 @@ class Snapshotter:
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
                 raise
             self._last_seq = seq
-            committed = retention.Listed(job.name, seq=seq, ours=True, writer=writer)
-            self._retain(job, [r for r in listed if r.text != job.name.text] + [committed])
+            this = retention.Listed(job.name, seq=seq, ours=True, writer=writer)
+            self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
 
         coll.on_rank0(commit)
 
