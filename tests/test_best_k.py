@@ -13,12 +13,11 @@ import os
 
 import pytest
 import torch
-from torchtnt.utils.checkpoint import BestCheckpointConfig
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
+from torchtnt.utils.checkpoint import BestCheckpointConfig
 
-from tnt_snapshot_plugin import ConfigError, hookimpl
-from tnt_snapshot_plugin import retention
+from tnt_snapshot_plugin import ConfigError, hookimpl, retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.plugins import get_plugin_manager
@@ -35,7 +34,7 @@ def rec(step: int, value=None, *, seq=None, ours=True, metric="loss") -> retenti
 
 def kept(listed, keep_last_n=None, best=None, protect=()):
     doomed = {r.text for r in retention.to_delete(listed, keep_last_n, protect=protect, best=best)}
-    return sorted((r.name.step for r in listed if r.text not in doomed))
+    return sorted(r.name.step for r in listed if r.text not in doomed)
 
 
 def test_best_k_keeps_the_k_best_and_the_newest_nan_worst_ties_to_the_earlier_commit():

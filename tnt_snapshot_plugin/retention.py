@@ -23,8 +23,8 @@ Pure logic over listed records; it reads and deletes nothing itself (the store d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
 from .naming import SnapshotName
