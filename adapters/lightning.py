@@ -42,8 +42,8 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
 from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
