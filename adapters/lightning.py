@@ -22,6 +22,8 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
   saver is an ``OnExceptionCheckpoint``; its ``ckpt_path`` is the newest complete snapshot of
   ``dirpath`` (damaged ones skipped). When several candidates exist (a ``ModelCheckpoint``'s
   ``last.ckpt``, say), Lightning takes the most recently modified one.
+* ``ckpt_path="best"`` (``fit``, ``validate``, ``test``): Lightning reads the saver's
+  ``best_model_path``, the best complete snapshot by ``monitor`` found in ``dirpath``.
 * In ``setup()`` the saver wraps the strategy's ``CheckpointIO`` in a :class:`SnapshotCheckpointIO`,
   which reads a snapshot directory into Lightning's checkpoint dict (and sets the RNG state) and
   hands every other path to the ``CheckpointIO`` it wraps, so ``ModelCheckpoint`` works as before.
