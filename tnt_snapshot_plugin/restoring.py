@@ -79,9 +79,9 @@ def best_snapshot(
     if mode not in retention.MODES:
         raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
     coll = collectives or Collectives(None)
-    store = open_store(dirpath, storage_options)
 
-    def pick() -> Optional[str]:
+    def pick() -> Optional[str]:  # rank 0's dirpath only (the others may pass "")
+        store = open_store(dirpath, storage_options)
         found = retention.best(store.listed(), metric, mode)
         return store.child(found.text) if found is not None else None
 

@@ -284,7 +284,7 @@ class Snapshotter:
                 "(by commit), so restore_from_latest picks this run's newest; with "
                 "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
                 "Use a new dirpath to keep runs apart",
-                stacklevel=3,
+                stacklevel=4,  # the framework's hook dispatch (adapter hook -> its _start -> here)
             )
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
