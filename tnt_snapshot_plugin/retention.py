@@ -119,11 +119,13 @@ def ranked(listed: Iterable[Listed], metric: str, mode: str) -> list[Listed]:
     it in torchtnt's or Lightning's top-k)."""
     if mode not in MODES:
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    scored = [(r, r.metric_value(metric)) for r in commit_order(listed)]
-    found = [(r, v) for r, v in scored if v is not None]
-    order = {id(r): i for i, (r, _) in enumerate(found)}
-    found.sort(key=lambda rv: (*_rank_key(rv[1], mode), order[id(rv[0])]))  # type: ignore[arg-type]
-    return [r for r, _ in found]
+    found = []
+    for position, record in enumerate(commit_order(listed)):
+        value = record.metric_value(metric)
+        if value is not None:
+            found.append((*_rank_key(value, mode), position, record))
+    found.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in found]
 
 
 def best(listed: Iterable[Listed], metric: str, mode: str) -> Optional[Listed]:
