@@ -22,6 +22,8 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
   saver is an ``OnExceptionCheckpoint``; its ``ckpt_path`` is the newest complete snapshot of
   ``dirpath`` (damaged ones skipped). When several candidates exist (a ``ModelCheckpoint``'s
   ``last.ckpt``, say), Lightning takes the most recently modified one.
+* ``ckpt_path="best"`` (``fit``, ``validate``, ``test``): Lightning reads the saver's
+  ``best_model_path``, the best complete snapshot by ``monitor`` found in ``dirpath``.
 * In ``setup()`` the saver wraps the strategy's ``CheckpointIO`` in a :class:`SnapshotCheckpointIO`,
   which reads a snapshot directory into Lightning's checkpoint dict (and sets the RNG state) and
   hands every other path to the ``CheckpointIO`` it wraps, so ``ModelCheckpoint`` works as before.
@@ -42,6 +44,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -123,6 +126,19 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        monitor: a logged metric (``trainer.callback_metrics``, read when a snapshot is taken)
+            that ranks the snapshots, as ``ModelCheckpoint``'s ``monitor``: the name carries it
+            (``epoch_E_step_S_<monitor>=<value>``, so it must be a name usable in a directory
+            name: ``val_loss``, not ``val/loss``) and ``best_model_path`` /
+            ``best_model_score`` / ``ckpt_path="best"`` follow it. A metric not logged yet when
+            a snapshot is taken before any validation ran is warned about and the snapshot saved
+            without it; once validation has run, it is a :class:`MonitorNotFoundError`.
+        mode: ``"min"`` (default) or ``"max"``: whether a lower or a higher value is better.
+        save_top_k: keep the k best snapshots by ``monitor`` (default 1 when ``monitor`` is set;
+            -1: keep every one; NaN ranks worst; an equal value does not replace an older one).
+            With ``keep_last_n_snapshots`` the newest n are kept too; without it, snapshots
+            taken before the metric was logged are never deleted. The newest snapshot is always
+            kept until a newer one is committed, so ``ckpt_path="last"`` resumes the newest state.
         weights_only: True (default): before each snapshot is written, check that it loads with
             ``torch.load(weights_only=True)`` and the plugin's safe globals (an
             ``argparse.Namespace`` from ``save_hyperparameters(args)`` does); if not, raise
@@ -141,10 +157,6 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     ``fit(model)`` without ``ckpt_path`` into ``ckpt_path="last"``: a run whose ``dirpath``
     already holds snapshots resumes from them (Lightning warns); use a new ``dirpath`` per run.
     """
-
-    #: Lightning's ``ckpt_path="best"`` reads this from the first checkpoint callback; snapshots
-    #: have no "best", so it is empty and Lightning says that no best model was saved.
-    best_model_path = ""
 
     def __init__(
         self,
@@ -165,6 +177,9 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        monitor: Optional[str] = None,
+        mode: str = "min",
+        save_top_k: Optional[int] = None,
     ) -> None:
         # OnExceptionCheckpoint.__init__ only sets the .ckpt file this class replaces by snapshots.
         Checkpoint.__init__(self)
@@ -184,6 +199,9 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
             weights_only=weights_only,
+            monitor=monitor,
+            mode=mode,
+            save_top_k=save_top_k,
         )
         self._weights_only = weights_only
         self._portable = process_group is None and plugin_manager is None
@@ -200,6 +218,10 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             on_save_error=on_save_error,
             preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
+            best_metric=monitor,
+            best_mode=mode,
+            best_k=_top_k(monitor, save_top_k),
+            names={"best_metric": "monitor", "best_mode": "mode", "best_k": "save_top_k"},
         )
         self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
         self._snapshotter = Snapshotter(
@@ -210,7 +232,10 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             never_replicated=NEVER_REPLICATED,
             on_preempted=_stop_like_lightning,
             weights_only=weights_only,
+            metric=self._monitored_value if monitor is not None else None,
         )
+        self._trainer: Optional[pl.Trainer] = None
+        self._warned_unlogged = False
         self._io: Optional[SnapshotCheckpointIO] = None
         self._last_step: Optional[int] = None
         self._last_committed: Optional[str] = None
@@ -278,6 +303,79 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         return path
 
     @property
+    def monitor(self) -> Optional[str]:
+        """The metric that ranks the snapshots (None: none)."""
+        best = self._snapshotter.config.best
+        return best.metric if best is not None else None
+
+    @property
+    def mode(self) -> str:
+        best = self._snapshotter.config.best
+        return best.mode if best is not None else "min"
+
+    @property
+    def best_model_path(self) -> str:
+        """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it, or no
+        ``monitor`` is set): what Lightning loads for ``ckpt_path="best"``
+        (``fit``/``validate``/``test``/``predict``). Read from the directory (the snapshots' names
+        and indexes), so it is true in a new process and after a resume too."""
+        found = self._best()
+        return found[0] if found is not None else ""
+
+    @property
+    def best_model_score(self) -> Optional[torch.Tensor]:
+        """``monitor``'s value in :attr:`best_model_path` (None if there is none), as a tensor
+        like ``ModelCheckpoint``'s."""
+        found = self._best()
+        return torch.tensor(found[1]) if found is not None else None
+
+    def _best(self) -> Optional[tuple[str, float]]:
+        best = self._snapshotter.config.best
+        if best is None:
+            return None
+        from tnt_snapshot_plugin import retention
+
+        store = open_store(self.dirpath, self._snapshotter.config.storage_options)
+        found = retention.best(store.listed(), best.metric, best.mode)
+        if found is None:
+            return None
+        value = found.metric_value(best.metric)
+        assert value is not None
+        return store.child(found.text), value
+
+    def _monitored_value(self) -> Optional[tuple[str, float]]:
+        """(monitor, value) from ``trainer.callback_metrics`` now (a snapshot is being taken)."""
+        monitor = self.monitor
+        trainer = self._trainer
+        assert monitor is not None and trainer is not None
+        metrics = trainer.callback_metrics
+        if monitor not in metrics:
+            message = (
+                f"TorchSnapshotSaver(monitor={monitor!r}) could not find the monitored key in the "
+                f"logged metrics: {sorted(metrics)}. HINT: did you call `self.log({monitor!r}, "
+                "value)` in the LightningModule?"
+            )
+            val_loop = trainer.fit_loop.epoch_loop.val_loop
+            if getattr(val_loop, "_has_run", False):
+                raise MonitorNotFoundError(message)
+            if not self._warned_unlogged:
+                self._warned_unlogged = True
+                warnings.warn(
+                    f"{message} (No validation has run yet: snapshots are saved without it until "
+                    "it is logged, and are not ranked.)",
+                    stacklevel=2,
+                )
+            return None
+        value = metrics[monitor]
+        try:
+            return monitor, _as_float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(
+                f"TorchSnapshotSaver(monitor={monitor!r}): the logged value {value!r} is not a "
+                f"number: {exc}"
+            ) from exc
+
+    @property
     @override
     def state_key(self) -> str:
         # From the dirpath given, not the cadence: changing the cadence between runs keeps the
@@ -303,6 +401,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Join the process group, install the snapshot-reading CheckpointIO (before Lightning loads
         ``ckpt_path``) and check that all ranks resolved ``ckpt_path="last"`` alike."""
+        self._trainer = trainer
         self._snapshotter.attach()
         _check_strategy_can_resume(trainer)
         self._io = SnapshotCheckpointIO.install(
@@ -331,6 +430,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
+        self._trainer = trainer
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
@@ -652,6 +752,43 @@ class SnapshotCheckpointIO(CheckpointIO):
         if self._own_collectives is None or (is_initialized() and not self._own_collectives.distributed):
             self._own_collectives = Collectives.create(None, 600.0)  # collective: every rank loads
         return self._own_collectives
+
+
+class MonitorNotFoundError(ConfigError, MisconfigurationException):
+    """The saver's ``monitor`` was never logged although validation has run (Lightning's
+    ``ModelCheckpoint`` raises a MisconfigurationException there; this is one too)."""
+
+
+def _as_float(value: Any) -> float:
+    """A logged value as a float; a tensor of fewer than 64 bits gives the shortest decimal that
+    is that value in float32 (``0.3``, not ``0.30000001192092896``), which orders alike."""
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        import numpy as np
+
+        return float(str(np.float32(value.float().item())))
+    return float(value)
+
+
+def _top_k(monitor: Optional[str], save_top_k: Any) -> Optional[int]:
+    """``save_top_k`` as the core's best-k count (None: keep all); ConfigError if meaningless."""
+    if monitor is None:
+        if save_top_k is not None:
+            raise ConfigError(
+                f"save_top_k={save_top_k!r} keeps the best snapshots by a monitored metric, but "
+                "monitor is None; pass monitor='<a logged metric>', or keep the newest snapshots "
+                "with keep_last_n_snapshots"
+            )
+        return None
+    if save_top_k is None:
+        return 1  # ModelCheckpoint's default
+    if save_top_k == -1:
+        return None
+    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < 1:
+        raise ConfigError(
+            f"save_top_k must be a positive int or -1 (keep every snapshot), got {save_top_k!r}; "
+            "ModelCheckpoint's save_top_k=0 (save nothing) has no meaning for a snapshot saver"
+        )
+    return save_top_k
 
 
 def _check_strategy_can_resume(trainer: pl.Trainer) -> None:

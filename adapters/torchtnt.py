@@ -56,8 +56,8 @@ class TorchSnapshotSaver(Callback):
     after an eval epoch under ``fit()``: ``..._eval_{eval steps completed}``),
     asynchronously by default, and become visible to restore only once complete.
 
-    Every keyword argument of torchtnt 0.2.4's ``TorchSnapshotSaver`` is accepted with its meaning
-    (``best_checkpoint_config`` aside, see the README); the others are this plugin's.
+    Every keyword argument of torchtnt 0.2.4's ``TorchSnapshotSaver`` is accepted with its meaning;
+    the others are this plugin's.
 
     Args:
         dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``). Under
@@ -66,7 +66,16 @@ class TorchSnapshotSaver(Callback):
         save_every_n_epochs: snapshot every N epochs (None: no epoch-end snapshots).
         save_every_n_eval_epochs: under ``fit()``, snapshot after every N eval epochs (None: none).
         keep_last_n_checkpoints: delete older snapshots once a newer one is committed
-            (``keep_last_n_snapshots`` is this plugin's name for it).
+            (``keep_last_n_snapshots`` is this plugin's name for it). With
+            ``best_checkpoint_config``: keep the N best by the metric instead.
+        best_checkpoint_config: torchtnt's ``BestCheckpointConfig(monitored_metric, mode)``: the
+            unit's attribute ``monitored_metric`` is read when a snapshot is taken (a number or
+            one-element tensor; None: the snapshot is saved without it) and the name carries it
+            (``epoch_E_step_S_<metric>=<value>``). With ``keep_last_n_checkpoints=N`` the N best
+            by it are kept (``mode`` "min" or "max"; NaN ranks worst; an equal value does not
+            replace an older one), and the newest snapshot until a newer one is committed;
+            snapshots without a value are never deleted. A unit without the attribute, or a
+            value that is not a number, raises ConfigError at the first snapshot.
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         async_checkpoint: write in the background; training waits only for an in-memory copy
             (default True; ``async_snapshot`` is this plugin's name for it).
@@ -127,9 +136,17 @@ class TorchSnapshotSaver(Callback):
         plugin_manager: Optional[pluggy.PluginManager] = None,
         metric_logger: Optional[Any] = None,
         weights_only: bool = True,
+        best_checkpoint_config: Optional[Any] = None,
     ) -> None:
         require_process_group("constructing the saver")
         self._metric_logger = metric_logger
+        monitored, mode = _best_config(best_checkpoint_config)
+        if monitored is not None:
+            # torchtnt's keep_last_n_checkpoints counts the best N when a metric is monitored
+            best_k = keep_last_n_checkpoints if keep_last_n_checkpoints is not None else keep_last_n_snapshots
+            keep_last_n_checkpoints = keep_last_n_snapshots = None
+        else:
+            best_k = None
         config = SnapshotConfig.build(
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
@@ -146,6 +163,14 @@ class TorchSnapshotSaver(Callback):
             preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
             knob_options=knob_options,
+            best_metric=monitored,
+            best_mode=mode,
+            best_k=best_k,
+            names={
+                "best_metric": "best_checkpoint_config.monitored_metric",
+                "best_mode": "best_checkpoint_config.mode",
+                "best_k": "keep_last_n_checkpoints",
+            },
         )
         self._snapshotter = Snapshotter(
             dirpath,
@@ -153,6 +178,7 @@ class TorchSnapshotSaver(Callback):
             process_group=process_group,
             plugin_manager=plugin_manager,
             weights_only=weights_only,
+            metric=self._monitored_value if monitored is not None else None,
         )
         # What on_train_start prepared, and for which (state, unit): the hooks may also be
         # called directly, without on_train_start (as torchtnt's saver allows).
@@ -166,6 +192,12 @@ class TorchSnapshotSaver(Callback):
     def dirpath(self) -> str:
         """Parent directory the snapshots are saved to."""
         return self._snapshotter.dirpath
+
+    def _monitored_value(self) -> Optional[tuple[str, float]]:
+        """(metric, value) read from the unit now (a snapshot is being taken), or None."""
+        best = self._snapshotter.config.best
+        assert best is not None
+        return _unit_metric(self._unit, best.metric)
 
     @property
     def snapshotter(self) -> Snapshotter:
@@ -373,6 +405,105 @@ class TorchSnapshotSaver(Callback):
         if restored is not None and options.restore_train_progress:
             _restored_rng[unit] = RNGState().state_dict()
         return restored is not None
+
+    @staticmethod
+    def restore_from_best(
+        dirpath: str,
+        unit: AppStateMixin,
+        metric_name: str,
+        mode: str,
+        *,
+        train_dataloader: Optional[Any] = None,
+        process_group: Optional[Any] = None,
+        restore_options: Optional[Any] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+        knob_options: Optional[Any] = None,
+        strict: Optional[bool] = None,
+        restore_train_progress: Optional[bool] = None,
+        restore_eval_progress: Optional[bool] = None,
+        restore_optimizers: Optional[bool] = None,
+        restore_lr_schedulers: Optional[bool] = None,
+        collective_timeout_s: float = 600.0,
+        plugin_manager: Optional[pluggy.PluginManager] = None,
+        weights_only: bool = True,
+    ) -> bool:
+        """Restore the best complete snapshot in ``dirpath`` by ``metric_name`` (torchtnt 0.2.4's
+        signature; other arguments as :meth:`restore`).
+
+        ``mode="min"`` picks the lowest value, ``"max"`` the highest (NaN ranks worst; of equal
+        values, the one committed first). Snapshots carry the metric in their names
+        (``..._<metric>=<value>``, as ``best_checkpoint_config`` writes them, and torchtnt's own
+        saver too). Returns False, with a warning, when no complete snapshot carries it. Under
+        torch.distributed rank 0 picks the snapshot.
+        """
+        require_process_group("restoring")
+        if mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
+            path = restoring.best_snapshot(
+                dirpath, metric_name, mode, storage_options=storage_options, collectives=collectives
+            )
+        if path is None:
+            warnings.warn(
+                f"no complete snapshot in {dirpath} carries the metric {metric_name!r}; nothing was "
+                "restored",
+                stacklevel=2,
+            )
+            return False
+        TorchSnapshotSaver.restore(
+            path,
+            unit,
+            train_dataloader=train_dataloader,
+            process_group=process_group,
+            restore_options=restore_options,
+            storage_options=storage_options,
+            knob_options=knob_options,
+            strict=strict,
+            restore_train_progress=restore_train_progress,
+            restore_eval_progress=restore_eval_progress,
+            restore_optimizers=restore_optimizers,
+            restore_lr_schedulers=restore_lr_schedulers,
+            collective_timeout_s=collective_timeout_s,
+            plugin_manager=plugin_manager,
+            weights_only=weights_only,
+        )
+        return True
+
+
+def _best_config(config: Any) -> tuple[Optional[str], str]:
+    """(monitored_metric, mode) of torchtnt's BestCheckpointConfig, or (None, "min")."""
+    if config is None:
+        return None, "min"
+    if not hasattr(config, "monitored_metric") or not hasattr(config, "mode"):
+        raise ConfigError(
+            "best_checkpoint_config must be a BestCheckpointConfig(monitored_metric, mode) "
+            f"(torchtnt.utils.checkpoint) or None, got {config!r}"
+        )
+    return config.monitored_metric, config.mode
+
+
+def _unit_metric(unit: Any, attribute: str) -> Optional[tuple[str, float]]:
+    """The unit's ``attribute`` as (attribute, float), None if its value is None; ConfigError
+    if the unit has no such attribute or its value is not a number."""
+    if not hasattr(unit, attribute):
+        raise ConfigError(
+            f"best_checkpoint_config monitors {attribute!r}, but the unit {type(unit).__name__} has "
+            f"no attribute {attribute!r} when a snapshot is taken; set self.{attribute} in the unit "
+            "(e.g. in eval_step or on_eval_epoch_end) before snapshots are taken"
+        )
+    value = getattr(unit, attribute)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError(type(value).__name__)
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"best_checkpoint_config monitors {attribute!r}, but the unit's {attribute} is "
+            f"{value!r}, not a number (a float, int or one-element tensor): {exc}"
+        ) from exc
+    return attribute, number
 
 
 @dataclass(frozen=True)

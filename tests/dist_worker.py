@@ -372,6 +372,8 @@ def scenario_idiom(rank: int, out: str, record: dict[str, Any]) -> None:
     )
     record["restored_steps"] = chosen.train_progress.num_steps_completed
 
+    best_k_phase(rank, out, record)
+
     # A bad dirpath on rank 0 raises on every rank at once (not after collective_timeout_s).
     a_file = os.path.join(out, "a_file")
     if rank == 0:
@@ -394,6 +396,40 @@ def scenario_idiom(rank: int, out: str, record: dict[str, Any]) -> None:
         except Exception as exc:
             record["bad_restore"][case] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
+
+
+class ScoredDDPUnit(DDPUnit):
+    """Sets ``val_metric`` after each step; the ranks' values differ (rank 0's names snapshots)."""
+
+    VALUES = [0.5, 0.2, 0.4, 0.3, 0.6]
+
+    def train_step(self, state: Any, data: Any) -> None:
+        super().train_step(state, data)
+        self.val_metric = self.VALUES[self.train_progress.num_steps_completed] + 10 * dist.get_rank()
+
+
+def best_k_phase(rank: int, out: str, record: dict[str, Any]) -> None:
+    """best_checkpoint_config under DDP with the idiom: rank 0's metric names the snapshots,
+    both ranks agree, and restore_from_best("") on rank 1 restores rank 0's pick."""
+    from torchtnt.utils.checkpoint import BestCheckpointConfig
+
+    best = os.path.join(out, "best")
+    saver = TorchSnapshotSaver(
+        best if rank == 0 else "",
+        save_every_n_train_steps=1,
+        keep_last_n_checkpoints=1,
+        best_checkpoint_config=BestCheckpointConfig("val_metric", "min"),
+        collective_timeout_s=30,
+    )
+    train(ScoredDDPUnit(seed=0), loader(rank), max_epochs=1, callbacks=[saver])
+    dist.barrier()
+    if rank == 0:
+        record["best_names"] = sorted(n for n in os.listdir(best) if not n.startswith("."))
+    fresh = ScoredDDPUnit(seed=30 + rank)
+    record["best_found"] = TorchSnapshotSaver.restore_from_best(
+        best if rank == 0 else "", fresh, "val_metric", "min", collective_timeout_s=30
+    )
+    record["best_steps"] = fresh.train_progress.num_steps_completed
 
 
 SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {

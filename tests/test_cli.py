@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -24,10 +25,19 @@ from click.testing import CliRunner
 from torchtnt.framework.callbacks import TorchSnapshotSaver as TorchtntSaver
 from torchtnt.framework.train import train
 
+from tnt_snapshot_plugin import retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.storage import INDEX_FNAME, METADATA_FNAME
+from tnt_snapshot_plugin.storage import (
+    INDEX_FNAME,
+    LOCK_FNAME,
+    METADATA_FNAME,
+    WRITER_FNAME,
+    new_run_id,
+    open_store,
+    writer_identity,
+)
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 pytestmark = pytest.mark.slow
@@ -135,9 +145,11 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
         "my_notes": "foreign",
     }
     entries = {e["name"]: e for e in listing["entries"]}
-    # Snapshots oldest first, then staging leftovers, then foreign entries.
+    # Snapshots oldest first in the core's commit order (restore_from_latest's): torchtnt's,
+    # which has no commit sequence number, before the plugin's, which are ordered by theirs;
+    # then staging leftovers, then foreign entries.
     assert [e["name"] for e in listing["entries"]][:6] == [
-        "epoch_0_step_4", "epoch_1_step_5", TORCHTNT_NAME, "epoch_1_step_8", "epoch_2_step_10", "epoch_3_step_12"
+        TORCHTNT_NAME, "epoch_0_step_4", "epoch_1_step_5", "epoch_1_step_8", "epoch_2_step_10", "epoch_3_step_12"
     ]
     assert entries[TORCHTNT_NAME]["writer"] == "torchtnt"
     assert entries["epoch_1_step_8"]["writer"] == "tnt_snapshot_plugin"
@@ -145,7 +157,11 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
     assert entries["epoch_1_step_8"]["bytes"] == sum(
         f.stat().st_size for f in (run / "epoch_1_step_8").rglob("*") if f.is_file()
     )
-    assert entries["epoch_1_step_8"]["files"] == 6
+    # every file of the snapshot: torchsnapshot's, the index, and the writer marker the commit
+    # protocol keeps in it (the proof that the plugin wrote it)
+    on_disk = [f for f in (run / "epoch_1_step_8").rglob("*") if f.is_file()]
+    assert entries["epoch_1_step_8"]["files"] == len(on_disk) == 7
+    assert {INDEX_FNAME, METADATA_FNAME, WRITER_FNAME} <= {f.name for f in on_disk}
     assert any(damaged_file in p for p in entries["epoch_2_step_10"]["problems"])
     assert listing["restore"] == "epoch_1_step_8"
 
@@ -166,6 +182,25 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
     assert "* restore_from_latest would restore epoch_1_step_8" in out
     assert "\x1b[" not in out  # no colour off a terminal
     assert all(line == line.rstrip() for line in lines)
+
+
+def test_ls_shows_a_live_runs_lock_file_as_the_plugins_own(written, tmp_path):
+    run = fresh_copy(written, tmp_path)
+    holder = writer_identity(new_run_id())
+    lock = open_store(str(run)).lock({**holder, "started_at": time.time()})  # a saver's, live
+    try:
+        listing = as_json("ls", str(run))
+        entry = next(e for e in listing["entries"] if e["name"] == LOCK_FNAME)
+        assert entry["kind"] == "lock" and entry["status"] == "lock" and entry["writer"] == "tnt_snapshot_plugin"
+        assert f"pid {holder['pid']}" in entry["note"] and holder["run_id"] in entry["note"]
+        assert not any(e["status"] == "foreign" for e in listing["entries"])
+        code, out, _ = run_cli("ls", str(run))
+        assert code == 0 and next(line for line in out.splitlines() if line.startswith(LOCK_FNAME)).endswith("lock")
+        # prune leaves it alone (and may not run while a run may be writing anyway)
+        doc = as_json("prune", str(run), "--keep-last", "1", "--dry-run")
+        assert LOCK_FNAME in doc["untouched"]
+    finally:
+        lock.release()
 
 
 def test_ls_of_an_empty_directory_and_bad_paths(tmp_path):
@@ -363,6 +398,65 @@ def test_prune_selection_rules():
         keep_last=1, keep_best="acc", mode="max",
     )
     assert sorted(n for n, r in verdict.items() if r is None) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_4"]
+
+
+def test_prune_selection_is_the_savers_retention():
+    """On random directories, prune's choice is exactly what the saver's retention deletes."""
+    rng = random.Random(0)
+    for _ in range(300):
+        candidates, listed = [], []
+        seqs = rng.sample(range(1, 40), 12)
+        for i in range(rng.randint(1, 12)):
+            ours = rng.random() < 0.8
+            phase = not ours and rng.random() < 0.5
+            text = f"epoch_0_train_step_{i}" if phase else f"epoch_0_step_{i}"
+            seq = seqs[i] if ours and rng.random() < 0.9 else None
+            value = rng.choice([None, 0.1, 0.5, 0.5, 0.9, float("nan")])
+            complete = rng.random() < 0.9
+            c = PruneCandidate(SnapshotName.parse(text), ours=ours, complete=complete, seq=seq, metric=value)
+            candidates.append(c)
+            if complete:
+                listed.append(retention.Listed(c.name, seq=seq, ours=ours,
+                                               indexed_metric=("m", value) if value is not None else None))
+        keep = rng.randint(1, 4)
+        protect = [rng.choice(candidates).name.text] if rng.random() < 0.3 else []
+        mode = rng.choice(["min", "max"])
+        best = rng.random() < 0.5
+        verdict = select_for_pruning(candidates, keep_last=keep, keep_best="m" if best else None, mode=mode,
+                                     protect=protect)
+        expected = retention.to_delete(listed, None if best else keep, protect=protect,
+                                       best=retention.Best("m", mode, keep) if best else None)
+        assert sorted(n for n, r in verdict.items() if r is None) == sorted(r.text for r in expected)
+        assert all(isinstance(r, str) and r for n, r in verdict.items() if n not in {x.text for x in expected})
+
+
+def test_prune_of_a_best_k_savers_directory_deletes_nothing_more(tmp_path):
+    """A directory written by a best-k saver is already pruned by the same rules."""
+    from torchtnt.utils.checkpoint import BestCheckpointConfig
+
+    class Scored(ToyUnit):
+        def train_step(self, state, data):
+            super().train_step(state, data)
+            self.loss = [0.4, 0.2, 0.6, 0.3, 0.5][self.train_progress.num_steps_completed]
+
+    run = tmp_path / "run"
+    saver = TorchSnapshotSaver(str(run), save_every_n_train_steps=1, keep_last_n_checkpoints=2,
+                               best_checkpoint_config=BestCheckpointConfig("loss", "min"), save_on_train_end=False)
+    train(Scored(), StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
+    assert sorted(os.listdir(run)) == ["epoch_0_step_2_loss=0.2", "epoch_0_step_4_loss=0.3", "epoch_0_step_5_loss=0.5"]
+    doc = as_json("prune", str(run), "--keep-last", "2", "--keep-best", "loss", "--mode", "min")
+    assert doc["delete"] == []
+    keep = {k["name"]: k["reason"] for k in doc["keep"]}
+    assert keep == {
+        "epoch_0_step_2_loss=0.2": "one of the 2 best by loss (0.2)",
+        "epoch_0_step_4_loss=0.3": "one of the 2 best by loss (0.3)",
+        "epoch_0_step_5_loss=0.5": "the newest complete snapshot",
+    }
+    # ls: the snapshots in commit order, the metric from the name
+    listing = as_json("ls", str(run))
+    assert [e["name"] for e in listing["entries"]] == sorted(os.listdir(run))
+    assert listing["entries"][0]["metric"] == {"name": "loss", "value": 0.2}
+    assert listing["restore"] == "epoch_0_step_5_loss=0.5"
 
 
 # -- diff ----------------------------------------------------------------------------------------

@@ -112,6 +112,15 @@ def test_ddp_idiom_other_ranks_may_pass_an_empty_dirpath(idiom):
         assert record["restored_steps"] == 4
 
 
+def test_best_checkpoint_config_under_ddp_names_snapshots_by_rank0s_metric(idiom):
+    """Rank 1's metric differs (by 10): rank 0's value names every snapshot, best-k keeps the best
+    (0.2) and the newest, and restore_from_best("") on rank 1 restores rank 0's pick."""
+    assert idiom[0]["best_names"] == ["epoch_0_step_2_val_metric=0.2", "epoch_1_step_5_val_metric=0.6"]
+    for record in idiom:
+        assert record["best_found"] is True
+        assert record["best_steps"] == 2
+
+
 def test_ddp_idiom_a_bad_dirpath_raises_the_same_error_on_every_rank(idiom):
     """A file, a path below a file, and "" on rank 0: a ConfigError on both ranks, not a
     DistributedError after the collective timeout (which a rank left waiting would raise)."""

@@ -36,9 +36,19 @@ from rich.filesize import decimal as human_size
 from rich.table import Table
 from rich.text import Text
 
+from . import retention
 from .errors import ConfigError, SnapshotError, SnapshotNotFoundError
 from .naming import SnapshotName, is_staging_name
-from .storage import INDEX_FNAME, METADATA_FNAME, LocalStore, S3Store, Store, open_store
+from .storage import (
+    INDEX_FNAME,
+    LEASE_FNAME,
+    LOCK_FNAME,
+    METADATA_FNAME,
+    LocalStore,
+    S3Store,
+    Store,
+    open_store,
+)
 
 #: Bumped when a key of the ``--json`` output changes meaning or goes away (keys may be added).
 JSON_VERSION = 1
@@ -56,7 +66,9 @@ STATUS_DAMAGED = "damaged"
 STATUS_INCOMPLETE = "incomplete"
 STATUS_STAGING = "staging leftover"
 STATUS_FOREIGN = "foreign"
+STATUS_LOCK = "lock"
 _STATUS_STYLE = {
+    STATUS_LOCK: "cyan",
     STATUS_COMPLETE: "green",
     STATUS_DAMAGED: "bold red",
     STATUS_INCOMPLETE: "yellow",
@@ -197,7 +209,7 @@ class SnapshotInfo:
     """One child of a snapshot directory, as ``ls`` and ``verify`` see it."""
 
     name: str
-    kind: str  # "snapshot", "staging", "foreign"
+    kind: str  # "snapshot", "staging", "lock" (the plugin's lock or lease file), "foreign"
     status: str
     parsed: Optional[SnapshotName] = None
     files: dict[str, FileInfo] = field(default_factory=dict)
@@ -210,7 +222,7 @@ class SnapshotInfo:
 
     @property
     def writer(self) -> Optional[str]:
-        if self.index is not None:
+        if self.index is not None or self.kind == "lock":
             return "tnt_snapshot_plugin"
         if self.parsed is not None and self.parsed.phase_aware:
             return "torchtnt"
@@ -408,12 +420,18 @@ def _check_checksum(
     return None
 
 
+def _listed(info: SnapshotInfo) -> retention.Listed:
+    """What the core's retention knows of ``info`` (its name and index)."""
+    assert info.parsed is not None
+    return retention.from_index(info.parsed, info.index)
+
+
 def commit_order(infos: Iterable[SnapshotInfo]) -> list[SnapshotInfo]:
-    """Oldest first: by the index's ``seq`` when every one has it, else by (epoch, step)."""
+    """Oldest first, in the core's commit order (``retention.commit_order``, which
+    ``Store.listed()`` and ``restore_from_latest`` use): the index's ``seq``; snapshots without
+    one (torchtnt's, older ones) first, by (epoch, step)."""
     infos = [i for i in infos if i.parsed is not None]
-    if infos and all(i.seq is not None for i in infos):
-        return sorted(infos, key=lambda i: (i.seq, i.parsed.sort_key))  # type: ignore[union-attr]
-    return sorted(infos, key=lambda i: i.parsed.sort_key)  # type: ignore[union-attr]
+    return sorted(infos, key=lambda i: _listed(i).order_key)
 
 
 def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable[[int], None]] = None) -> list[SnapshotInfo]:
@@ -425,7 +443,14 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
     foreign: list[SnapshotInfo] = []
     for name in sorted(listing.links):
         foreign.append(SnapshotInfo(name, "foreign", STATUS_FOREIGN, note="symlink (never followed)"))
+    plugin_files: list[SnapshotInfo] = []
     for name, info in sorted(listing.files.items()):
+        if name in (LOCK_FNAME, LEASE_FNAME):
+            plugin_files.append(
+                SnapshotInfo(name, "lock", STATUS_LOCK, files={"": info}, modified_at=info.mtime,
+                             note=_lock_note(store, name))
+            )
+            continue
         foreign.append(
             SnapshotInfo(name, "foreign", STATUS_FOREIGN, files={"": info}, modified_at=info.mtime, note="file")
         )
@@ -454,15 +479,30 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
     pick = restore_pick(snapshots)
     if pick is not None:
         pick.restore = True
-    return commit_order(snapshots) + staging + foreign
+    # Committed snapshots in commit order; then those never committed (no metadata), by progress.
+    committed = [i for i in snapshots if i.status != STATUS_INCOMPLETE]
+    never = sorted((i for i in snapshots if i.status == STATUS_INCOMPLETE), key=lambda i: i.parsed.sort_key)  # type: ignore[union-attr]
+    return commit_order(committed) + never + staging + plugin_files + foreign
+
+
+def _lock_note(store: Store, name: str) -> str:
+    """What a lock or lease file says of its holder (it is the plugin's; never touched)."""
+    what = "the dirpath lock of a saver's run" if name == LOCK_FNAME else "the dirpath lease of a saver's run (S3)"
+    try:
+        holder = json.loads(store.read_file("", name) or b"null")
+    except (OSError, ValueError, SnapshotError):
+        holder = None
+    if isinstance(holder, dict) and holder.get("host") is not None:
+        what += f", held by host {holder.get('host')} pid {holder.get('pid')} run {holder.get('run_id')}"
+    return what + " (the plugin's own; a leftover of a killed run is harmless)"
 
 
 def restore_pick(snapshots: list[SnapshotInfo]) -> Optional[SnapshotInfo]:
     """The snapshot ``restore_from_latest`` restores: it tries the complete snapshots newest
-    first in name order (``Store.complete_snapshots``), skips those ``Store.verify`` finds damaged
-    and falls back from one that fails to load (unreadable metadata)."""
-    candidates = sorted((s for s in snapshots if s.status in (STATUS_COMPLETE, STATUS_DAMAGED)),
-                        key=lambda s: s.parsed)  # type: ignore[arg-type, return-value]
+    first in commit order (``Store.complete_snapshots``, i.e. ``retention.commit_order``), skips
+    those ``Store.verify`` finds damaged and falls back from one that fails to load (unreadable
+    metadata)."""
+    candidates = commit_order(s for s in snapshots if s.status in (STATUS_COMPLETE, STATUS_DAMAGED))
     for info in reversed(candidates):
         if info.status == STATUS_COMPLETE:
             return info
@@ -496,58 +536,67 @@ def select_for_pruning(
     mode: str = "min",
     protect: Iterable[str] = (),
 ) -> dict[str, Optional[str]]:
-    """Name -> None (delete) or the reason it is kept, by the rules of the saver's retention.
+    """Name -> None (delete) or the reason it is kept: the saver's own retention
+    (``retention.to_delete``), so prune deletes exactly what the saver would.
 
     * only the plugin's own complete snapshots are counted and deleted; anything without the
       plugin's index (torchtnt's, a user's, an interrupted write) is kept;
-    * commit order: the index's ``seq`` when every counted snapshot has one, else (epoch, step);
+    * commit order: the core's (``retention.commit_order``: the index's ``seq``; snapshots
+      without one first, by (epoch, step));
     * ``keep_last`` newest are kept; with ``keep_best``, the ``keep_last`` best by that metric
-      instead (``mode`` "min" or "max"; snapshots without a value for it are kept);
+      instead (``mode`` "min" or "max"; NaN worst; ties to the earlier commit; snapshots without a
+      value for it are kept), as the saver's best-k (``retention.Best``) with that k;
     * the newest complete snapshot, and every name in ``protect``, are always kept.
-
-    The one function prune's choice goes through: at the merge with the saver's retention module
-    it becomes a call to that module's selection.
     """
     if keep_last < 1:
         raise ConfigError(f"--keep-last must be >= 1, got {keep_last}")
     if mode not in ("min", "max"):
         raise ConfigError(f"--mode must be 'min' or 'max', got {mode!r}")
     verdict: dict[str, Optional[str]] = {}
-    counted: list[PruneCandidate] = []
+    listed: list[retention.Listed] = []
     for c in candidates:
         if not c.complete:
             verdict[c.name.text] = "incomplete (no .snapshot_metadata): not pruned"
-        elif not c.ours:
+            continue
+        if not c.ours:
             verdict[c.name.text] = (
                 "written by torchtnt's saver" if c.name.phase_aware else f"no {INDEX_FNAME}: not written by this plugin"
             )
-        else:
-            counted.append(c)
-    if all(c.seq is not None for c in counted):
-        counted.sort(key=lambda c: (c.seq, c.name.sort_key))
+        metric = (keep_best, c.metric) if keep_best is not None and c.metric is not None else None
+        listed.append(retention.Listed(c.name, seq=c.seq, ours=c.ours, indexed_metric=metric))
+    best = retention.Best(keep_best, mode, keep_last) if keep_best is not None else None
+    doomed = {
+        r.text
+        for r in retention.to_delete(
+            listed, None if best is not None else keep_last, protect=protect, best=best
+        )
+    }
+    ordered = retention.commit_order(listed)
+    ours = [r for r in ordered if r.ours]
+    newest = ordered[-1].text if ordered else None
+    if best is None:
+        reasons = {r.text: f"one of the last {keep_last}" for r in ours[-keep_last:]}
     else:
-        counted.sort(key=lambda c: c.name.sort_key)
-    newest = counted[-1] if counted else None
-    if keep_best is None:
-        kept = {c.name.text: f"one of the last {keep_last}" for c in counted[-keep_last:]}
-    else:
-        sign = 1.0 if mode == "min" else -1.0
-        scored = [(c, c.metric) for c in counted if c.metric is not None]
-        scored.sort(key=lambda cm: (math.isnan(cm[1]), 0.0 if math.isnan(cm[1]) else sign * cm[1]))  # NaN: worst
-        ranked = [c for c, _ in scored]
-        kept = {c.name.text: f"one of the {keep_last} best by {keep_best} ({c.metric:g})" for c in ranked[:keep_last]}
-        kept.update((c.name.text, f"no value for {keep_best}") for c in counted if c.metric is None)
+        top = retention.ranked(ours, keep_best, mode)[:keep_last]  # type: ignore[arg-type]
+        reasons = {
+            r.text: f"one of the {keep_last} best by {keep_best} ({r.metric_value(keep_best):g})"  # type: ignore[arg-type]
+            for r in top
+        }
     protected = set(protect)
-    for c in counted:
-        if c.name.text in kept:
-            verdict[c.name.text] = kept[c.name.text]
-        elif newest is not None and c.name.text == newest.name.text:
-            verdict[c.name.text] = "the newest complete snapshot"
-        elif c.name.text in protected:
-            verdict[c.name.text] = "the snapshot restore_from_latest would restore"
+    for r in ours:
+        if r.text in doomed:
+            verdict[r.text] = None
+        elif r.text in reasons:
+            verdict[r.text] = reasons[r.text]
+        elif r.text == newest:
+            verdict[r.text] = "the newest complete snapshot"
+        elif r.text in protected:
+            verdict[r.text] = "the snapshot restore_from_latest would restore"
+        elif keep_best is not None and r.metric_value(keep_best) is None:
+            verdict[r.text] = f"no value for {keep_best}"
         else:
-            verdict[c.name.text] = None
-    return verdict
+            verdict[r.text] = "kept by the saver's retention rules"
+    return {c.name.text: verdict[c.name.text] for c in candidates}
 
 
 def _metric_value(info: SnapshotInfo, metric: str) -> Optional[float]:

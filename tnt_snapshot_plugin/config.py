@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from .errors import ConfigError
+from .naming import is_metric_name
+from .retention import MODES, Best
 
 _SAVE_ERROR_POLICIES = ("warn", "raise")
 
@@ -110,6 +112,27 @@ class Knobs:
         )
 
 
+def _best(metric: Any, mode: Any, k: Any, names: dict[str, str]) -> Optional[Best]:
+    metric_name = names.get("best_metric", "best_metric")
+    k_name = names.get("best_k", "best_k")
+    if metric is None:
+        if k is not None:
+            raise ConfigError(
+                f"{k_name}={k!r} counts the best snapshots by a metric, but no metric is monitored "
+                f"({metric_name} is None); set {metric_name}, or keep the newest snapshots with "
+                "keep_last_n_snapshots"
+            )
+        return None
+    if not is_metric_name(metric):
+        raise ConfigError(
+            f"{metric_name} must be a metric name usable in a directory name (letters, digits, "
+            f"'_' and '.', starting with a letter or '_'), got {metric!r}"
+        )
+    if mode not in MODES:
+        raise ConfigError(f"{names.get('best_mode', 'best_mode')} must be 'min' or 'max', got {mode!r}")
+    return Best(metric, mode, positive_int_or_none(k_name, k))
+
+
 def resolve_alias(name: str, value: Any, alias: str, alias_value: Any, default: Any) -> Any:
     """One setting given under two names (None: not given): either, or ``default``; a
     ConfigError naming both when both are given with different values."""
@@ -142,6 +165,8 @@ class SnapshotConfig:
     preemption_signals: tuple[signal.Signals, ...] = field(default=(signal.SIGTERM,))
     collective_timeout_s: float = 600.0
     knobs: Knobs = field(default_factory=Knobs)
+    #: best-k retention (retention.py): keep the k best snapshots by a metric
+    best: Optional[Best] = None
 
     @classmethod
     def build(
@@ -163,9 +188,16 @@ class SnapshotConfig:
         preemption_signals: Any = (signal.SIGTERM,),
         collective_timeout_s: Any = 600.0,
         knob_options: Any = None,
+        best_metric: Any = None,
+        best_mode: Any = "min",
+        best_k: Any = None,
+        names: Optional[Mapping[str, str]] = None,
     ) -> "SnapshotConfig":
         """``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
-        ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs."""
+        ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs.
+        ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
+        ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
+        of these three settings, for the error messages."""
         async_snapshot = resolve_alias(
             "async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True
         )
@@ -202,6 +234,7 @@ class SnapshotConfig:
                 f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}"
             )
         return cls(
+            best=_best(best_metric, best_mode, best_k, dict(names or {})),
             save_every_n_train_steps=positive_int_or_none(
                 "save_every_n_train_steps", save_every_n_train_steps
             ),

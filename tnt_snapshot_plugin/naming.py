@@ -26,6 +26,8 @@ _NAME = re.compile(
     r"(?:_(?P<metric>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>[-+0-9.eE]+|nan|inf|-inf))?$"
 )
 
+_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
 #: Prefix of the directories the plugin writes before a snapshot is committed.
 STAGING_PREFIX = ".tnt_staging."
 
@@ -45,9 +47,16 @@ class SnapshotName:
     phase_aware: bool = False
 
     @classmethod
-    def of(cls, epoch: int, step: int, eval_step: Optional[int] = None) -> "SnapshotName":
+    def of(
+        cls,
+        epoch: int,
+        step: int,
+        eval_step: Optional[int] = None,
+        metric: Optional[tuple[str, float]] = None,
+    ) -> "SnapshotName":
         """The name the plugin writes for a snapshot after ``epoch`` epochs and ``step`` train
-        steps (and, for a snapshot taken after an eval epoch, ``eval_step`` eval steps)."""
+        steps (and, for a snapshot taken after an eval epoch, ``eval_step`` eval steps), with
+        ``_{name}={value}`` appended for ``metric`` (name, value), as torchtnt's names carry it."""
         if epoch < 0 or step < 0 or (eval_step is not None and eval_step < 0):
             raise ValueError(
                 f"epoch, step and eval_step must be >= 0, got epoch={epoch}, step={step}, "
@@ -56,7 +65,23 @@ class SnapshotName:
         text = f"epoch_{epoch}_step_{step}"
         if eval_step is not None:
             text += f"_eval_{eval_step}"
-        return cls(epoch=epoch, step=step, eval_step=eval_step, text=text)
+        if metric is None:
+            return cls(epoch=epoch, step=step, eval_step=eval_step, text=text)
+        metric_name, value = metric
+        if not is_metric_name(metric_name):
+            raise ValueError(
+                f"metric name {metric_name!r} cannot be part of a snapshot's directory name: use "
+                "letters, digits, '_' and '.', starting with a letter or '_'"
+            )
+        value = float(value)
+        return cls(
+            epoch=epoch,
+            step=step,
+            eval_step=eval_step,
+            metric=metric_name,
+            metric_value=value,
+            text=f"{text}_{metric_name}={value!r}",
+        )
 
     @classmethod
     def parse(cls, text: str) -> Optional["SnapshotName"]:
@@ -89,6 +114,11 @@ class SnapshotName:
 
     def __str__(self) -> str:
         return self.text
+
+
+def is_metric_name(text: str) -> bool:
+    """Whether ``text`` can be a metric's name in a snapshot's directory name."""
+    return isinstance(text, str) and _METRIC_NAME.fullmatch(text) is not None
 
 
 def is_staging_name(text: str) -> bool:

@@ -63,6 +63,31 @@ def latest_snapshot(
     return coll.on_rank0(newest)
 
 
+def best_snapshot(
+    dirpath: str,
+    metric: str,
+    mode: str,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+) -> Optional[str]:
+    """The path of the best complete snapshot in ``dirpath`` by ``metric`` (``mode`` "min" or
+    "max"; NaN worst; of equal values the earlier commit), any writer's, or None if no complete
+    snapshot carries the metric (rank 0 decides). Ranking: :func:`retention.ranked`."""
+    from . import retention
+
+    if mode not in retention.MODES:
+        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+    coll = collectives or Collectives(None)
+
+    def pick() -> Optional[str]:  # rank 0's dirpath only (the others may pass "")
+        store = open_store(dirpath, storage_options)
+        found = retention.best(store.listed(), metric, mode)
+        return store.child(found.text) if found is not None else None
+
+    return coll.on_rank0(pick)
+
+
 def restore(
     path: str,
     app_state: Mapping[str, Any],

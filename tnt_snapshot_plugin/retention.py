@@ -11,10 +11,19 @@ Pure logic over listed records; it reads and deletes nothing itself (the store d
 * **Retention.** ``keep_last_n`` counts the plugin's own snapshots (those with its index) in commit
   order, keeps the last ``n`` of them, and only ever deletes snapshots committed *before* every
   snapshot it keeps; never the newest snapshot of the directory, never one it did not write.
+* **Best-k** (:class:`Best`): among the plugin's own snapshots that carry the monitored metric
+  (in their name, ``..._<metric>=<value>``, or their index's ``metric``), the ``k`` best by it are
+  kept (``mode`` "min" or "max"; NaN ranks worst; of equal values the earlier commit ranks first),
+  plus the newest ``keep_last_n`` when given, plus always the newest snapshot of the directory.
+  A snapshot without a value for the metric is kept by ``keep_last_n`` like any other; without
+  ``keep_last_n`` it is never deleted (as torchtnt keeps its untracked checkpoints). Retention
+  runs after each commit, so a snapshot is only ever deleted once a better or newer one is
+  committed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
@@ -32,6 +41,17 @@ class Listed:
     ours: bool = False
     #: the index's ``writer`` ({"host", "pid", "run_id"}) when it has one
     writer: Optional[dict[str, Any]] = None
+    #: the index's ``metric`` as (name, value) when it has one (value None: not finite)
+    indexed_metric: Optional[tuple[str, Optional[float]]] = None
+
+    def metric_value(self, metric: str) -> Optional[float]:
+        """This snapshot's value of ``metric`` (its name's, else its index's), or None."""
+        name = self.name
+        if name.metric == metric and name.metric_value is not None:
+            return name.metric_value
+        if self.indexed_metric is not None and self.indexed_metric[0] == metric:
+            return self.indexed_metric[1]
+        return None
 
     @property
     def text(self) -> str:
@@ -52,7 +72,66 @@ def from_index(name: SnapshotName, index: Optional[dict[str, Any]]) -> Listed:
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         seq = None
     writer = index.get("writer")
-    return Listed(name, seq=seq, ours=True, writer=writer if isinstance(writer, dict) else None)
+    metric = index.get("metric")
+    indexed: Optional[tuple[str, Optional[float]]] = None
+    if isinstance(metric, dict) and isinstance(metric.get("name"), str):
+        value = metric.get("value")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        indexed = (metric["name"], float(value) if ok else None)
+    return Listed(
+        name,
+        seq=seq,
+        ours=True,
+        writer=writer if isinstance(writer, dict) else None,
+        indexed_metric=indexed,
+    )
+
+
+MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class Best:
+    """Best-k retention: keep the ``k`` best snapshots by ``metric`` (``mode`` "min" or "max";
+    ``k`` None: every snapshot carrying the metric)."""
+
+    metric: str
+    mode: str = "min"
+    k: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise ValueError(f"k must be an int >= 1 or None, got {self.k!r}")
+
+
+def _rank_key(value: float, mode: str) -> tuple[int, float]:
+    """Sort key, best first: NaN ranks worst whatever the mode."""
+    if math.isnan(value):
+        return (1, 0.0)
+    return (0, value if mode == "min" else -value)
+
+
+def ranked(listed: Iterable[Listed], metric: str, mode: str) -> list[Listed]:
+    """The snapshots of ``listed`` that carry a value of ``metric``, best first (NaN last; of
+    equal values, the one committed first ranks first, as a later equal value does not replace
+    it in torchtnt's or Lightning's top-k)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    found = []
+    for position, record in enumerate(commit_order(listed)):
+        value = record.metric_value(metric)
+        if value is not None:
+            found.append((*_rank_key(value, mode), position, record))
+    found.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in found]
+
+
+def best(listed: Iterable[Listed], metric: str, mode: str) -> Optional[Listed]:
+    """The best snapshot of ``listed`` by ``metric`` (any writer's), or None if none carries it."""
+    found = ranked(listed, metric, mode)
+    return found[0] if found else None
 
 
 def commit_order(listed: Iterable[Listed]) -> list[Listed]:
@@ -65,15 +144,28 @@ def next_seq(listed: Iterable[Listed]) -> int:
     return 1 + max((r.seq for r in listed if r.seq is not None), default=0)
 
 
-def to_delete(listed: Iterable[Listed], keep_last_n: int, protect: Iterable[str] = ()) -> list[Listed]:
-    """What ``keep_last_n`` retention deletes from ``listed`` (complete snapshots), oldest first.
+def to_delete(
+    listed: Iterable[Listed],
+    keep_last_n: Optional[int],
+    protect: Iterable[str] = (),
+    best: Optional[Best] = None,
+) -> list[Listed]:
+    """What retention deletes from ``listed`` (complete snapshots), oldest first.
 
-    Counts only the plugin's own snapshots, in commit order, and keeps the last ``keep_last_n``;
-    deletes only snapshots of the plugin's committed before all of those; never the newest
-    snapshot of the directory (whoever wrote it) and never a name in ``protect``.
+    Without ``best``: counts only the plugin's own snapshots, in commit order, and keeps the last
+    ``keep_last_n``; deletes only snapshots of the plugin's committed before all of those.
+    With ``best``: keeps the plugin's ``best.k`` best by ``best.metric``, the last
+    ``keep_last_n`` (when not None), and, when ``keep_last_n`` is None, every snapshot without a
+    value for the metric; deletes the plugin's others.
+    Never the newest snapshot of the directory (whoever wrote it), never a name in ``protect``,
+    never a snapshot the plugin did not write.
     """
-    if keep_last_n < 1:
+    if keep_last_n is not None and keep_last_n < 1:
         raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}")
+    if best is not None:
+        return _to_delete_best(listed, keep_last_n, protect, best)
+    if keep_last_n is None:
+        return []
     ordered = commit_order(listed)
     if not ordered:
         return []
@@ -84,6 +176,23 @@ def to_delete(listed: Iterable[Listed], keep_last_n: int, protect: Iterable[str]
     oldest_kept = min(r.order_key for r in kept)
     spared = set(protect) | {ordered[-1].text} | {r.text for r in kept}
     return [r for r in ours[:-keep_last_n] if r.order_key < oldest_kept and r.text not in spared]
+
+
+def _to_delete_best(
+    listed: Iterable[Listed], keep_last_n: Optional[int], protect: Iterable[str], best: Best
+) -> list[Listed]:
+    ordered = commit_order(listed)
+    if not ordered:
+        return []
+    ours = [r for r in ordered if r.ours]
+    spared = set(protect) | {ordered[-1].text}
+    if keep_last_n is not None:
+        spared |= {r.text for r in ours[-keep_last_n:]}
+    top = ranked(ours, best.metric, best.mode)
+    spared |= {r.text for r in (top if best.k is None else top[: best.k])}
+    if keep_last_n is None:
+        spared |= {r.text for r in ours if r.metric_value(best.metric) is None}
+    return [r for r in ours if r.text not in spared]
 
 
 def ahead_of(listed: Iterable[Listed], epoch: int, step: int) -> list[Listed]:

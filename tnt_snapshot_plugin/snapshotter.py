@@ -153,6 +153,7 @@ class Snapshotter:
         on_preempted: Optional[Callable[[int], None]] = None,
         clock: Callable[[], float] = time.monotonic,
         weights_only: bool = True,
+        metric: Optional[Callable[[], Optional[tuple[str, float]]]] = None,
     ) -> None:
         """``never_replicated``: entry keys that differ between ranks by nature (beyond the
         built-in reserved and ``*_progress`` keys), never marked replicated whatever the
@@ -164,12 +165,19 @@ class Snapshotter:
         snapshot is checked to load under ``torch.load(weights_only=True)`` and the plugin's safe
         globals before it is written (``loading.LoadCheck``; UnrestorableStateError otherwise).
         False: no check; the snapshots must then be restored with ``weights_only=False``.
+        ``metric``: the adapter's source of the monitored metric (best-k retention,
+        ``config.best``): called on the training thread only when a snapshot is taken, returns
+        (name, value) or None (the snapshot is then saved without a metric); the value goes into
+        the snapshot's name (``..._<name>=<value>``) and index. It may raise ConfigError (a
+        metric the framework never produced), which stops training whatever ``on_save_error``
+        says. Under torch.distributed rank 0's value names the snapshot.
         """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self._process_group = process_group
         self._never_replicated = tuple(never_replicated)
         self._on_preempted = on_preempted
+        self._metric = metric
         # Under torch.distributed only rank 0's dirpath counts (the others may pass anything,
         # "" included): it is opened once broadcast, in attach(), on every rank alike.
         self._dirpath_arg = dirpath
@@ -278,7 +286,7 @@ class Snapshotter:
                 "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
                 "Use a new dirpath to keep runs apart",
                 SnapshotsAheadWarning,
-                stacklevel=3,
+                stacklevel=4,  # the framework's hook dispatch (adapter hook -> its _start -> here)
             )
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
@@ -485,18 +493,25 @@ class Snapshotter:
         """
         if self._wall is not None:
             self._wall.restart()
-        name = self._name(epoch, step, eval_step)
-        if name.text == self._last_name:
+        # The same progress is one state: saved once, whatever the metric says meanwhile (and
+        # every rank decides alike, whatever its own metric).
+        progress = SnapshotName.of(epoch, step, eval_step).text
+        if progress == self._last_name:
             return False
+        name = self._name(epoch, step, eval_step, self._metric() if self._metric is not None else None)
         self.wait(warn_busy=True)
-        self._last_name = name.text
+        self._last_name = progress
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
         self._writes += 1
         token = staging_token(self._run_id, self._writes)
         try:
-            exists, staging = self.collectives.on_rank0(
-                lambda: (self._saved_by_this_run(name.text), self._store.staging_for(name.text, token))
+            exists, staging, chosen = self.collectives.on_rank0(
+                lambda: (
+                    self._saved_by_this_run(name.text),
+                    self._store.staging_for(name.text, token),
+                    name.text,
+                )
             )
         except Exception as exc:  # the storage is unreachable (botocore retried already)
             self._last_name = None
@@ -505,6 +520,8 @@ class Snapshotter:
         if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return False
+        if chosen != name.text:  # rank 0's metric names the snapshot
+            name = SnapshotName.parse(chosen) or name
         if callable(app_state):
             app_state = app_state()
         # The unit's own keys were checked at train start; the adapter may add reserved entries
@@ -636,8 +653,17 @@ class Snapshotter:
             self._metrics = MetricsReporter(sink, self)
             self.plugin_manager.register(self._metrics)
 
-    def _name(self, epoch: int, step: int, eval_step: Optional[int] = None) -> SnapshotName:
-        default = SnapshotName.of(epoch, step, eval_step)
+    def _name(
+        self,
+        epoch: int,
+        step: int,
+        eval_step: Optional[int] = None,
+        metric: Optional[tuple[str, float]] = None,
+    ) -> SnapshotName:
+        try:
+            default = SnapshotName.of(epoch, step, eval_step, metric)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"the monitored metric {metric!r} cannot name a snapshot: {exc}") from exc
         chosen = self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_name(
             epoch=epoch, step=step, default=default.text
         )
@@ -749,7 +775,8 @@ class Snapshotter:
             # commit of a run; while this run holds the dirpath lock no one else commits, so later
             # sequence numbers follow from the last one without listing again.
             listed: list[retention.Listed] = []
-            if self.config.keep_last_n_snapshots is not None or self._last_seq is None or self._lock is None:
+            retaining = self.config.keep_last_n_snapshots is not None or self.config.best is not None
+            if retaining or self._last_seq is None or self._lock is None:
                 listed = store.listed()
                 seq = retention.next_seq(listed)
             else:
@@ -781,16 +808,22 @@ class Snapshotter:
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
                 raise
             self._last_seq = seq
-            this = retention.Listed(job.name, seq=seq, ours=True, writer=writer)
+            this = retention.Listed(
+                job.name,
+                seq=seq,
+                ours=True,
+                writer=writer,
+                indexed_metric=(job.name.metric, fields["metric"]["value"]) if "metric" in fields else None,
+            )
             self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
 
         coll.on_rank0(commit)
 
     def _retain(self, job: _Job, listed: list[retention.Listed]) -> None:
         keep = self.config.keep_last_n_snapshots
-        if keep is None:
+        if keep is None and self.config.best is None:
             return
-        doomed = retention.to_delete(listed, keep, protect=[job.name.text])
+        doomed = retention.to_delete(listed, keep, protect=[job.name.text], best=self.config.best)
         job.warnings.extend(retention.apply(self._store, doomed))
 
     def _reap(self) -> None:

@@ -1036,9 +1036,13 @@ def _lease_warning(store: "S3Store", exc: BaseException) -> None:
 
 
 def _is_missing_key(exc: BaseException) -> bool:
-    response = getattr(exc, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in ("404", "NoSuchKey", "NotFound")
+    # S3Store's methods raise the plugin's errors from botocore's (``s3_errors``): look at both
+    for error in (exc, exc.__cause__):
+        response = getattr(error, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return True
+    return False
 
 
 class LocalStore(Store):
