@@ -76,8 +76,8 @@ def from_index(name: SnapshotName, index: Optional[dict[str, Any]]) -> Listed:
     indexed: Optional[tuple[str, Optional[float]]] = None
     if isinstance(metric, dict) and isinstance(metric.get("name"), str):
         value = metric.get("value")
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        indexed = (metric["name"], float(value) if ok else None)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        indexed = (metric["name"], float(number) if number is not None else None)
     return Listed(
         name,
         seq=seq,

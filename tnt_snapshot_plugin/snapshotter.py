@@ -813,7 +813,11 @@ class Snapshotter:
                 seq=seq,
                 ours=True,
                 writer=writer,
-                indexed_metric=(job.name.metric, fields["metric"]["value"]) if "metric" in fields else None,
+                indexed_metric=(
+                    (job.name.metric, fields["metric"]["value"])
+                    if job.name.metric is not None and "metric" in fields
+                    else None
+                ),
             )
             self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
 
