@@ -413,12 +413,12 @@ def test_s3_restore_fetches_raw_tensors_in_large_ranged_reads(options, run_url, 
     fetched = []
     real = direct_read.fetch_into
 
-    def spying_fetch_into(fetch, reads):
+    def spying_fetch_into(fetch, reads, verifier=None):
         def spy(rel, start, end):
             fetched.append((rel, start, end))
             return fetch(rel, start, end)
 
-        return real(spy, reads)
+        return real(spy, reads, verifier)
 
     monkeypatch.setattr(direct_read, "fetch_into", spying_fetch_into)
     monkeypatch.setattr(direct_read, "FETCH_CHUNK_BYTES", 1000)  # entries split across reads

@@ -125,6 +125,7 @@ def restore(
 
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
         snapshot.weights_only = bool(weights_only)
+        snapshot.read_errors = []  # collected, then agreed on by every rank (below)
         try:
             saved_world_size = snapshot.metadata.world_size
             # A rank the snapshot did not have checks against rank 0's entries; the world-size
@@ -203,6 +204,7 @@ def restore(
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    _agree_on_read_errors(path, snapshot.read_errors, coll)
     if own_error is not None:
         _raise_own_error(path, own_error)
     if rest is not None:
@@ -274,8 +276,8 @@ def restore_from_latest(
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
                 return path
             except SnapshotCorruptError as exc:
-                if coll.world_size > 1:
-                    raise
+                if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
+                    raise  # raised on this rank only: the others cannot follow to another snapshot
                 problem = str(exc)
         if not fallback:
             raise SnapshotCorruptError(
@@ -295,6 +297,39 @@ def restore_from_latest(
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], coll: Collectives) -> None:
+    """Raise on every rank if any rank failed to read its entries of snapshot ``path`` (a
+    damaged or truncated file): SnapshotCorruptError marked ``all_ranks``, so that
+    restore_from_latest falls back on every rank together; UnrestorableStateError where
+    torch's restricted unpickler refused an object."""
+    refused = next((exc for _key, exc in errors if _refused_by_weights_only(exc)), None)
+    mine: Optional[tuple[str, str]] = None
+    if refused is not None:
+        mine = ("refused", refusal(refused))
+    elif errors:
+        mine = ("corrupt", "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in errors))
+    for _key, exc in errors:
+        _close_leaked_event_loops(exc)
+    reports = coll.all_gather(mine) if coll.world_size > 1 else [mine]
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    cause = refused if refused is not None else (errors[0][1] if errors else None)
+    where = "" if coll.world_size == 1 else " on " + ", ".join(f"rank {rank}" for rank, _ in failed)
+    detail = "; ".join(
+        (msg if coll.world_size == 1 else f"rank {rank}: {msg}") for rank, (_kind, msg) in failed
+    )
+    if any(kind == "refused" for _rank, (kind, _msg) in failed):
+        raise UnrestorableStateError(
+            f"snapshot {path} holds an object that torch.load(weights_only=True) refuses{where}: "
+            f"{detail}. If the type is safe, allow it with torch.serialization.add_safe_globals([...]); "
+            "if you trust this snapshot (you wrote it), pass weights_only=False to load it with full pickle"
+        ) from cause
+    error = SnapshotCorruptError(f"could not load snapshot {path}{where}: {detail}")
+    error.all_ranks = True  # type: ignore[attr-defined]
+    raise error from cause
 
 
 def _raise_own_error(path: str, error: Any) -> None:

@@ -726,7 +726,9 @@ class Snapshotter:
                 f"writing {recorder.error_path} failed: {type(recorder.error).__name__}: "
                 f"{recorder.error}"
             )
-        sizes = coll.all_gather(recorder.sizes)
+        # Each rank's file sizes and checksums (checksums.py), gathered together: one collective.
+        gathered = coll.all_gather((recorder.sizes, recorder.checksums))
+        sizes = [rank_sizes for rank_sizes, _ in gathered]
         job.bytes_written = sum({rel: n for rank_sizes in sizes for rel, n in rank_sizes.items()}.values())
         try:
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
@@ -762,6 +764,9 @@ class Snapshotter:
                 "writer": writer,
                 "world_size": coll.world_size,
             }
+            checksums = {rel: rec for _, rank_sums in gathered for rel, rec in rank_sums.items()}
+            if checksums:
+                fields["checksums"] = checksums
             if job.name.metric is not None and job.name.metric_value is not None:
                 value = job.name.metric_value
                 fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
