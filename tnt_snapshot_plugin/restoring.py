@@ -235,11 +235,14 @@ def restore_from_latest(
     A snapshot whose files are missing or truncated, or that fails to load, is skipped with a
     warning naming it, and the previous one is tried (``fallback=False`` raises instead); when
     snapshots exist but none can be restored, SnapshotCorruptError is raised rather than letting
-    training start from scratch. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``);
-    with more than one rank, a load error on any rank is raised, not fallen back from. A snapshot
+    training start from scratch. A file whose bytes differ from the checksum recorded at write
+    time is damage too. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``); a
+    snapshot that any rank fails to read is skipped by every rank together (the ranks agree after
+    the load, so none is left waiting in a collective). After a fallback every entry is loaded
+    from the older snapshot; an optional entry it lacks is put back as it was before the restore,
+    with a warning. A snapshot
     that is intact but does not fit ``app_state`` (StateMismatchError), or an error raised by an
     entry's own ``load_state_dict``, is raised at once: an older snapshot would not fit either.
-    with more than one rank, a load error on any rank is raised, not fallen back from.
     ``weights_only`` and ``rest``: as :func:`restore`. ``newest``: a snapshot name; only it and
     the snapshots before it are tried.
     """
@@ -255,12 +258,19 @@ def restore_from_latest(
     if newest is not None and newest in candidates:
         candidates = candidates[candidates.index(newest):]
     damaged: list[str] = []
+    # A failed load may have loaded some entries already: the fallback loads every entry again
+    # from the older snapshot, and an optional entry that one lacks is put back as it was
+    # before the restore (kept here, deep-copied, only for optional entries: small by nature).
+    optional = [k for k in optional_keys if k in app_state]
+    before: dict[str, Any] = {}
     for name in candidates:
         path = store.child(name)
         problem = coll.on_rank0(functools.partial(store.verify, name))
         if problem is None:
+            if not damaged:
+                before = _optional_state(app_state, optional)
             try:
-                restore(
+                loaded = restore(
                     path,
                     app_state,
                     optional_keys=optional_keys,
@@ -274,6 +284,7 @@ def restore_from_latest(
                 )
                 if damaged:
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
+                    _reset_unloaded(app_state, before, loaded, path)
                 return path
             except SnapshotCorruptError as exc:
                 if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
@@ -297,6 +308,45 @@ def restore_from_latest(
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _optional_state(app_state: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    import copy
+
+    saved: dict[str, Any] = {}
+    for key in keys:
+        try:
+            saved[key] = copy.deepcopy(app_state[key].state_dict())
+        except Exception:  # cannot be kept: it is named in a warning if it must be put back
+            saved[key] = None
+    return saved
+
+
+def _reset_unloaded(app_state: Mapping[str, Any], before: Mapping[str, Any], loaded: Iterable[str], path: str) -> None:
+    """After a fallback: put back the optional entries ``path`` did not hold, which a damaged
+    snapshot's partial load may have changed, as they were before the restore."""
+    done = set(loaded)
+    for key, state in before.items():
+        if key in done:
+            continue
+        if state is not None:
+            try:
+                app_state[key].load_state_dict(state)
+                warnings.warn(
+                    f"{key} is not in {path}, the snapshot restored after falling back: it was "
+                    "put back as it was before the restore (a damaged snapshot may have been "
+                    "partly loaded into it)",
+                    stacklevel=3,
+                )
+                continue
+            except Exception:
+                pass
+        warnings.warn(
+            f"{key} is not in {path}, the snapshot restored after falling back, and could not be "
+            "put back as it was before the restore: it may hold values of the damaged snapshot; "
+            "reset it yourself",
+            stacklevel=3,
+        )
 
 
 def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], coll: Collectives) -> None:
