@@ -31,17 +31,17 @@ def main() -> None:
         view = memoryview(src)
         arr = np.frombuffer(view, np.uint8)  # google_crc32c takes bytes or arrays, not memoryviews
 
-        def loop(f):
+        def loop(f, inner=inner):
             def run():
                 for _ in range(inner):
                     f()
             return run
 
         cases = {
-            "memcpy": loop(lambda: np.copyto(dst, src)),
-            "crc32c": loop(lambda: google_crc32c.value(arr)),
-            "xxh3_64": loop(lambda: xxhash.xxh3_64_intdigest(view)),
-            "xxh64": loop(lambda: xxhash.xxh64_intdigest(view)),
+            "memcpy": loop(lambda dst=dst, src=src: np.copyto(dst, src)),
+            "crc32c": loop(lambda arr=arr: google_crc32c.value(arr)),
+            "xxh3_64": loop(lambda view=view: xxhash.xxh3_64_intdigest(view)),
+            "xxh64": loop(lambda view=view: xxhash.xxh64_intdigest(view)),
         }
         row = []
         for name, fn in cases.items():

@@ -434,7 +434,7 @@ def scenario_checksum(rank: int, out: str, record: dict[str, Any]) -> None:
     record["warnings"] = [str(w.message) for w in caught]
     want = state(1)
     record["values_of_step_1"] = all(
-        torch.equal(h.state["w"], want["w"]) and all(torch.equal(x, y) for x, y in zip(h.state["s"], want["s"]))
+        torch.equal(h.state["w"], want["w"]) and all(torch.equal(x, y) for x, y in zip(h.state["s"], want["s"], strict=True))
         for h in (a, b)
     )
     record["rng_of_step_1"] = rng_digest() == rngs[1]

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from tnt_snapshot_plugin import SnapshotConfig, SnapshotCorruptError, Snapshotter, restore, restore_from_latest
+from tnt_snapshot_plugin import (
+    SnapshotConfig,
+    SnapshotCorruptError,
+    Snapshotter,
+    restore,
+    restore_from_latest,
+)
 from tnt_snapshot_plugin.checksums import ALGO
 from toy import Holder
 

@@ -36,6 +36,24 @@ def _bytes_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class _Hasher:
+    """A streaming xxh3_64 that counts the bytes it was fed."""
+
+    __slots__ = ("_h", "fed", "update")
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.fed = 0
+        self.update = self._h.update
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()  # type: ignore[no-any-return]
+
+
+def new_hasher() -> _Hasher:
+    return _Hasher()
+
+
 def record(buf: Any) -> dict[str, Any]:
     """The checksum record of a file written from ``buf`` (a buffer, or a ``storage.Gathered``)."""
     views = getattr(buf, "views", None)

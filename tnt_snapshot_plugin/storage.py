@@ -245,12 +245,20 @@ def _write_durably(path: str, data: Any) -> None:
             return
         view = memoryview(data).cast("B")
         total = view.nbytes
+        hasher = getattr(_active, "hasher", None)  # set by _write_and_sum
+        piece = _HASH_PIECE if hasher is not None else _WRITE_SLICE
         offset = 0
         while offset < total:
             start = offset
             end = min(total, offset + _WRITE_SLICE)
             while offset < end:
-                offset += os.write(fd, view[offset:end])
+                upper = min(end, offset + piece)
+                if hasher is not None:
+                    # hashed just before the kernel copies it: read from memory once, for both
+                    hasher.update(view[offset:upper])
+                    hasher.fed += upper - offset
+                while offset < upper:
+                    offset += os.write(fd, view[offset:upper])
             if _sync_file_range is not None and total > _WRITE_SLICE:
                 _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
         os.fdatasync(fd)
@@ -471,12 +479,26 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
     return _FSPlugin(path)
 
 
-def _write_and_sum(path: str, data: Any) -> dict[str, Any]:
-    """``_write_durably`` and the checksum record of what was written (checksums.record)."""
-    from .checksums import record
+#: Payloads are hashed in pieces of this size, each just before it is written (in the cache).
+_HASH_PIECE = 1024 * 1024
 
-    _write_durably(path, data)
-    return record(data)
+
+def _write_and_sum(path: str, data: Any) -> dict[str, Any]:
+    """``_write_durably`` and the checksum record of what was written (checksums.record):
+    a plain buffer is hashed piece by piece as it is written."""
+    from .checksums import ALGO, new_hasher, record
+
+    if isinstance(data, Gathered):
+        _write_durably(path, data)
+        return record(data)
+    hasher = _active.hasher = new_hasher()
+    try:
+        _write_durably(path, data)
+    finally:
+        _active.hasher = None
+    if hasher.fed != buffer_nbytes(data):  # not written by the function above (tests replace it)
+        return record(data)
+    return {"algo": ALGO, "value": hasher.hexdigest()}
 
 
 def _check_complete_read(read_io: Any) -> None:
