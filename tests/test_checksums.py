@@ -144,7 +144,7 @@ def test_the_index_records_a_checksum_per_payload_and_one_per_packed_tensor(writ
     snapshot = dirpath / "epoch_0_step_2"
     index = json.loads((snapshot / INDEX).read_text())
     sums = index["checksums"]
-    assert set(sums) == set(index["files"])  # every payload file, nothing else
+    assert set(sums) == set(index["files"]) | {".snapshot_metadata"}  # every file, the metadata too
     assert all(rec["algo"] == ALGO for rec in sums.values())
     packed_file, start, end = payload(snapshot, "0/model/small/3")
     ranges = sums[str(packed_file.relative_to(snapshot))]["ranges"]
@@ -161,6 +161,19 @@ ENTRIES = {
     "pickled object": "0/other/object",
     "RNG state": None,  # the RNG state's payload (found below)
 }
+
+
+def test_a_flipped_digit_in_the_metadata_falls_back(copy):
+    """Primitive values (here ``step``) live in the metadata itself: it is checksummed too."""
+    dirpath, _ = copy
+    metadata = dirpath / "epoch_0_step_2" / ".snapshot_metadata"
+    text = metadata.read_text()
+    assert '"serialized_value": "2"' in text
+    metadata.write_text(text.replace('"serialized_value": "2"', '"serialized_value": "7"', 1))
+    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: .*snapshot_metadata.*checksum"):
+        result, model, other = restore_fresh(dirpath)
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert other["step"] == 1
 
 
 def rng_entry(snapshot: Path) -> str:

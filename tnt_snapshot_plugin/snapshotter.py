@@ -794,6 +794,11 @@ class Snapshotter:
             }
             checksums = {rel: rec for _, rank_sums in gathered for rel, rec in rank_sums.items()}
             if checksums:
+                from .checksums import record
+                from .storage import METADATA_FNAME
+
+                # the metadata too: it holds the primitive values (numbers, strings) themselves
+                checksums[METADATA_FNAME] = record(recorder.metadata)
                 fields["checksums"] = checksums
             if job.name.metric is not None and job.name.metric_value is not None:
                 value = job.name.metric_value

@@ -391,9 +391,7 @@ class _RecordingPlugin:
         raise NotImplementedError
 
     def _verify_read(self, read_io: Any) -> None:
-        """Check what ``read`` returned against the snapshot's checksums (not the metadata's)."""
-        if read_io.path == METADATA_FNAME:
-            return
+        """Check what ``read`` returned against the snapshot's checksums."""
         verifier = self.checksum_verifier()
         if verifier is not None:
             start = 0 if read_io.byte_range is None else read_io.byte_range[0]
@@ -1059,6 +1057,17 @@ class Store:
                 return f"file {rel} is missing"
             if actual != size:
                 return f"file {rel} has {actual} bytes, {size} were written"
+        # The metadata's checksum (a small file; every rank reads it before loading anything).
+        record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
+        if isinstance(record, dict):
+            from .checksums import Verifier
+
+            try:
+                Verifier(self.child(name), {METADATA_FNAME: record}, {}).check(
+                    METADATA_FNAME, 0, self.read_file(name, METADATA_FNAME)
+                )
+            except SnapshotError as exc:
+                return str(exc)
         return None
 
 
