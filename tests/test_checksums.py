@@ -245,3 +245,19 @@ def test_the_cli_verify_finds_the_flipped_file(copy):
     problems = infos["epoch_0_step_2"].problems
     assert any(str(file.relative_to(newest)) in p and ALGO in p for p in problems), problems
     assert check_snapshot  # the function verify runs per snapshot
+
+
+def test_only_damage_read_while_loading_counts_as_corruption():
+    """What restore collects while loading: damaged bytes are corruption, agreed by every rank
+    (restore_from_latest falls back); an object store that went away is raised as it is."""
+    from tnt_snapshot_plugin import StorageUnavailableError
+    from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.restoring import _agree_on_read_errors
+
+    solo = Collectives(None)
+    _agree_on_read_errors("p", [], solo)  # nothing failed: nothing raised
+    with pytest.raises(SnapshotCorruptError, match="could not load snapshot p: model: EOFError: short") as info:
+        _agree_on_read_errors("p", [("model", EOFError("short"))], solo)
+    assert info.value.all_ranks is True
+    with pytest.raises(StorageUnavailableError, match="endpoint down"):
+        _agree_on_read_errors("p", [("model", StorageUnavailableError("endpoint down"))], solo)

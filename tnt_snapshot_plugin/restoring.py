@@ -22,6 +22,7 @@ from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_coll
 from .distributed import Collectives, raise_if_any_failed
 from .errors import (
     ConfigError,
+    DistributedError,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -355,8 +356,16 @@ def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], co
     restore_from_latest falls back on every rank together; UnrestorableStateError where
     torch's restricted unpickler refused an object."""
     refused = next((exc for _key, exc in errors if _refused_by_weights_only(exc)), None)
+    # The plugin's own errors other than corruption (an object store that went away) are not
+    # damage: raised as they are, never fallen back from.
+    other = next(
+        (exc for _key, exc in errors if isinstance(exc, SnapshotError) and not isinstance(exc, SnapshotCorruptError)),
+        None,
+    )
     mine: Optional[tuple[str, str]] = None
-    if refused is not None:
+    if other is not None:
+        mine = ("other", f"{type(other).__name__}: {other}")
+    elif refused is not None:
         mine = ("refused", refusal(refused))
     elif errors:
         mine = ("corrupt", "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in errors))
@@ -366,6 +375,13 @@ def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], co
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if not failed:
         return
+    if other is not None:
+        raise other
+    if any(kind == "other" for _rank, (kind, _msg) in failed):
+        raise DistributedError(
+            f"restoring {path} failed on another rank: "
+            + "; ".join(f"rank {rank}: {msg}" for rank, (_kind, msg) in failed)
+        )
     cause = refused if refused is not None else (errors[0][1] if errors else None)
     where = "" if coll.world_size == 1 else " on " + ", ".join(f"rank {rank}" for rank, _ in failed)
     detail = "; ".join(
