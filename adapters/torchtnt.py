@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import signal
 import warnings
-from dataclasses import dataclass, fields
 import weakref
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
