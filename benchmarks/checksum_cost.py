@@ -6,6 +6,7 @@ time, and the time to hash the whole state in memory against the restore time.
 
     python benchmarks/checksum_cost.py                  # 1 GiB (64 x 16 MiB), 3 reps
     python benchmarks/checksum_cost.py --size-mib 64 --reps 5
+    python benchmarks/checksum_cost.py --count 10000 --tensor-kib 4   # many small tensors
 
 "off" is the same code with the checksum step replaced by nothing: the files are written in the
 same pieces without hashing them and without a record, and restore reads without a verifier. Restores are cold: the snapshot's pages are
@@ -98,12 +99,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--tensor-mib", type=int, default=16)
+    parser.add_argument("--count", type=int, default=None, help="this many tensors of --tensor-kib")
+    parser.add_argument("--tensor-kib", type=int, default=None)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    count = args.size_mib // args.tensor_mib
-    numel = args.tensor_mib * 1024 * 1024 // 4
+    if args.count is not None and args.tensor_kib is not None:
+        count, numel = args.count, args.tensor_kib * 1024 // 4
+        args.size_mib = count * args.tensor_kib // 1024
+        label = f"{count} x {args.tensor_kib} KiB"
+    else:
+        count = args.size_mib // args.tensor_mib
+        numel = args.tensor_mib * 1024 * 1024 // 4
+        label = f"{count} x {args.tensor_mib} MiB"
+
     model = make_model(count, numel, 0)
     target = make_model(count, numel, 1)
     root = tempfile.mkdtemp(prefix="checksum_cost.", dir=args.dir)
@@ -148,7 +158,7 @@ def main() -> None:
 
     on, off = results["on"], results["off"]
     gib = args.size_mib / 1024
-    print(f"\n{args.size_mib} MiB ({count} x {args.tensor_mib} MiB), medians of {args.reps}:")
+    print(f"\n{args.size_mib} MiB ({label}), medians of {args.reps}:")
     print(f"  durable: on {median(on['durable']):.3f}s, off {median(off['durable']):.3f}s, "
           f"ratio {median(on['durable']) / median(off['durable']):.3f}")
     extra_save = median(on["save_cpu"]) - median(off["save_cpu"])

@@ -69,25 +69,32 @@ def record(buf: Any) -> dict[str, Any]:
     return {"algo": ALGO, "value": whole.hexdigest(), "ranges": ranges}
 
 
+_last: dict[tuple[str, int, str], Optional["Verifier"]] = {}
+
+
 class Verifier:
     """Checks bytes read from one snapshot against its index's checksum records."""
 
     def __init__(self, where: str, records: dict[str, Any], sizes: dict[str, Any]) -> None:
         self.where = where
         self._records: dict[str, tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]] = {}
+        #: (file, start, end) -> digest of every whole file and packed tensor: one lookup per read
+        self._exact: dict[tuple[str, int, int], str] = {}
+        self._raw: dict[str, Any] = {}  # ranges not indexed for sub-range reads yet
         for rel, rec in records.items():
             if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
                 continue  # another algorithm (or a damaged record): not checked here
-            ranges = sorted(
-                (int(r[0]), int(r[1]), str(r[2])) for r in rec.get("ranges") or () if len(r) == 3
-            )
             size = sizes.get(rel)
-            self._records[rel] = (
-                size if isinstance(size, int) else None,
-                rec["value"],
-                [r[0] for r in ranges],
-                ranges,
-            )
+            size = size if isinstance(size, int) else None
+            self._records[rel] = (size, rec["value"], [], [])
+            if size is not None:
+                self._exact[rel, 0, size] = rec["value"]
+            ranges = rec.get("ranges")
+            if ranges:
+                self._raw[rel] = ranges
+                exact = self._exact
+                for r in ranges:
+                    exact[rel, r[0], r[1]] = r[2]
         #: bytes verified by this verifier (tests and benchmarks read it)
         self.verified_bytes = 0
 
@@ -97,6 +104,19 @@ class Verifier:
         checksums (or there is no index: a snapshot torchtnt wrote)."""
         if index_bytes is None:
             return None
+        # One restore opens the snapshot twice (its metadata, then its entries): the verifier of
+        # the last index seen is reused when the index is the same, byte for byte.
+        key = (where, len(index_bytes), _digest(index_bytes))
+        cached = _last.get(key, False)
+        if cached is not False:
+            return cached  # type: ignore[no-any-return]
+        verifier = cls._parse(where, index_bytes)
+        _last.clear()
+        _last[key] = verifier
+        return verifier
+
+    @classmethod
+    def _parse(cls, where: str, index_bytes: bytes) -> Optional["Verifier"]:
         try:
             index = json.loads(index_bytes)
         except ValueError as exc:
@@ -116,9 +136,15 @@ class Verifier:
         found = self._records.get(rel)
         if found is None:
             return
-        size, value, starts, ranges = found
         view = _bytes_view(data)
         end = start + view.nbytes
+        expected = self._exact.get((rel, start, end))
+        if expected is not None:  # a whole file or one packed tensor
+            if _digest(view) != expected:
+                self._fail(rel, start, end, entry)
+            self.verified_bytes += view.nbytes
+            return
+        size, value, starts, ranges = self._indexed(rel)
         if start == 0 and (size is None or end == size):
             if _digest(view) != value:
                 self._fail(rel, 0, end, entry)
@@ -132,19 +158,26 @@ class Verifier:
             self.verified_bytes += upper - lower
             i += 1
 
+    def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:
+        """The record of ``rel`` with its packed ranges sorted (built at the first read of a
+        range that is not exactly one payload: torchsnapshot's batched reads)."""
+        raw = self._raw.pop(rel, None)
+        if raw is not None:
+            size, value, _, _ = self._records[rel]
+            ranges = sorted((int(r[0]), int(r[1]), str(r[2])) for r in raw if len(r) == 3)
+            self._records[rel] = (size, value, [r[0] for r in ranges], ranges)
+        return self._records[rel]
+
     def streaming(self, rel: str, start: int, nbytes: int) -> Optional[tuple[Any, str]]:
         """(hasher, expected) to check bytes ``start:start+nbytes`` of ``rel`` piece by piece,
         when they are exactly one recorded payload (the whole file or a packed tensor)."""
         found = self._records.get(rel)
         if found is None:
             return None
-        size, value, starts, ranges = found
-        if start == 0 and (size is None or nbytes == size):
-            return xxhash.xxh3_64(), value
-        i = bisect.bisect_left(starts, start)
-        if i < len(ranges) and ranges[i][0] == start and ranges[i][1] == start + nbytes:
-            return xxhash.xxh3_64(), ranges[i][2]
-        return None
+        expected = self._exact.get((rel, start, start + nbytes))
+        if expected is None and start == 0 and found[0] is None:
+            expected = found[1]  # the whole file, its size not recorded
+        return None if expected is None else (xxhash.xxh3_64(), expected)
 
     def finish(self, rel: str, start: int, nbytes: int, hasher: Any, expected: str, entry: Optional[str] = None) -> None:
         if hasher.hexdigest() != expected:

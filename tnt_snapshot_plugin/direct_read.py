@@ -124,7 +124,11 @@ def read_into(root: str, reads: Iterable[tuple[Any, ...]], verifier: Any = None)
             for offset, buf, entry in items:
                 got = 0
                 size = buf.nbytes
-                stream = verifier.streaming(location, offset, size) if verifier is not None else None
+                stream = (
+                    verifier.streaming(location, offset, size)
+                    if verifier is not None and size > VERIFY_PIECE_BYTES
+                    else None
+                )
                 piece = VERIFY_PIECE_BYTES if stream is not None else size
                 while got < size:
                     n = os.preadv(fd, [buf[got:got + piece]], offset + got)
