@@ -261,3 +261,26 @@ def test_only_damage_read_while_loading_counts_as_corruption():
     assert info.value.all_ranks is True
     with pytest.raises(StorageUnavailableError, match="endpoint down"):
         _agree_on_read_errors("p", [("model", StorageUnavailableError("endpoint down"))], solo)
+
+
+def test_after_a_fallback_an_optional_entry_the_older_snapshot_lacks_is_put_back(tmp_path):
+    """The damaged snapshot's loader state was loaded before its damaged model was met; the older
+    snapshot holds no loader state: the loader is put back as it was before the restore."""
+    dirpath = tmp_path / "run"
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model", "loader"], 0, 0)
+    saver.save(0, 1, {"model": Holder(model_state(1))})  # an epoch-end snapshot: no loader state
+    saver.save(0, 2, {"model": Holder(model_state(2)), "loader": Holder({"position": torch.tensor(5)})})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    newest = dirpath / "epoch_0_step_2"
+    file, start, end = payload(newest, "0/model/big")
+    flip(file, start + 1)
+
+    model = Holder(zeros_like(model_state(0)))
+    loader = Holder({"position": torch.tensor(0)})
+    with pytest.warns(UserWarning) as caught:
+        result = restore_from_latest(str(dirpath), {"loader": loader, "model": model}, optional_keys=["loader"])
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert_identical(model.state, model_state(1))
+    assert loader.state == {"position": torch.tensor(0)}
+    assert any("loader is not in" in str(w.message) and "put back" in str(w.message) for w in caught)
