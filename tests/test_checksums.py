@@ -284,3 +284,27 @@ def test_after_a_fallback_an_optional_entry_the_older_snapshot_lacks_is_put_back
     assert_identical(model.state, model_state(1))
     assert loader.state == {"position": torch.tensor(0)}
     assert any("loader is not in" in str(w.message) and "put back" in str(w.message) for w in caught)
+
+
+def test_a_flipped_byte_in_a_chunk_of_a_chunked_tensor_falls_back(tmp_path, monkeypatch):
+    """A tensor saved in chunks is read by torchsnapshot's reader, chunk by chunk."""
+    dirpath = tmp_path / "run"
+    monkeypatch.setenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE", str(64 * 1024))
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model"], 0, 0)
+    for step in (1, 2):
+        saver.save(0, step, {"model": Holder({"w": torch.full((100_000,), float(step))})})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    monkeypatch.delenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE")
+    newest = dirpath / "epoch_0_step_2"
+    entry = manifest(newest)["0/model/w"]
+    assert entry["type"] == "ChunkedTensor" and len(entry["chunks"]) > 1
+    chunk = entry["chunks"][-1]["tensor"]
+    file = newest / chunk["location"]
+    start, end = chunk.get("byte_range") or (0, file.stat().st_size)
+    flip(file, (start + end) // 2)
+    got = Holder({"w": torch.zeros(100_000)})
+    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_2: .*{chunk['location']}.*checksum"):
+        result = restore_from_latest(str(dirpath), {"model": got})
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert torch.equal(got.state["w"], torch.full((100_000,), 1.0))
