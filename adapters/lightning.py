@@ -434,6 +434,14 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
+        # The staging buffers of asynchronous snapshots, allocated and touched before training, for
+        # the bulk of what dump_checkpoint returns (without calling it: it runs the user's hooks).
+        self._snapshotter.prepare(
+            lambda: {
+                "state_dict": Value(pl_module.state_dict()),
+                "optimizer_states": Value([opt.state_dict() for opt in trainer.optimizers]),
+            }
+        )
         loggers = list(trainer.loggers)
         if loggers:  # each committed snapshot's figures, at the global step it was taken
 

@@ -217,6 +217,8 @@ class TorchSnapshotSaver(Callback):
         self._snapshotter.train_start(
             _unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
         )
+        # the staging buffers of asynchronous snapshots, allocated and touched before training
+        self._snapshotter.prepare(lambda: _unit_state(unit))
         metric_logger = self._metric_logger if self._metric_logger is not None else _unit_metric_logger(unit)
         if metric_logger is not None:
             self._snapshotter.report_metrics(lambda metrics, step: metric_logger.log_dict(metrics, step))

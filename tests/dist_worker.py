@@ -432,10 +432,55 @@ def best_k_phase(rank: int, out: str, record: dict[str, Any]) -> None:
     record["best_steps"] = fresh.train_progress.num_steps_completed
 
 
+def scenario_checksum(rank: int, out: str, record: dict[str, Any]) -> None:
+    """A byte flipped in rank 1's file of the newest snapshot: both ranks fall back together."""
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore_from_latest
+    from tnt_snapshot_plugin.distributed import Collectives
+    from toy import Holder
+
+    def state(step: int) -> dict[str, Any]:  # per rank: nothing replicated
+        return {"w": torch.full((50_000,), float(100 * rank + step)), "s": [torch.full((8,), float(step + i)) for i in range(4)]}
+
+    dirpath = os.path.join(out, "run")
+    saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, collective_timeout_s=30))
+    saver.train_start(["a", "b"], 0, 0)
+    rngs = {}
+    for step in (1, 2):
+        seed_everything(1000 * step + rank)
+        rngs[step] = rng_digest()
+        saver.save(0, step, {"a": Holder(state(step)), "b": Holder(state(step))})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    newest = os.path.join(dirpath, "epoch_0_step_2")
+    if rank == 1:
+        entry = manifest_of(newest)["1/b/w"]
+        file = os.path.join(newest, entry["location"])
+        start, end = entry["byte_range"] or (0, os.path.getsize(file))
+        with open(file, "r+b") as f:
+            f.seek((start + end) // 2)
+            byte = f.read(1)
+            f.seek((start + end) // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        record["flipped"] = entry["location"]
+    dist.barrier()
+    zero = {"w": torch.zeros(50_000), "s": [torch.zeros(8) for _ in range(4)]}
+    a, b = Holder(zero), Holder({"w": torch.zeros(50_000), "s": [torch.zeros(8) for _ in range(4)]})
+    with warnings.catch_warnings(record=True) as caught, Collectives.create(None, 30, for_restore=True) as coll:
+        warnings.simplefilter("always")
+        record["restored"] = restore_from_latest(dirpath, {"a": a, "b": b}, collectives=coll)
+    record["warnings"] = [str(w.message) for w in caught]
+    want = state(1)
+    record["values_of_step_1"] = all(
+        torch.equal(h.state["w"], want["w"]) and all(torch.equal(x, y) for x, y in zip(h.state["s"], want["s"], strict=True))
+        for h in (a, b)
+    )
+    record["rng_of_step_1"] = rng_digest() == rngs[1]
+
+
 SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
     "ddp": scenario_ddp,
     "failure": scenario_failure,
     "idiom": scenario_idiom,
+    "checksum": scenario_checksum,
 }
 
 

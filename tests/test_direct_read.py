@@ -82,10 +82,10 @@ def spy_direct_reads(monkeypatch) -> list:
     reads: list = []
     real = direct_read.read_into
 
-    def spy(root, items):
+    def spy(root, items, verifier=None):
         items = list(items)
         reads.extend(items)
-        return real(root, items)
+        return real(root, items, verifier)
 
     monkeypatch.setattr(direct_read, "read_into", spy)
     return reads

@@ -347,3 +347,18 @@ def test_async_snapshots_without_a_process_group(tmp_path, monkeypatch):
     fresh = ToyUnit(seed=5)
     TorchSnapshotSaver.restore(str(tmp_path / "epoch_0_step_4"), fresh)
     assert_bitwise_equal(weights(fresh), weights(unit))
+
+
+# ------------------------------------------------------------------------------------------------
+# Checksums: a damaged file on one rank, every rank falls back together
+
+
+def test_a_flipped_byte_on_one_rank_makes_every_rank_fall_back_together(tmp_path):
+    records = run_ranks("checksum", tmp_path)
+    flipped = records[1]["flipped"]
+    for record in records:
+        assert record["restored"].endswith("epoch_0_step_1"), record
+        damaged = [w for w in record["warnings"] if "skipping damaged snapshot" in w]
+        assert len(damaged) == 1 and "epoch_0_step_2" in damaged[0]
+        assert "rank 1" in damaged[0] and flipped in damaged[0] and "checksum" in damaged[0]
+        assert record["values_of_step_1"] and record["rng_of_step_1"]

@@ -413,12 +413,12 @@ def test_s3_restore_fetches_raw_tensors_in_large_ranged_reads(options, run_url, 
     fetched = []
     real = direct_read.fetch_into
 
-    def spying_fetch_into(fetch, reads):
+    def spying_fetch_into(fetch, reads, verifier=None):
         def spy(rel, start, end):
             fetched.append((rel, start, end))
             return fetch(rel, start, end)
 
-        return real(spy, reads)
+        return real(spy, reads, verifier)
 
     monkeypatch.setattr(direct_read, "fetch_into", spying_fetch_into)
     monkeypatch.setattr(direct_read, "FETCH_CHUNK_BYTES", 1000)  # entries split across reads
@@ -493,3 +493,36 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     finally:
         shared.meta.events.unregister("provide-client-params.s3.GetObject", record)
     assert requested and not [key for key in requested if ".." in key or "elsewhere" in key]
+
+
+@pytest.mark.parametrize("entry", ["big", "transposed"])  # a ranged GET into the target; the plugin's read
+def test_a_flipped_byte_in_an_s3_object_falls_back_to_the_previous_snapshot(options, run_url, entry):
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore_from_latest
+
+    def state(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"big": torch.randn(300_000, generator=g), "transposed": torch.randn(4, 6, generator=g).t()}
+
+    saver = Snapshotter(run_url, SnapshotConfig.build(async_snapshot=False, storage_options=options))
+    saver.train_start(["h"], 0, 0)
+    for step in (1, 2):
+        saver.save(0, step, {"h": Holder(state(step))})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+
+    bucket, _, prefix = run_url[len("s3://"):].partition("/")
+    client = client_for(options)
+    newest = f"{prefix}/epoch_0_step_2"
+    metadata = json.loads(client.get_object(Bucket=bucket, Key=f"{newest}/.snapshot_metadata")["Body"].read())
+    record = metadata["manifest"][f"0/h/{entry}"]
+    key = f"{newest}/{record['location']}"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    start, end = record.get("byte_range") or (0, len(body))
+    body[(start + end) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+    got = Holder({k: torch.zeros_like(v) for k, v in state(0).items()})
+    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_2: .*{record['location']}.*checksum"):
+        restored = restore_from_latest(run_url, {"h": got}, storage_options=options)
+    assert restored == f"{run_url}/epoch_0_step_2".replace("step_2", "step_1")
+    for name, value in state(1).items():
+        assert torch.equal(got.state[name], value)

@@ -275,3 +275,52 @@ def test_accelerator_path_runs_on_cpu(monkeypatch):
     assert len(waited) == 2 and len(waited[0]) == len(model.state_dict())
     # pinned only where an accelerator exists to pin for
     assert all(b.is_pinned() == torch.cuda.is_available() for b in second.values())
+
+
+def test_staging_buffers_exist_from_train_start_and_cover_the_optimizer_after_its_first_step(tmp_path):
+    """The first snapshot pays no first touch of new memory: the buffers are allocated and
+    touched at train start (the model), and at the first step that does not snapshot (the
+    optimizer's state, created by its first step); released at train end."""
+    from torchtnt.framework.callback import Callback
+    from torchtnt.framework.train import train
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+    from toy import StatefulLoader, ToyUnit, make_data
+
+    saver = TorchSnapshotSaver(str(tmp_path / "run"), save_every_n_train_steps=3)
+    seen: dict = {}
+
+    class Watch(Callback):
+        def on_train_start(self, state, unit) -> None:
+            seen["start"] = saver.snapshotter._stager.nbytes
+            seen["model"] = sum(t.numel() * t.element_size() for t in unit.model.state_dict().values())
+
+        def on_train_step_end(self, state, unit) -> None:
+            if unit.train_progress.num_steps_completed == 1:
+                seen["step 1"] = saver.snapshotter._stager.nbytes
+                seen["committed"] = len(saver.snapshotter.stats.committed)
+                seen["optimizer"] = sum(
+                    t.numel() * t.element_size()
+                    for s in unit.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+                )
+
+    train(ToyUnit(), StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver, Watch()])
+    assert seen["start"] >= seen["model"] > 0
+    assert seen["committed"] == 0  # before any snapshot ...
+    assert seen["step 1"] >= seen["model"] + seen["optimizer"]  # ... the optimizer's buffers too
+    assert saver.snapshotter._stager.nbytes == 0  # released at train end
+
+
+def test_prepare_writes_nothing_and_a_synchronous_saver_holds_no_buffers(tmp_path, pm):
+    model = Model(0)
+    async_saver = Snapshotter(str(tmp_path / "a"), SnapshotConfig.build(), plugin_manager=pm)
+    async_saver.train_start(["model"], 0, 0)
+    async_saver.prepare(lambda: {"model": model})
+    assert async_saver._stager.nbytes >= 2048 * 1024 * 4
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith("epoch_")]
+    sync_saver = Snapshotter(str(tmp_path / "s"), SnapshotConfig.build(async_snapshot=False), plugin_manager=pm)
+    sync_saver.train_start(["model"], 0, 0)
+    sync_saver.prepare(lambda: {"model": model})
+    assert sync_saver._stager.nbytes == 0
+    async_saver.train_end(0, 0, lambda intra_epoch: {})
+    sync_saver.train_end(0, 0, lambda intra_epoch: {})

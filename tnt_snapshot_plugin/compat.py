@@ -299,6 +299,10 @@ class Snapshot(torchsnapshot.Snapshot):
 
     #: How object entries are unpickled (loading.py); set by restoring.restore.
     weights_only: bool = True
+    #: A list: failures to read an entry's bytes (a damaged or truncated file) are appended here
+    #: as ``(key, exception)`` and the restore goes on, so every rank makes the same collective
+    #: calls and the ranks can agree afterwards (restoring.restore); None: raised at once.
+    read_errors: Optional[list[tuple[str, BaseException]]] = None
 
     @staticmethod
     def _write_snapshot_metadata(  # type: ignore[override]
@@ -354,6 +358,19 @@ class Snapshot(torchsnapshot.Snapshot):
     ) -> None:
         if stateful is None:
             return
+        if self.read_errors is None:
+            self._load_stateful_now(stateful_key, stateful, strict, storage, pg, event_loop)
+            return
+        try:
+            self._load_stateful_now(stateful_key, stateful, strict, storage, pg, event_loop)
+        except StatefulError:
+            raise  # the entry's own code: not the snapshot's bytes
+        except Exception as exc:  # past this key's collective: later keys are still read
+            self.read_errors.append((stateful_key, exc))
+
+    def _load_stateful_now(
+        self, stateful_key: str, stateful: Any, strict: bool, storage: Any, pg: Any, event_loop: Any
+    ) -> None:
         if not type(stateful).__module__.startswith("tnt_snapshot_plugin.") or hasattr(
             stateful, "__wrapped__"
         ):  # the user's code, or the plugin's wrapper around it (item 13)
@@ -411,7 +428,7 @@ class Snapshot(torchsnapshot.Snapshot):
                 target = None
             found = direct_target(entry, target) if can_read and target is not None else None
             if found is not None:
-                direct.append(found)
+                direct.append((*found, path))
                 values[path] = target
                 continue
             if isinstance(entry, ObjectEntry):
@@ -420,14 +437,21 @@ class Snapshot(torchsnapshot.Snapshot):
                 reqs, future = prepare_read(entry=entry, obj_out=target)
             read_reqs += reqs
             futures[path] = future
+        read_error: Optional[BaseException] = None
         if direct:
-            if root is not None:
-                read_into(root, direct)
-            elif fetch is not None:
-                fetch_into(fetch, direct)
+            verifier = storage.checksum_verifier() if hasattr(storage, "checksum_verifier") else None
+            try:
+                if root is not None:
+                    read_into(root, direct, verifier)
+                elif fetch is not None:
+                    fetch_into(fetch, direct, verifier)
+            except Exception as exc:  # raised after the collective below, which every rank makes
+                read_error = exc
         # torchsnapshot asks for the memory budget (a collective) once per stateful: so do we,
         # whatever this rank reads, so every rank makes the same collective calls.
         budget = get_process_memory_budget_bytes(pg=pg)
+        if read_error is not None:
+            raise read_error
         if read_reqs:
             if not is_batching_disabled():
                 read_reqs = batch_read_requests(read_reqs=read_reqs)

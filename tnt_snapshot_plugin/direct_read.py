@@ -79,15 +79,23 @@ def direct_target(entry: Any, target: Any) -> Optional[tuple[str, int, memoryvie
     return entry.location, start, memoryview(array).cast("B")
 
 
-def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
+#: With checksums, a payload is read and hashed in pieces of this size, each hashed while it is
+#: still in the CPU's cache.
+VERIFY_PIECE_BYTES = 2 * 1024 * 1024
+
+
+def read_into(root: str, reads: Iterable[tuple[Any, ...]], verifier: Any = None) -> int:
     """Fill each buffer from ``root/file`` at its offset; return the bytes read.
 
+    ``reads``: ``(file, offset, buffer)`` or ``(file, offset, buffer, entry name)``.
     Reads go file by file in offset order (sequential on disk); the kernel is told ahead of time
     which ranges follow (``POSIX_FADV_WILLNEED``, up to :data:`READ_AHEAD_BYTES` ahead).
+    ``verifier`` (a ``checksums.Verifier``): each buffer's bytes are checked as they are read;
+    a mismatch raises SnapshotCorruptError naming the file and the entry.
     """
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    for location, offset, buf in reads:
-        by_file.setdefault(location, []).append((offset, buf))
+    by_file: dict[str, list[tuple[int, memoryview, Optional[str]]]] = {}
+    for location, offset, buf, *name in reads:
+        by_file.setdefault(location, []).append((offset, buf, name[0] if name else None))
     for location in by_file:
         if not is_inside(root, location):
             raise BadSnapshotFile(
@@ -113,18 +121,30 @@ def read_into(root: str, reads: Iterable[tuple[str, int, memoryview]]) -> int:
             if location not in fds:
                 fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
             fd = fds[location]
-            for offset, buf in items:
+            for offset, buf, entry in items:
                 got = 0
                 size = buf.nbytes
+                stream = (
+                    verifier.streaming(location, offset, size)
+                    if verifier is not None and size > VERIFY_PIECE_BYTES
+                    else None
+                )
+                piece = VERIFY_PIECE_BYTES if stream is not None else size
                 while got < size:
-                    n = os.preadv(fd, [buf[got:]], offset + got)
+                    n = os.preadv(fd, [buf[got:got + piece]], offset + got)
                     if n == 0:
                         raise BadSnapshotFile(
                             f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
                             f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
                             "is truncated"
                         )
+                    if stream is not None:
+                        stream[0].update(buf[got:got + n])
                     got += n
+                if stream is not None:
+                    verifier.finish(location, offset, size, *stream, entry=entry)
+                elif verifier is not None:
+                    verifier.check(location, offset, buf, entry=entry)
                 total += size
                 announced -= size
             os.close(fds.pop(location))
@@ -140,20 +160,23 @@ FETCH_WORKERS = 4
 
 
 def fetch_into(
-    fetch: Callable[[str, int, int], bytes], reads: Iterable[tuple[str, int, memoryview]]
+    fetch: Callable[[str, int, int], bytes], reads: Iterable[tuple[Any, ...]], verifier: Any = None
 ) -> int:
     """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
 
     Each file's entries are covered by ranged reads of at most :data:`FETCH_CHUNK_BYTES` (the
     small tensors packed into one file come in one read), :data:`FETCH_WORKERS` at a time, and
-    copied into the buffers. Returns the bytes fetched.
+    copied into the buffers. Returns the bytes fetched. ``reads`` and ``verifier``: as
+    :func:`read_into` (each buffer is checked once its bytes are in).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    for location, offset, buf in reads:
+    names: dict[tuple[str, int], Optional[str]] = {}
+    for location, offset, buf, *name in reads:
         if buf.nbytes:
             by_file.setdefault(location, []).append((offset, buf))
+            names[location, offset] = name[0] if name else None
     jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
     for location, items in sorted(by_file.items()):
         items.sort(key=lambda item: item[0])
@@ -183,7 +206,12 @@ def fetch_into(
     # At most FETCH_WORKERS GETs in flight, or the restore's io_concurrency limit (knob_options).
     workers = min(current_io_concurrency() or FETCH_WORKERS, len(jobs))
     with ThreadPoolExecutor(workers, thread_name_prefix="tnt-snapshot-fetch") as pool:
-        return sum(pool.map(one, jobs))
+        fetched = sum(pool.map(one, jobs))
+    if verifier is not None:
+        for location, items in by_file.items():
+            for offset, buf in items:
+                verifier.check(location, offset, buf, entry=names[location, offset])
+    return fetched
 
 
 __all__ = [

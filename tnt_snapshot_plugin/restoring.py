@@ -22,6 +22,7 @@ from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_coll
 from .distributed import Collectives, raise_if_any_failed
 from .errors import (
     ConfigError,
+    DistributedError,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -150,6 +151,7 @@ def restore(
 
         snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
         snapshot.weights_only = bool(weights_only)
+        snapshot.read_errors = []  # collected, then agreed on by every rank (below)
         try:
             saved_world_size = snapshot.metadata.world_size
             # A rank the snapshot did not have checks against rank 0's entries; the world-size
@@ -228,6 +230,7 @@ def restore(
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    _agree_on_read_errors(path, snapshot.read_errors, coll)
     if own_error is not None:
         _raise_own_error(path, own_error)
     if rest is not None:
@@ -258,11 +261,14 @@ def restore_from_latest(
     A snapshot whose files are missing or truncated, or that fails to load, is skipped with a
     warning naming it, and the previous one is tried (``fallback=False`` raises instead); when
     snapshots exist but none can be restored, SnapshotCorruptError is raised rather than letting
-    training start from scratch. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``);
-    with more than one rank, a load error on any rank is raised, not fallen back from. A snapshot
+    training start from scratch. A file whose bytes differ from the checksum recorded at write
+    time is damage too. Under torch.distributed rank 0 chooses (in rank 0's ``dirpath``); a
+    snapshot that any rank fails to read is skipped by every rank together (the ranks agree after
+    the load, so none is left waiting in a collective). After a fallback every entry is loaded
+    from the older snapshot; an optional entry it lacks is put back as it was before the restore,
+    with a warning. A snapshot
     that is intact but does not fit ``app_state`` (StateMismatchError), or an error raised by an
     entry's own ``load_state_dict``, is raised at once: an older snapshot would not fit either.
-    with more than one rank, a load error on any rank is raised, not fallen back from.
     ``weights_only`` and ``rest``: as :func:`restore`. ``newest``: a snapshot name; only it and
     the snapshots before it are tried.
     """
@@ -278,12 +284,19 @@ def restore_from_latest(
     if newest is not None and newest in candidates:
         candidates = candidates[candidates.index(newest):]
     damaged: list[str] = []
+    # A failed load may have loaded some entries already: the fallback loads every entry again
+    # from the older snapshot, and an optional entry that one lacks is put back as it was
+    # before the restore (kept here, deep-copied, only for optional entries: small by nature).
+    optional = [k for k in optional_keys if k in app_state]
+    before: dict[str, Any] = {}
     for name in candidates:
         path = store.child(name)
         problem = coll.on_rank0(functools.partial(store.verify, name))
         if problem is None:
+            if not damaged:
+                before = _optional_state(app_state, optional)
             try:
-                restore(
+                loaded = restore(
                     path,
                     app_state,
                     optional_keys=optional_keys,
@@ -297,10 +310,11 @@ def restore_from_latest(
                 )
                 if damaged:
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
+                    _reset_unloaded(app_state, before, loaded, path)
                 return path
             except SnapshotCorruptError as exc:
-                if coll.world_size > 1:
-                    raise
+                if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
+                    raise  # raised on this rank only: the others cannot follow to another snapshot
                 problem = str(exc)
         if not fallback:
             raise SnapshotCorruptError(
@@ -320,6 +334,93 @@ def restore_from_latest(
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _optional_state(app_state: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    import copy
+
+    saved: dict[str, Any] = {}
+    for key in keys:
+        try:
+            saved[key] = copy.deepcopy(app_state[key].state_dict())
+        except Exception:  # cannot be kept: it is named in a warning if it must be put back
+            saved[key] = None
+    return saved
+
+
+def _reset_unloaded(app_state: Mapping[str, Any], before: Mapping[str, Any], loaded: Iterable[str], path: str) -> None:
+    """After a fallback: put back the optional entries ``path`` did not hold, which a damaged
+    snapshot's partial load may have changed, as they were before the restore."""
+    done = set(loaded)
+    for key, state in before.items():
+        if key in done:
+            continue
+        if state is not None:
+            try:
+                app_state[key].load_state_dict(state)
+                warnings.warn(
+                    f"{key} is not in {path}, the snapshot restored after falling back: it was "
+                    "put back as it was before the restore (a damaged snapshot may have been "
+                    "partly loaded into it)",
+                    stacklevel=3,
+                )
+                continue
+            except Exception:
+                pass
+        warnings.warn(
+            f"{key} is not in {path}, the snapshot restored after falling back, and could not be "
+            "put back as it was before the restore: it may hold values of the damaged snapshot; "
+            "reset it yourself",
+            stacklevel=3,
+        )
+
+
+def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], coll: Collectives) -> None:
+    """Raise on every rank if any rank failed to read its entries of snapshot ``path`` (a
+    damaged or truncated file): SnapshotCorruptError marked ``all_ranks``, so that
+    restore_from_latest falls back on every rank together; UnrestorableStateError where
+    torch's restricted unpickler refused an object."""
+    refused = next((exc for _key, exc in errors if _refused_by_weights_only(exc)), None)
+    # The plugin's own errors other than corruption (an object store that went away) are not
+    # damage: raised as they are, never fallen back from.
+    other = next(
+        (exc for _key, exc in errors if isinstance(exc, SnapshotError) and not isinstance(exc, SnapshotCorruptError)),
+        None,
+    )
+    mine: Optional[tuple[str, str]] = None
+    if other is not None:
+        mine = ("other", f"{type(other).__name__}: {other}")
+    elif refused is not None:
+        mine = ("refused", refusal(refused))
+    elif errors:
+        mine = ("corrupt", "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in errors))
+    for _key, exc in errors:
+        _close_leaked_event_loops(exc)
+    reports = coll.all_gather(mine) if coll.world_size > 1 else [mine]
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    if other is not None:
+        raise other
+    if any(kind == "other" for _rank, (kind, _msg) in failed):
+        raise DistributedError(
+            f"restoring {path} failed on another rank: "
+            + "; ".join(f"rank {rank}: {msg}" for rank, (_kind, msg) in failed)
+        )
+    cause = refused if refused is not None else (errors[0][1] if errors else None)
+    where = "" if coll.world_size == 1 else " on " + ", ".join(f"rank {rank}" for rank, _ in failed)
+    detail = "; ".join(
+        (msg if coll.world_size == 1 else f"rank {rank}: {msg}") for rank, (_kind, msg) in failed
+    )
+    if any(kind == "refused" for _rank, (kind, _msg) in failed):
+        raise UnrestorableStateError(
+            f"snapshot {path} holds an object that torch.load(weights_only=True) refuses{where}: "
+            f"{detail}. If the type is safe, allow it with torch.serialization.add_safe_globals([...]); "
+            "if you trust this snapshot (you wrote it), pass weights_only=False to load it with full pickle"
+        ) from cause
+    error = SnapshotCorruptError(f"could not load snapshot {path}{where}: {detail}")
+    error.all_ranks = True  # type: ignore[attr-defined]
+    raise error from cause
 
 
 def _raise_own_error(path: str, error: Any) -> None:

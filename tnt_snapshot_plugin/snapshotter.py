@@ -189,6 +189,8 @@ class Snapshotter:
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
+        #: prepare()'s second pass, at the first step of the run that does not snapshot
+        self._prepare_again: Optional[Callable[[], Mapping[str, Any]]] = None
         self._load_check = LoadCheck(weights_only=weights_only)
         self._pending: Optional[_Job] = None
         self._failure: Optional[str] = None
@@ -304,6 +306,27 @@ class Snapshotter:
             if self._flag_coll.distributed and self._preemption is None:
                 self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
 
+    def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
+        """Allocate and touch the staging buffers of asynchronous snapshots now, for the state
+        ``app_state()`` returns (key -> Stateful, as a snapshot gets it): the first snapshot of
+        the run then stalls training no longer than the later ones (new memory costs a page
+        fault per page when first written). Nothing is written. Run once now and once more at
+        the run's first step that does not snapshot (an optimizer's state appears at its first
+        step). No-op for synchronous snapshots; the buffers are released at train end, as ever.
+        """
+        if not self.config.async_snapshot:
+            return
+        self._prepare_again = app_state
+        self._stage_for_prepare(app_state)
+
+    def _stage_for_prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
+        if self._pending is not None:
+            return  # a write is reading the buffers
+        try:
+            self._stager.stage(app_state())
+        except Exception as exc:  # an optimisation only: the snapshot itself will say what is wrong
+            logger.debug("tnt_snapshot_plugin: staging buffers not prepared: %s", exc)
+
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
         if self._lock is None:
             holder = {**writer_identity(self._run_id), "started_at": time.time()}
@@ -409,7 +432,11 @@ class Snapshotter:
         if self._ask_should:
             due = self._should(event, epoch, step, due)
         if due:
+            self._prepare_again = None  # the snapshot staged everything
             self.save(epoch, step, functools.partial(collect, intra_epoch), event=event)
+        elif self._prepare_again is not None:
+            again, self._prepare_again = self._prepare_again, None
+            self._stage_for_prepare(again)
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
         """Take the final snapshot unless this state is already saved, and wait for it."""
@@ -446,6 +473,7 @@ class Snapshotter:
             self._wall_flag = None
         self._wall = None
         self.report_metrics(None)
+        self._prepare_again = None
         if self._pending is None:
             self._stager = Stager()
 
@@ -754,7 +782,9 @@ class Snapshotter:
                 f"writing {recorder.error_path} failed: {type(recorder.error).__name__}: "
                 f"{recorder.error}"
             )
-        sizes = coll.all_gather(recorder.sizes)
+        # Each rank's file sizes and checksums (checksums.py), gathered together: one collective.
+        gathered = coll.all_gather((recorder.sizes, recorder.checksums))
+        sizes = [rank_sizes for rank_sizes, _ in gathered]
         job.bytes_written = sum({rel: n for rank_sizes in sizes for rel, n in rank_sizes.items()}.values())
         try:
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
@@ -791,6 +821,14 @@ class Snapshotter:
                 "writer": writer,
                 "world_size": coll.world_size,
             }
+            checksums = {rel: rec for _, rank_sums in gathered for rel, rec in rank_sums.items()}
+            if checksums:
+                from .checksums import record
+                from .storage import METADATA_FNAME
+
+                # the metadata too: it holds the primitive values (numbers, strings) themselves
+                checksums[METADATA_FNAME] = record(recorder.metadata)
+                fields["checksums"] = checksums
             if job.name.metric is not None and job.name.metric_value is not None:
                 value = job.name.metric_value
                 fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}

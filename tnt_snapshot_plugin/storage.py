@@ -91,6 +91,8 @@ class WriteRecorder:
     """What one rank's write of one snapshot produced."""
 
     sizes: dict[str, int] = field(default_factory=dict)
+    #: file -> its checksum record (checksums.record), computed from the buffers as written
+    checksums: dict[str, dict[str, Any]] = field(default_factory=dict)
     metadata: Optional[bytes] = None
     error: Optional[BaseException] = None
     error_path: Optional[str] = None
@@ -243,12 +245,20 @@ def _write_durably(path: str, data: Any) -> None:
             return
         view = memoryview(data).cast("B")
         total = view.nbytes
+        hasher = getattr(_active, "hasher", None)  # set by _write_and_sum
+        piece = _HASH_PIECE if hasher is not None else _WRITE_SLICE
         offset = 0
         while offset < total:
             start = offset
             end = min(total, offset + _WRITE_SLICE)
             while offset < end:
-                offset += os.write(fd, view[offset:end])
+                upper = min(end, offset + piece)
+                if hasher is not None:
+                    # hashed just before the kernel copies it: read from memory once, for both
+                    hasher.update(view[offset:upper])
+                    hasher.fed += upper - offset
+                while offset < upper:
+                    offset += os.write(fd, view[offset:upper])
             if _sync_file_range is not None and total > _WRITE_SLICE:
                 _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
         os.fdatasync(fd)
@@ -359,8 +369,33 @@ class _RecordingPlugin:
     def __init__(self) -> None:
         self.recorder = _current_recorder()
 
-    async def _put(self, rel_path: str, buf: Any) -> None:
+    async def _put(self, rel_path: str, buf: Any) -> Optional[dict[str, Any]]:
+        """Write ``buf`` to ``rel_path``; its checksum record (``checksums.record``), computed
+        on the I/O thread from the buffer in hand."""
         raise NotImplementedError
+
+    _verifier: Any = False  # not loaded yet
+
+    def _load_index(self) -> Optional[bytes]:
+        raise NotImplementedError
+
+    def checksum_verifier(self) -> Any:
+        """The snapshot's ``checksums.Verifier`` (from its index), None if it records none."""
+        if self._verifier is False:
+            from .checksums import Verifier
+
+            self._verifier = Verifier.from_index(self._where(), self._load_index())
+        return self._verifier
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _verify_read(self, read_io: Any) -> None:
+        """Check what ``read`` returned against the snapshot's checksums."""
+        verifier = self.checksum_verifier()
+        if verifier is not None:
+            start = 0 if read_io.byte_range is None else read_io.byte_range[0]
+            verifier.check(read_io.path, start, read_io.buf.getvalue())
 
     async def write(self, write_io: Any) -> None:
         rec = self.recorder
@@ -373,11 +408,13 @@ class _RecordingPlugin:
         if rec.error is not None:
             return  # this rank already failed; the others learn it when the ranks agree
         try:
-            await self._put(write_io.path, write_io.buf)
+            checksum = await self._put(write_io.path, write_io.buf)
         except Exception as exc:  # recorded, and raised on every rank by the saver
             rec.error, rec.error_path = exc, write_io.path
             return
         rec.sizes[write_io.path] = buffer_nbytes(write_io.buf)
+        if checksum is not None:
+            rec.checksums[write_io.path] = checksum
 
 
 def _storage_plugin_base() -> type:
@@ -397,11 +434,21 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             #: compat.Snapshot reads raw tensors from here itself (direct_read.py).
             self.direct_read_root = root
 
-        async def _put(self, rel_path: str, buf: Any) -> None:
+        async def _put(self, rel_path: str, buf: Any) -> Optional[dict[str, Any]]:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                _io_pool(), _write_durably, os.path.join(self.root, rel_path), buf
+            return await loop.run_in_executor(  # type: ignore[no-any-return]
+                _io_pool(), _write_and_sum, os.path.join(self.root, rel_path), buf
             )
+
+        def _where(self) -> str:
+            return str(self.root)
+
+        def _load_index(self) -> Optional[bytes]:
+            try:
+                with open(os.path.join(self.root, INDEX_FNAME), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
 
         async def read(self, read_io: Any) -> None:
             path = os.path.join(self.root, read_io.path)
@@ -417,14 +464,39 @@ def fs_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
                 if view is not None:
                     read_io.buf = _Mapped(view)
                     _check_complete_read(read_io)
+                    # hashing the mapped pages is what reads them from the disk
+                    await asyncio.get_running_loop().run_in_executor(_io_pool(), self._verify_read, read_io)
                     return
             data = await asyncio.get_running_loop().run_in_executor(
                 _io_pool(), _read_file, path, read_io.byte_range
             )
             read_io.buf = io.BytesIO(data)  # shares ``data``: getvalue() returns it uncopied
             _check_complete_read(read_io)
+            self._verify_read(read_io)
 
     return _FSPlugin(path)
+
+
+#: Payloads are hashed in pieces of this size, each just before it is written (in the cache).
+_HASH_PIECE = 1024 * 1024
+
+
+def _write_and_sum(path: str, data: Any) -> dict[str, Any]:
+    """``_write_durably`` and the checksum record of what was written (checksums.record):
+    a plain buffer is hashed piece by piece as it is written."""
+    from .checksums import ALGO, new_hasher, record
+
+    if isinstance(data, Gathered):
+        _write_durably(path, data)
+        return record(data)
+    hasher = _active.hasher = new_hasher()
+    try:
+        _write_durably(path, data)
+    finally:
+        _active.hasher = None
+    if hasher.fed != buffer_nbytes(data):  # not written by the function above (tests replace it)
+        return record(data)
+    return {"algo": ALGO, "value": hasher.hexdigest()}
 
 
 def _check_complete_read(read_io: Any) -> None:
@@ -580,12 +652,33 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             finally:
                 body.close()
 
-        async def _put(self, rel_path: str, buf: Any) -> None:
+        async def _put(self, rel_path: str, buf: Any) -> Optional[dict[str, Any]]:
+            from .checksums import record
+
             body = buf.tobytes() if isinstance(buf, Gathered) else bytes(buf)
-            await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: self.client.put_object(Bucket=bucket, Key=self._key(rel_path), Body=body),
-            )
+
+            def put() -> dict[str, Any]:
+                self.client.put_object(Bucket=bucket, Key=self._key(rel_path), Body=body)
+                return record(buf)
+
+            return await asyncio.get_running_loop().run_in_executor(None, put)  # type: ignore[no-any-return]
+
+        def _where(self) -> str:
+            return f"s3://{bucket}/{root}"
+
+        def _load_index(self) -> Optional[bytes]:
+            key = self._key(INDEX_FNAME)
+            try:
+                with s3_errors(f"s3://{bucket}/{key}"):
+                    body = self.client.get_object(Bucket=bucket, Key=key)["Body"]
+            except StorageUnavailableError as exc:
+                if _is_missing_key(exc.__cause__):
+                    return None
+                raise
+            try:
+                return body.read()  # type: ignore[no-any-return]
+            finally:
+                body.close()
 
         async def read(self, read_io: Any) -> None:
             if not _relative_inside(read_io.path):  # refused before any request, as on disk
@@ -604,6 +697,7 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
 
             read_io.buf = io.BytesIO(await asyncio.get_running_loop().run_in_executor(None, get))
             _check_complete_read(read_io)
+            self._verify_read(read_io)
 
         async def delete(self, path: str) -> None:
             self.client.delete_object(Bucket=bucket, Key=self._key(path))
@@ -871,7 +965,8 @@ class Store:
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
             return None
         except Exception as exc:
-            if _is_missing_key(exc):
+            # read_file raises the plugin's error (s3_errors), botocore's as its cause
+            if _is_missing_key(exc) or _is_missing_key(exc.__cause__):  # type: ignore[arg-type]
                 return None
             raise
         return value if isinstance(value, dict) else None
@@ -964,6 +1059,17 @@ class Store:
                 return f"file {rel} is missing"
             if actual != size:
                 return f"file {rel} has {actual} bytes, {size} were written"
+        # The metadata's checksum (a small file; every rank reads it before loading anything).
+        record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
+        if isinstance(record, dict):
+            from .checksums import Verifier
+
+            try:
+                Verifier(self.child(name), {METADATA_FNAME: record}, {}).check(
+                    METADATA_FNAME, 0, self.read_file(name, METADATA_FNAME)
+                )
+            except SnapshotError as exc:
+                return str(exc)
         return None
 
 

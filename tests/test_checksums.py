@@ -1,0 +1,310 @@
+"""Checksums: every payload's xxh3_64 is written into the index, and restore verifies the bytes it
+reads. A byte flipped in any kind of entry (the size unchanged) is damage: restore_from_latest
+falls back to the previous snapshot with a warning naming the file, and every entry then comes
+from that snapshot, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tnt_snapshot_plugin import (
+    SnapshotConfig,
+    SnapshotCorruptError,
+    Snapshotter,
+    restore,
+    restore_from_latest,
+)
+from tnt_snapshot_plugin.checksums import ALGO
+from toy import Holder
+
+INDEX = ".tnt_snapshot_index.json"
+
+
+def model_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(700_000, generator=g),  # a file of its own, read straight into the target
+        "small": [torch.randn(64, generator=g) for _ in range(20)],  # packed into one file
+    }
+
+
+def other_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        # non-contiguous targets: torchsnapshot's reader (a packed range; a file of its own, mapped)
+        "transposed": torch.randn(4, 6, generator=g).t(),
+        "transposed_big": torch.randn(600, 600, generator=g).t(),
+        "object": {seed, seed + 1},  # pickled (torch.save)
+        "step": seed,  # a primitive: in the metadata, no payload file
+    }
+
+
+def zeros_like(state):
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)  # keeps the layout: transposed stays non-contiguous
+    if isinstance(state, dict):
+        return {k: zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like(v) for v in state]
+    return None
+
+
+def assert_identical(got, want):
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_identical(got[k], want[k])
+    elif isinstance(want, list):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_identical(a, b)
+    else:
+        assert got == want
+
+
+def rng_states() -> tuple:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def write_two(dirpath: Path) -> tuple:
+    """Snapshots epoch_0_step_1 and epoch_0_step_2 (seeds 1 and 2); the RNG states each saved."""
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model", "other"], 0, 0)
+    saved_rng = {}
+    for step in (1, 2):
+        seed_all(100 + step)
+        saved_rng[step] = rng_states()
+        saver.save(0, step, {"model": Holder(model_state(step)), "other": Holder(other_state(step))})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    return saved_rng
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    dirpath = tmp_path_factory.mktemp("checksums") / "run"
+    saved_rng = write_two(dirpath)
+    return dirpath, saved_rng
+
+
+@pytest.fixture
+def copy(written, tmp_path):
+    import shutil
+
+    source, saved_rng = written
+    dirpath = tmp_path / "run"
+    shutil.copytree(source, dirpath)
+    return dirpath, saved_rng
+
+
+def manifest(snapshot: Path) -> dict:
+    return json.loads((snapshot / ".snapshot_metadata").read_text())["manifest"]
+
+
+def payload(snapshot: Path, entry_path: str) -> tuple[Path, int, int]:
+    """(file, start, end) of the bytes of manifest entry ``entry_path`` ("0/model/big", ...)."""
+    entry = manifest(snapshot)[entry_path]
+    location = entry.get("location") or entry["chunks"][0]["tensor"]["location"]
+    file = snapshot / location
+    start, end = entry.get("byte_range") or (0, file.stat().st_size)
+    return file, start, end
+
+
+def flip(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x5A
+    file.write_bytes(bytes(data))
+
+
+def restore_fresh(dirpath: Path, **kwargs):
+    model = Holder(zeros_like(model_state(0)))
+    other = Holder(zeros_like(other_state(0)))
+    seed_all(999)
+    result = restore_from_latest(str(dirpath), {"model": model, "other": other}, **kwargs)
+    return result, model.state, other.state
+
+
+def test_the_index_records_a_checksum_per_payload_and_one_per_packed_tensor(written):
+    dirpath, _ = written
+    snapshot = dirpath / "epoch_0_step_2"
+    index = json.loads((snapshot / INDEX).read_text())
+    sums = index["checksums"]
+    assert set(sums) == set(index["files"]) | {".snapshot_metadata"}  # every file, the metadata too
+    assert all(rec["algo"] == ALGO for rec in sums.values())
+    packed_file, start, end = payload(snapshot, "0/model/small/3")
+    ranges = sums[str(packed_file.relative_to(snapshot))]["ranges"]
+    assert [start, end] in [r[:2] for r in ranges]
+    assert len(ranges) > 1
+
+
+ENTRIES = {
+    # entry kind -> manifest path of the entry whose bytes are flipped
+    "raw tensor read directly": "0/model/big",
+    "packed small tensor read directly": "0/model/small/7",
+    "packed tensor through torchsnapshot's reader": "0/other/transposed",
+    "mapped file through torchsnapshot's reader": "0/other/transposed_big",
+    "pickled object": "0/other/object",
+    "RNG state": None,  # the RNG state's payload (found below)
+}
+
+
+def test_a_flipped_digit_in_the_metadata_falls_back(copy):
+    """Primitive values (here ``step``) live in the metadata itself: it is checksummed too."""
+    dirpath, _ = copy
+    metadata = dirpath / "epoch_0_step_2" / ".snapshot_metadata"
+    text = metadata.read_text()
+    assert '"serialized_value": "2"' in text
+    metadata.write_text(text.replace('"serialized_value": "2"', '"serialized_value": "7"', 1))
+    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: .*snapshot_metadata.*checksum"):
+        result, model, other = restore_fresh(dirpath)
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert other["step"] == 1
+
+
+def rng_entry(snapshot: Path) -> str:
+    paths = [p for p, e in manifest(snapshot).items() if p.startswith("0/rng_state/") and e.get("location")]
+    assert paths, "the RNG state has a payload file"
+    return sorted(paths)[0]
+
+
+@pytest.mark.parametrize("kind", list(ENTRIES))
+def test_a_flipped_byte_in_any_entry_falls_back_to_the_previous_snapshot_bitwise(copy, kind):
+    dirpath, saved_rng = copy
+    newest = dirpath / "epoch_0_step_2"
+    entry = ENTRIES[kind] or rng_entry(newest)
+    file, start, end = payload(newest, entry)
+    size = file.stat().st_size
+    flip(file, (start + end) // 2)
+    assert file.stat().st_size == size  # the size index alone cannot see it
+
+    rel = str(file.relative_to(newest))
+    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: ") as caught:
+        result, model, other = restore_fresh(dirpath)
+    damaged = [w for w in caught if "skipping damaged snapshot" in str(w.message)]
+    assert len(damaged) == 1 and rel in str(damaged[0].message) and "checksum" in str(damaged[0].message)
+    assert result == str(dirpath / "epoch_0_step_1")
+    # every entry, the ones loaded before the damage was met included, is the older snapshot's
+    assert_identical(model, model_state(1))
+    assert_identical(other, other_state(1))
+    torch_rng, py_rng, np_rng = rng_states()
+    assert torch.equal(torch_rng, saved_rng[1][0])
+    assert py_rng == saved_rng[1][1]
+    assert np.array_equal(np_rng, saved_rng[1][2])
+
+
+def test_restoring_a_damaged_snapshot_by_path_names_the_file_and_the_entry(copy):
+    dirpath, _ = copy
+    newest = dirpath / "epoch_0_step_2"
+    file, start, end = payload(newest, "0/model/big")
+    flip(file, start + 5)
+    with pytest.raises(SnapshotCorruptError) as info:
+        restore(str(newest), {"model": Holder(zeros_like(model_state(0))), "other": Holder(zeros_like(other_state(0)))})
+    message = str(info.value)
+    assert str(file.relative_to(newest)) in message and "model/big" in message
+
+
+def test_snapshots_without_checksums_still_restore(copy):
+    dirpath, _ = copy
+    for snapshot in dirpath.glob("epoch_*"):
+        index = json.loads((snapshot / INDEX).read_text())
+        del index["checksums"]
+        (snapshot / INDEX).write_text(json.dumps(index))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result, model, other = restore_fresh(dirpath)
+    assert result == str(dirpath / "epoch_0_step_2")
+    assert_identical(model, model_state(2))
+    assert_identical(other, other_state(2))
+
+
+def test_the_cli_verify_finds_the_flipped_file(copy):
+    from tnt_snapshot_plugin.cli import check_snapshot, survey
+    from tnt_snapshot_plugin.storage import LocalStore
+
+    dirpath, _ = copy
+    newest = dirpath / "epoch_0_step_2"
+    file, start, _ = payload(newest, "0/model/small/2")
+    flip(file, start)
+    infos = {i.name: i for i in survey(LocalStore(str(dirpath)), checksums=True)}
+    assert not infos["epoch_0_step_1"].problems
+    problems = infos["epoch_0_step_2"].problems
+    assert any(str(file.relative_to(newest)) in p and ALGO in p for p in problems), problems
+    assert check_snapshot  # the function verify runs per snapshot
+
+
+def test_only_damage_read_while_loading_counts_as_corruption():
+    """What restore collects while loading: damaged bytes are corruption, agreed by every rank
+    (restore_from_latest falls back); an object store that went away is raised as it is."""
+    from tnt_snapshot_plugin import StorageUnavailableError
+    from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.restoring import _agree_on_read_errors
+
+    solo = Collectives(None)
+    _agree_on_read_errors("p", [], solo)  # nothing failed: nothing raised
+    with pytest.raises(SnapshotCorruptError, match="could not load snapshot p: model: EOFError: short") as info:
+        _agree_on_read_errors("p", [("model", EOFError("short"))], solo)
+    assert info.value.all_ranks is True
+    with pytest.raises(StorageUnavailableError, match="endpoint down"):
+        _agree_on_read_errors("p", [("model", StorageUnavailableError("endpoint down"))], solo)
+
+
+def test_after_a_fallback_an_optional_entry_the_older_snapshot_lacks_is_put_back(tmp_path):
+    """The damaged snapshot's loader state was loaded before its damaged model was met; the older
+    snapshot holds no loader state: the loader is put back as it was before the restore."""
+    dirpath = tmp_path / "run"
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model", "loader"], 0, 0)
+    saver.save(0, 1, {"model": Holder(model_state(1))})  # an epoch-end snapshot: no loader state
+    saver.save(0, 2, {"model": Holder(model_state(2)), "loader": Holder({"position": torch.tensor(5)})})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    newest = dirpath / "epoch_0_step_2"
+    file, start, end = payload(newest, "0/model/big")
+    flip(file, start + 1)
+
+    model = Holder(zeros_like(model_state(0)))
+    loader = Holder({"position": torch.tensor(0)})
+    with pytest.warns(UserWarning) as caught:
+        result = restore_from_latest(str(dirpath), {"loader": loader, "model": model}, optional_keys=["loader"])
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert_identical(model.state, model_state(1))
+    assert loader.state == {"position": torch.tensor(0)}
+    assert any("loader is not in" in str(w.message) and "put back" in str(w.message) for w in caught)
+
+
+def test_a_flipped_byte_in_a_chunk_of_a_chunked_tensor_falls_back(tmp_path, monkeypatch):
+    """A tensor saved in chunks is read by torchsnapshot's reader, chunk by chunk."""
+    dirpath = tmp_path / "run"
+    monkeypatch.setenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE", str(64 * 1024))
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model"], 0, 0)
+    for step in (1, 2):
+        saver.save(0, step, {"model": Holder({"w": torch.full((100_000,), float(step))})})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    monkeypatch.delenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE")
+    newest = dirpath / "epoch_0_step_2"
+    entry = manifest(newest)["0/model/w"]
+    assert entry["type"] == "ChunkedTensor" and len(entry["chunks"]) > 1
+    chunk = entry["chunks"][-1]["tensor"]
+    file = newest / chunk["location"]
+    start, end = chunk.get("byte_range") or (0, file.stat().st_size)
+    flip(file, (start + end) // 2)
+    got = Holder({"w": torch.zeros(100_000)})
+    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_2: .*{chunk['location']}.*checksum"):
+        result = restore_from_latest(str(dirpath), {"model": got})
+    assert result == str(dirpath / "epoch_0_step_1")
+    assert torch.equal(got.state["w"], torch.full((100_000,), 1.0))

@@ -1,0 +1,196 @@
+"""Checksums of a snapshot's payload files: computed as they are written, verified as they are read.
+
+The index ``.tnt_snapshot_index.json`` holds, under ``checksums``, one record per payload file
+(``{"algo": "xxh3_64", "value": HEX}``, the whole file's digest, as ``tnt-snapshot verify``
+checks it). A file of several small tensors packed end to end (``storage.Gathered``) also gets
+``"ranges": [[start, end, HEX], ...]``, one per tensor: torchsnapshot and the direct reader read
+such tensors by byte range, and each range is verified on its own.
+
+xxh3_64 (the ``xxhash`` package) was measured against google-crc32c on the project's machine
+(benchmarks/checksum_speed.py): 17-19 GB/s on 64 MiB, 49 GB/s on 1 MiB and 23 GB/s on 4 KiB
+buffers, against 8-14, 24 and 12 GB/s for crc32c, which also refuses memoryviews (a copy per
+buffer). Either is well above the disk (1.0-2.7 GB/s cold reads, NOTES.md).
+
+A read whose bytes differ from the record raises :class:`SnapshotCorruptError` naming the file,
+the byte range and, where the reader knows it, the entry. Snapshots without checksums (older
+ones, torchtnt's) are read unchecked.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from typing import Any, Optional
+
+import xxhash
+
+from .errors import SnapshotCorruptError
+
+ALGO = "xxh3_64"
+
+_digest = xxhash.xxh3_64_hexdigest
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class _Hasher:
+    """A streaming xxh3_64 that counts the bytes it was fed."""
+
+    __slots__ = ("_h", "fed", "update")
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.fed = 0
+        self.update = self._h.update
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()  # type: ignore[no-any-return]
+
+
+def new_hasher() -> _Hasher:
+    return _Hasher()
+
+
+def record(buf: Any) -> dict[str, Any]:
+    """The checksum record of a file written from ``buf`` (a buffer, or a ``storage.Gathered``)."""
+    views = getattr(buf, "views", None)
+    if views is None:
+        return {"algo": ALGO, "value": _digest(_bytes_view(buf))}
+    whole = xxhash.xxh3_64()
+    ranges = []
+    offset = 0
+    for view in views:
+        whole.update(view)
+        ranges.append([offset, offset + view.nbytes, _digest(view)])
+        offset += view.nbytes
+    return {"algo": ALGO, "value": whole.hexdigest(), "ranges": ranges}
+
+
+_last: dict[tuple[str, int, str], Optional["Verifier"]] = {}
+
+
+class Verifier:
+    """Checks bytes read from one snapshot against its index's checksum records."""
+
+    def __init__(self, where: str, records: dict[str, Any], sizes: dict[str, Any]) -> None:
+        self.where = where
+        self._records: dict[str, tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]] = {}
+        #: (file, start, end) -> digest of every whole file and packed tensor: one lookup per read
+        self._exact: dict[tuple[str, int, int], str] = {}
+        self._raw: dict[str, Any] = {}  # ranges not indexed for sub-range reads yet
+        for rel, rec in records.items():
+            if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
+                continue  # another algorithm (or a damaged record): not checked here
+            size = sizes.get(rel)
+            size = size if isinstance(size, int) else None
+            self._records[rel] = (size, rec["value"], [], [])
+            if size is not None:
+                self._exact[rel, 0, size] = rec["value"]
+            ranges = rec.get("ranges")
+            if ranges:
+                self._raw[rel] = ranges
+                exact = self._exact
+                for r in ranges:
+                    exact[rel, r[0], r[1]] = r[2]
+        #: bytes verified by this verifier (tests and benchmarks read it)
+        self.verified_bytes = 0
+
+    @classmethod
+    def from_index(cls, where: str, index_bytes: Optional[bytes]) -> Optional["Verifier"]:
+        """The verifier of the snapshot whose index is ``index_bytes``; None when it records no
+        checksums (or there is no index: a snapshot torchtnt wrote)."""
+        if index_bytes is None:
+            return None
+        # One restore opens the snapshot twice (its metadata, then its entries): the verifier of
+        # the last index seen is reused when the index is the same, byte for byte.
+        key = (where, len(index_bytes), _digest(index_bytes))
+        cached = _last.get(key, False)
+        if cached is not False:
+            return cached  # type: ignore[no-any-return]
+        verifier = cls._parse(where, index_bytes)
+        _last.clear()
+        _last[key] = verifier
+        return verifier
+
+    @classmethod
+    def _parse(cls, where: str, index_bytes: bytes) -> Optional["Verifier"]:
+        try:
+            index = json.loads(index_bytes)
+        except ValueError as exc:
+            raise SnapshotCorruptError(f"the index of {where} is unreadable ({exc}): the snapshot is damaged") from exc
+        records = index.get("checksums") if isinstance(index, dict) else None
+        if not isinstance(records, dict) or not records:
+            return None
+        sizes = index.get("files")
+        return cls(where, records, sizes if isinstance(sizes, dict) else {})
+
+    def check(self, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
+        """Verify ``data``, the bytes of file ``rel`` from offset ``start``.
+
+        The whole file is checked against its record; a byte range against the records of the
+        packed tensors it covers entirely. Raises SnapshotCorruptError on a mismatch.
+        """
+        found = self._records.get(rel)
+        if found is None:
+            return
+        view = _bytes_view(data)
+        end = start + view.nbytes
+        expected = self._exact.get((rel, start, end))
+        if expected is not None:  # a whole file or one packed tensor
+            if _digest(view) != expected:
+                self._fail(rel, start, end, entry)
+            self.verified_bytes += view.nbytes
+            return
+        size, value, starts, ranges = self._indexed(rel)
+        if start == 0 and (size is None or end == size):
+            if _digest(view) != value:
+                self._fail(rel, 0, end, entry)
+            self.verified_bytes += view.nbytes
+            return
+        i = bisect.bisect_left(starts, start)
+        while i < len(ranges) and ranges[i][1] <= end:
+            lower, upper, expected = ranges[i]
+            if _digest(view[lower - start:upper - start]) != expected:
+                self._fail(rel, lower, upper, entry)
+            self.verified_bytes += upper - lower
+            i += 1
+
+    def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:
+        """The record of ``rel`` with its packed ranges sorted (built at the first read of a
+        range that is not exactly one payload: torchsnapshot's batched reads)."""
+        raw = self._raw.pop(rel, None)
+        if raw is not None:
+            size, value, _, _ = self._records[rel]
+            ranges = sorted((int(r[0]), int(r[1]), str(r[2])) for r in raw if len(r) == 3)
+            self._records[rel] = (size, value, [r[0] for r in ranges], ranges)
+        return self._records[rel]
+
+    def streaming(self, rel: str, start: int, nbytes: int) -> Optional[tuple[Any, str]]:
+        """(hasher, expected) to check bytes ``start:start+nbytes`` of ``rel`` piece by piece,
+        when they are exactly one recorded payload (the whole file or a packed tensor)."""
+        found = self._records.get(rel)
+        if found is None:
+            return None
+        expected = self._exact.get((rel, start, start + nbytes))
+        if expected is None and start == 0 and found[0] is None:
+            expected = found[1]  # the whole file, its size not recorded
+        return None if expected is None else (xxhash.xxh3_64(), expected)
+
+    def finish(self, rel: str, start: int, nbytes: int, hasher: Any, expected: str, entry: Optional[str] = None) -> None:
+        if hasher.hexdigest() != expected:
+            self._fail(rel, start, start + nbytes, entry)
+        self.verified_bytes += nbytes
+
+    def _fail(self, rel: str, start: int, end: int, entry: Optional[str]) -> None:
+        what = f" (entry {entry})" if entry else ""
+        raise SnapshotCorruptError(
+            f"{self.where}/{rel}{what}: bytes {start}-{end} do not match the {ALGO} checksum "
+            "recorded when the snapshot was written: the file is damaged. Restore an older "
+            "snapshot (restore_from_latest falls back to one by itself)"
+        )
+
+
+__all__ = ["ALGO", "Verifier", "record"]
