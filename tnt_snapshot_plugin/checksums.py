@@ -109,7 +109,7 @@ class Verifier:
         key = (where, len(index_bytes), _digest(index_bytes))
         cached = _last.get(key, False)
         if cached is not False:
-            return cached  # type: ignore[no-any-return]
+            return cached  # type: ignore[no-any-return, return-value]
         verifier = cls._parse(where, index_bytes)
         _last.clear()
         _last[key] = verifier

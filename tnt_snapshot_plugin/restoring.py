@@ -230,7 +230,7 @@ def restore(
         raise SnapshotCorruptError(
             f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
         ) from exc
-    _agree_on_read_errors(path, snapshot.read_errors, coll)
+    _agree_on_read_errors(path, snapshot.read_errors or [], coll)
     if own_error is not None:
         _raise_own_error(path, own_error)
     if rest is not None:

@@ -671,10 +671,8 @@ def s3_storage_factory(path: str, storage_options: Optional[dict[str, Any]] = No
             try:
                 with s3_errors(f"s3://{bucket}/{key}"):
                     body = self.client.get_object(Bucket=bucket, Key=key)["Body"]
-            except StorageUnavailableError as exc:
-                if _is_missing_key(exc.__cause__):
-                    return None
-                raise
+            except FileNotFoundError:  # no index: a snapshot the plugin did not write
+                return None
             try:
                 return body.read()  # type: ignore[no-any-return]
             finally:
@@ -1143,6 +1141,8 @@ def _lease_warning(store: "S3Store", exc: BaseException) -> None:
 
 def _is_missing_key(exc: BaseException) -> bool:
     # S3Store's methods raise the plugin's errors from botocore's (``s3_errors``): look at both
+    if isinstance(exc, FileNotFoundError):  # s3_errors maps a missing key to one
+        return True
     for error in (exc, exc.__cause__):
         response = getattr(error, "response", None)
         code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
