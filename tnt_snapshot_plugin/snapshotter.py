@@ -51,7 +51,7 @@ from .app_state import (
     freeze_without_copy,
     replicated_patterns,
 )
-from .cadence import PREEMPTED, TIME_DUE, WallClock
+from .cadence import GO_ON, PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
 from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
 from .errors import (
@@ -358,11 +358,18 @@ class Snapshotter:
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        self._reap_or_warn(step)
-        wall = self._wall
-        agreed = 0
-        if self._preemption is not None:
-            agreed = self._preemption.poll(wall.vote() if wall is not None else 0)
+        # The hot path. A training loop runs it cold (the step's own work has evicted it from
+        # the CPU caches), so it makes no call it can skip: in one process, a step with nothing
+        # pending, no wall clock and no plugin asking makes no call at all.
+        if self._pending is not None or self._failure is not None:
+            self._reap_or_warn(step)
+        preemption, wall = self._preemption, self._wall
+        agreed = GO_ON
+        if preemption is not None:
+            if wall is None and not preemption.distributed:
+                agreed = GO_ON if preemption.received is None else PREEMPTED  # what poll() returns
+            else:
+                agreed = preemption.poll(GO_ON if wall is None else wall.vote())
             if agreed == PREEMPTED:
                 self._preempt(epoch, step, collect)
                 return
@@ -373,7 +380,10 @@ class Snapshotter:
         due = (n is not None and step % n == 0) or (
             agreed == TIME_DUE and wall is not None and wall.due(agreed)
         )
-        self._save_if_due("step", epoch, step, due, collect, True)
+        if self._ask_should:
+            due = self._should("step", epoch, step, due)
+        if due:
+            self.save(epoch, step, functools.partial(collect, True), event="step")
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
