@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class PreemptionHandler:
     def __init__(self, signals: tuple[signal.Signals, ...], collectives: Collectives) -> None:
         self._signals = signals
-        #: the signal received, read by the saver's hot path (in one process the poll is this flag)
+        #: the signal received; the saver's hot path reads it (in one process, poll() is this flag)
         self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
         self._flag = AgreedFlag(collectives) if collectives.distributed else None

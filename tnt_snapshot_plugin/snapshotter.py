@@ -359,17 +359,29 @@ class Snapshotter:
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
-        # the CPU caches), so it makes no call it can skip: in one process, a step with nothing
-        # pending, no wall clock and no plugin asking makes no call at all.
+        # the CPU caches), so the common step, which has nothing to do, reads a few attributes
+        # and returns: nothing pending or failed, no wall clock, no plugin asking, in one
+        # process no signal received, and the step cadence not due.
+        preemption = self._preemption
+        if (
+            self._pending is None
+            and self._failure is None
+            and self._wall is None
+            and not self._ask_should
+            and (preemption is None or (preemption.received is None and not preemption.distributed))
+        ):
+            n = self._every_n_steps
+            if n is None or step % n != 0:
+                return
+        self._step_end(epoch, step, collect)
+
+    def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
         if self._pending is not None or self._failure is not None:
             self._reap_or_warn(step)
         preemption, wall = self._preemption, self._wall
         agreed = GO_ON
         if preemption is not None:
-            if wall is None and not preemption.distributed:
-                agreed = GO_ON if preemption.received is None else PREEMPTED  # what poll() returns
-            else:
-                agreed = preemption.poll(GO_ON if wall is None else wall.vote())
+            agreed = preemption.poll(GO_ON if wall is None else wall.vote())
             if agreed == PREEMPTED:
                 self._preempt(epoch, step, collect)
                 return
