@@ -230,8 +230,20 @@ class TorchSnapshotSaver(Callback):
             # between iter() and the first next(): set the state again after the first fetch.
             self._rng_after_first_fetch = restored
 
-    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
-        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator."""
+    @property
+    def on_train_get_next_batch_end(self) -> Callable[[State, TrainUnit[Any]], None]:
+        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator.
+
+        torchtnt calls a per-step hook only on callbacks that override it, which it checks once,
+        when ``train``/``fit`` starts, by comparing the hook's code with ``Callback``'s. Only a run
+        that resumes from a restore needs this one, so any other run gets ``Callback``'s no-op
+        here and pays no dispatch on every batch.
+        """
+        if _restored_rng or self._rng_after_first_fetch is not None:
+            return self._reset_rng_after_first_fetch
+        return super().on_train_get_next_batch_end
+
+    def _reset_rng_after_first_fetch(self, state: State, unit: TrainUnit[Any]) -> None:
         if self._rng_after_first_fetch is not None:
             rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
             RNGState().load_state_dict(rng)

@@ -283,6 +283,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         n = args.hook_calls or (20_000 if args.quick else 200_000)
         print("## hook cost on a non-saving step", file=log, flush=True)
         results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
+        from loop import loop_costs
+
+        print("## hook cost on a non-saving step in real torchtnt loops", file=log, flush=True)
+        results["loop"] = (
+            loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
+            else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0)
+        )
         for spec in specs:
             reps = args.reps or spec.reps
             results["sizes"].append(run_size(spec, select(args.methods), workdir, reps, log))

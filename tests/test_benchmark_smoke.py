@@ -68,6 +68,12 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
         "torchtnt TorchSnapshotSaver.on_train_step_end",
     }
     assert all(v["per_call_ns"] > 0 for v in hooks.values())
+    loop = results["loop"]["candidates"]
+    assert set(loop) == {
+        "no callback", "no-op torchtnt Callback", "torchtnt TorchSnapshotSaver",
+        "tnt_snapshot_plugin TorchSnapshotSaver",
+    }
+    assert all(v["per_step_ns"] > 0 and v["samples"] == 80 for v in loop.values())
 
     table = table_file.read_text()
     assert table in proc.stdout  # printed too

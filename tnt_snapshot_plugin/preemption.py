@@ -26,9 +26,12 @@ logger = logging.getLogger(__name__)
 class PreemptionHandler:
     def __init__(self, signals: tuple[signal.Signals, ...], collectives: Collectives) -> None:
         self._signals = signals
-        self._received: Optional[int] = None
+        #: the signal received; the saver's hot path reads it (in one process, poll() is this flag)
+        self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
         self._flag = AgreedFlag(collectives) if collectives.distributed else None
+        #: whether the ranks must agree on it (poll() then runs a collective)
+        self.distributed = self._flag is not None
 
     def install(self) -> None:
         if not self._signals or self._previous:
@@ -53,13 +56,13 @@ class PreemptionHandler:
             self._flag.drain()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if self._received is None:
-            self._received = signum
+        if self.received is None:
+            self.received = signum
 
     def poll(self, vote: int = 0) -> int:
         """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);
         all ranks get the same answer at the same step."""
-        local = PREEMPTED if self._received is not None else vote
+        local = PREEMPTED if self.received is not None else vote
         if self._flag is None:
             return local
         return self._flag.poll(local)
@@ -67,14 +70,14 @@ class PreemptionHandler:
     @property
     def received_signal(self) -> int:
         """The signal this rank received (a rank told by another one: the first watched signal)."""
-        return self._received if self._received is not None else self._signals[0]
+        return self.received if self.received is not None else self._signals[0]
 
     def finish(self) -> None:
         """After the final snapshot: hand the signal to whoever handled it before us."""
         sig = self.received_signal
         previous = self._previous.get(sig, signal.SIG_DFL)
         self.uninstall()
-        self._received = None
+        self.received = None
         if callable(previous):
             previous(sig, None)
         elif previous == signal.SIG_DFL or previous is None:

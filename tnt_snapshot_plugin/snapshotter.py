@@ -51,7 +51,7 @@ from .app_state import (
     freeze_without_copy,
     replicated_patterns,
 )
-from .cadence import PREEMPTED, TIME_DUE, WallClock
+from .cadence import GO_ON, PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
 from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
 from .errors import (
@@ -381,11 +381,30 @@ class Snapshotter:
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        self._reap_or_warn(step)
-        wall = self._wall
-        agreed = 0
-        if self._preemption is not None:
-            agreed = self._preemption.poll(wall.vote() if wall is not None else 0)
+        # The hot path. A training loop runs it cold (the step's own work has evicted it from
+        # the CPU caches), so the common step, which has nothing to do, reads a few attributes
+        # and returns: nothing pending or failed, no wall clock, no plugin asking, in one
+        # process no signal received, and the step cadence not due.
+        preemption = self._preemption
+        if (
+            self._pending is None
+            and self._failure is None
+            and self._wall is None
+            and not self._ask_should
+            and (preemption is None or (preemption.received is None and not preemption.distributed))
+        ):
+            n = self._every_n_steps
+            if n is None or step % n != 0:
+                return
+        self._step_end(epoch, step, collect)
+
+    def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
+        if self._pending is not None or self._failure is not None:
+            self._reap_or_warn(step)
+        preemption, wall = self._preemption, self._wall
+        agreed = GO_ON
+        if preemption is not None:
+            agreed = preemption.poll(GO_ON if wall is None else wall.vote())
             if agreed == PREEMPTED:
                 self._preempt(epoch, step, collect)
                 return
@@ -396,7 +415,10 @@ class Snapshotter:
         due = (n is not None and step % n == 0) or (
             agreed == TIME_DUE and wall is not None and wall.due(agreed)
         )
-        self._save_if_due("step", epoch, step, due, collect, True)
+        if self._ask_should:
+            due = self._should("step", epoch, step, due)
+        if due:
+            self.save(epoch, step, functools.partial(collect, True), event="step")
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
