@@ -383,12 +383,13 @@ class Snapshotter:
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
         # the CPU caches), so the common step, which has nothing to do, reads a few attributes
-        # and returns: nothing pending or failed, no wall clock, no plugin asking, in one
-        # process no signal received, and the step cadence not due.
+        # and returns: nothing pending or failed, staging buffers prepared, no wall clock, no
+        # plugin asking, in one process no signal received, and the step cadence not due.
         preemption = self._preemption
         if (
             self._pending is None
             and self._failure is None
+            and self._prepare_again is None
             and self._wall is None
             and not self._ask_should
             and (preemption is None or (preemption.received is None and not preemption.distributed))
@@ -415,10 +416,7 @@ class Snapshotter:
         due = (n is not None and step % n == 0) or (
             agreed == TIME_DUE and wall is not None and wall.due(agreed)
         )
-        if self._ask_should:
-            due = self._should("step", epoch, step, due)
-        if due:
-            self.save(epoch, step, functools.partial(collect, True), event="step")
+        self._save_if_due("step", epoch, step, due, collect, True)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
