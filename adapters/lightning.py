@@ -235,6 +235,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             metric=self._monitored_value if monitor is not None else None,
         )
         self._trainer: Optional[pl.Trainer] = None
+        self._collect: Callable[[bool], dict[str, Value]] = _not_started
         self._warned_unlogged = False
         self._io: Optional[SnapshotCheckpointIO] = None
         self._last_step: Optional[int] = None
@@ -431,6 +432,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
         self._trainer = trainer
+        self._collect = self._collector(trainer)  # built once per run, not on every batch
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
         self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
@@ -489,7 +491,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         if step == self._last_step:
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
-        self._snapshotter.step_end(trainer.current_epoch, step, self._collector(trainer))
+        self._snapshotter.step_end(trainer.current_epoch, step, self._collect)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -921,3 +923,10 @@ def _restore_state(
     if lr_schedulers is not None:
         app_state["lr_schedulers"] = _Each("LR scheduler states", lr_schedulers)
     return app_state
+
+
+def _not_started(intra_epoch: bool) -> dict[str, Value]:
+    raise RuntimeError(
+        "TorchSnapshotSaver.on_train_start was not called before a snapshot was due; pass the "
+        "saver in Trainer(callbacks=[...]), which calls its hooks in order"
+    )

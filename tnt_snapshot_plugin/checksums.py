@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import threading
 from typing import Any, Optional
 
 import xxhash
@@ -81,6 +82,7 @@ class Verifier:
         #: (file, start, end) -> digest of every whole file and packed tensor: one lookup per read
         self._exact: dict[tuple[str, int, int], str] = {}
         self._raw: dict[str, Any] = {}  # ranges not indexed for sub-range reads yet
+        self._raw_lock = threading.Lock()  # the I/O threads index them on first use
         for rel, rec in records.items():
             if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
                 continue  # another algorithm (or a damaged record): not checked here
@@ -161,12 +163,13 @@ class Verifier:
     def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:
         """The record of ``rel`` with its packed ranges sorted (built at the first read of a
         range that is not exactly one payload: torchsnapshot's batched reads)."""
-        raw = self._raw.pop(rel, None)
-        if raw is not None:
-            size, value, _, _ = self._records[rel]
-            ranges = sorted((int(r[0]), int(r[1]), str(r[2])) for r in raw if len(r) == 3)
-            self._records[rel] = (size, value, [r[0] for r in ranges], ranges)
-        return self._records[rel]
+        with self._raw_lock:  # another thread reading meanwhile waits for the whole index
+            raw = self._raw.pop(rel, None)
+            if raw is not None:
+                size, value, _, _ = self._records[rel]
+                ranges = sorted((int(r[0]), int(r[1]), str(r[2])) for r in raw if len(r) == 3)
+                self._records[rel] = (size, value, [r[0] for r in ranges], ranges)
+            return self._records[rel]
 
     def streaming(self, rel: str, start: int, nbytes: int) -> Optional[tuple[Any, str]]:
         """(hasher, expected) to check bytes ``start:start+nbytes`` of ``rel`` piece by piece,

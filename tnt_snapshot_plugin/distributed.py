@@ -161,7 +161,8 @@ class Collectives:
         If ``fn`` raises on rank 0, rank 0 re-raises it and every other rank raises an error
         carrying its message at once, instead of waiting for a result that never comes: of the
         same class when it is one of the plugin's errors (a bad dirpath is a ConfigError on every
-        rank), else a :class:`DistributedError`.
+        rank), a StorageUnavailableError (an OSError) for an I/O error, else a
+        :class:`DistributedError`.
         """
         if self.group is None:
             return fn()
@@ -172,7 +173,10 @@ class Collectives:
                 outcome = (True, fn())
             except Exception as exc:  # every rank must hear about it; re-raised below
                 error = exc
-                outcome = (False, (type(exc).__name__, f"{type(exc).__name__}: {exc}"))
+                kind = type(exc).__name__
+                if isinstance(exc, OSError) and not isinstance(exc, SnapshotError):
+                    kind = "StorageUnavailableError"  # an I/O error of rank 0's storage
+                outcome = (False, (kind, f"{type(exc).__name__}: {exc}"))
         else:
             outcome = (True, None)
         outcome = self.broadcast(outcome)

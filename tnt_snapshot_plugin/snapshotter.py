@@ -454,7 +454,7 @@ class Snapshotter:
         if due:
             self._prepare_again = None  # the snapshot staged everything
             self.save(epoch, step, functools.partial(collect, intra_epoch), event=event)
-        elif self._prepare_again is not None:
+        elif self._prepare_again is not None and self._pending is None:
             again, self._prepare_again = self._prepare_again, None
             self._stage_for_prepare(again)
 
@@ -655,6 +655,7 @@ class Snapshotter:
         """Block until the pending snapshot (if any) is committed or failed, and reap it."""
         job = self._pending
         if job is None:
+            self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
             return
         busy = warn_busy and not job.done.is_set()
         started = time.perf_counter()
@@ -827,8 +828,19 @@ class Snapshotter:
             listed: list[retention.Listed] = []
             retaining = self.config.keep_last_n_snapshots is not None or self.config.best is not None
             if retaining or self._last_seq is None or self._lock is None:
-                listed = store.listed()
-                seq = retention.next_seq(listed)
+                try:
+                    listed = store.listed()
+                    seq = retention.next_seq(listed)
+                except Exception as exc:
+                    if self._last_seq is None:
+                        raise  # no sequence number to follow: not committed, rather than misordered
+                    # Committed all the same (this run holds the lock: the next number is known);
+                    # retention waits for a listing that works.
+                    job.warnings.append(
+                        f"could not list {self.dirpath} ({type(exc).__name__}: {exc}); snapshot "
+                        f"{job.name} is committed, and retention is skipped this time"
+                    )
+                    listed, retaining, seq = [], False, self._last_seq + 1
             else:
                 seq = self._last_seq + 1
             fields: dict[str, Any] = {
@@ -877,7 +889,8 @@ class Snapshotter:
                     else None
                 ),
             )
-            self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
+            if retaining:
+                self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
 
         coll.on_rank0(commit)
 

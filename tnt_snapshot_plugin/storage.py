@@ -870,8 +870,12 @@ class _FileLock(DirLock):
             os.close(fd)  # released and removed by its holder meanwhile: take the new one
         else:
             raise SnapshotError(f"could not lock {self._path}: it keeps being replaced")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException:
+            os.close(fd)  # let go of the lock: no one could release it otherwise
+            raise
         self._fd = fd
 
     def release(self) -> None:
