@@ -546,21 +546,31 @@ class Snapshotter:
         progress = SnapshotName.of(epoch, step, eval_step).text
         if progress == self._last_name:
             return False
-        name = self._name(epoch, step, eval_step, self._metric() if self._metric is not None else None)
+        # Without a metric every rank names it alike; with one, rank 0 reads it (below).
+        name = self._name(epoch, step, eval_step, None)
         self.wait(warn_busy=True)
         self._last_name = progress
         # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
         # warns on every other rank whose path differs.
         self._writes += 1
         token = staging_token(self._run_id, self._writes)
-        try:
-            exists, staging, chosen = self.collectives.on_rank0(
-                lambda: (
-                    self._saved_by_this_run(name.text),
-                    self._store.staging_for(name.text, token),
-                    name.text,
-                )
+
+        def on_rank0() -> tuple[bool, str, str]:
+            # The monitored metric is read on rank 0 only, inside the agreement: a metric that
+            # only rank 0 sets works, and its error reaches every rank instead of leaving the
+            # others waiting here.
+            chosen = name if self._metric is None else self._name(epoch, step, eval_step, self._metric())
+            return (
+                self._saved_by_this_run(chosen.text),
+                self._store.staging_for(chosen.text, token),
+                chosen.text,
             )
+
+        try:
+            exists, staging, chosen = self.collectives.on_rank0(on_rank0)
+        except ConfigError:
+            self._last_name = None
+            raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
         except Exception as exc:  # the storage is unreachable (botocore retried already)
             self._last_name = None
             self._fail(name, self._store.child(name.text), exc)
