@@ -440,7 +440,7 @@ def replicated_patterns(
     auto_replicated: Iterable[str] = (),
     never_replicated: Iterable[str] = (),
 ) -> list[str]:
-    """torchsnapshot ``replicated`` globs for this snapshot.
+    """The ``replicated`` globs of this snapshot (matched against logical manifest paths).
 
     The user's globs are matched against every saved path, but the RNG, the dataloader and the
     progress entries are never marked replicated: they differ between ranks, and marking them would
@@ -448,7 +448,7 @@ def replicated_patterns(
     framework's loop state holding per-rank loader positions, say). An entry matched whole becomes
     ``key/**``; a partly matched one lists its matched paths.
     """
-    from torchsnapshot.flatten import flatten
+    from .format.writer import flatten
 
     auto_replicated = list(auto_replicated)
     never = set(never_replicated)
@@ -463,7 +463,7 @@ def replicated_patterns(
             or key in never
         ):
             continue
-        _, flat = flatten(entry.state_dict(), prefix=key)
+        _, flat = flatten(key, entry.state_dict())
         paths = list(flat)
         matched = [p for p in paths if any(fnmatch.fnmatch(p, g) for g in patterns)]
         if matched and len(matched) == len(paths):

@@ -724,16 +724,13 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
 # Loading entries (torch from here on).
 
 
-def _snapshot_reader(store: Store, name: str, storage_options: Optional[dict[str, Any]]) -> Any:
-    import logging
+def _read_value(store: Store, name: str, manifest: dict[str, Any], path: str) -> Any:
+    """The value of manifest entry ``path`` (``RANK/KEY/...``) of snapshot ``name``."""
+    import functools
 
-    from .compat import Snapshot
+    from .format import reader as fmt
 
-    # read_object logs a warning for every value it cannot load in place (all of ours: nothing
-    # to load into); the command reads, it does not restore.
-    logging.getLogger("torchsnapshot.snapshot").setLevel(logging.ERROR)
-
-    return Snapshot(store.torchsnapshot_url(name), storage_options=storage_options)
+    return fmt.read_value(manifest, path, functools.partial(store.read_into, name))
 
 
 def _max_abs_diff(a: Any, b: Any) -> str:
@@ -778,13 +775,11 @@ def diff_snapshots(
     diffs: list[dict[str, Any]] = []
     cache_a: dict[str, bytes] = {}
     cache_b: dict[str, bytes] = {}
-    readers: dict[str, Any] = {}
 
     def read(side: str, path: str) -> Any:
-        if side not in readers:
-            store, name = (store_a, name_a) if side == "a" else (store_b, name_b)
-            readers[side] = _snapshot_reader(store, name, storage_options)
-        return readers[side].read_object(path)
+        if side == "a":
+            return _read_value(store_a, name_a, meta_a["manifest"], path)
+        return _read_value(store_b, name_b, meta_b["manifest"], path)
 
     for path in sorted(set(man_a) | set(man_b)):
         ea, eb = man_a.get(path), man_b.get(path)
@@ -871,13 +866,14 @@ def weight_keys(metadata: dict[str, Any]) -> list[str]:
 
 def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
-    from .app_state import Value
-    from .compat import gc_paused
+    import functools
 
-    holder = Value()
-    with gc_paused():
-        _snapshot_reader(store, name, storage_options).restore({key: holder})
-    return holder.value
+    from .format import common
+    from .format import reader as fmt
+
+    meta = fmt.parse_metadata(store.read_file(name, common.METADATA_FNAME), store.child(name))
+    view = fmt.rank_view(meta, 0)
+    return fmt.read_state_dict(view, key, None, functools.partial(store.read_into, name))
 
 
 def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -32,7 +32,8 @@ from .errors import (
 from .loading import allowed_globals, refusal
 from .naming import SnapshotName
 from .plugins import get_plugin_manager
-from .storage import LocalStore, Store, open_store, split_snapshot_path
+from .format.common import METADATA_FNAME, encode
+from .storage import INDEX_FNAME, LocalStore, Store, open_store, split_snapshot_path
 
 logger = logging.getLogger(__name__)
 
@@ -145,31 +146,27 @@ def restore(
         for _source, entries in sources:
             wanted.update(entries)
 
-        from torchsnapshot.manifest_ops import get_manifest_for_rank
+        from .format import reader as fmt
 
-        from .compat import Snapshot, gc_paused, manifest_for_rank
-
-        snapshot = Snapshot(store.torchsnapshot_url(name), pg=coll.group, storage_options=storage_options)
-        snapshot.weights_only = bool(weights_only)
-        snapshot.read_errors = []  # collected, then agreed on by every rank (below)
         try:
-            saved_world_size = snapshot.metadata.world_size
+            meta = fmt.parse_metadata(store.read_file(name, METADATA_FNAME), path)
+            saved_world_size = meta.world_size
             # A rank the snapshot did not have checks against rank 0's entries; the world-size
             # check below decides what it may load.
             check_rank = coll.rank if coll.rank < saved_world_size else 0
-            manifest = manifest_for_rank(snapshot.metadata, check_rank)
-            if manifest is None:
-                manifest, _ = get_manifest_for_rank(metadata=snapshot.metadata, rank=check_rank)
+            manifest = fmt.rank_view(meta, check_rank)
+        except SnapshotError:
+            raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:
-            _close_leaked_event_loops(exc)
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
+        read_into = functools.partial(store.read_into, name)
         if not manifest:
             raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
-        present = {unquote(key.split("/", 1)[0]) for key in manifest}
+        present = fmt.saved_keys(manifest)
         restore_rng = True
         if saved_world_size != coll.world_size:
             mapped = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            restore_rng = _fit_world_size(path, snapshot, mapped, coll)
+            restore_rng = _fit_world_size(path, meta, read_into, mapped, coll)
 
         optional = set(optional_keys)
         load: dict[str, Any] = {}
@@ -203,34 +200,51 @@ def restore(
         error = exc
     raise_if_any_failed(coll, error, f"restoring {path}")
 
-    from .compat import StatefulError
-    from .storage import io_concurrency as io_limit
-
+    order = [key for key in load if key != RNG_STATE_KEY]
+    if RNG_STATE_KEY in present and restore_rng:
+        order.append(RNG_STATE_KEY)  # last: loading the other entries may draw random numbers
+        load[RNG_STATE_KEY] = RNGState()
+    view = fmt.rank_view(meta, coll.rank)
+    verifier = _verifier(store, name, path)
+    # Every entry is read first; the ranks agree on the outcome (a damaged file anywhere: every
+    # rank falls back together); only then is anything loaded into the app state.
+    states: dict[str, Any] = {}
+    read_errors: list[tuple[str, BaseException]] = []
     own_error: Optional[StatefulError] = None
-    try:
-        if RNG_STATE_KEY in present and restore_rng:
-            load[RNG_STATE_KEY] = RNGState()  # restored last (compat.Snapshot._pop_rng_state)
-        with gc_paused(), io_limit(io_concurrency), allowed_globals():
-            snapshot.restore(load, strict=strict)
-    except SnapshotError:
-        raise
-    except StatefulError as exc:  # raised by the entry's own code, not by reading the snapshot
-        _close_leaked_event_loops(exc)
-        own_error = exc
-    except Exception as exc:
-        _close_leaked_event_loops(exc)
-        if _refused_by_weights_only(exc):
-            raise UnrestorableStateError(
-                f"snapshot {path} holds an object that torch.load(weights_only=True) refuses: "
-                f"{refusal(exc)}. Nothing was "
-                "loaded from it as pickle. If the type is safe, allow it with "
-                "torch.serialization.add_safe_globals([...]); if you trust this snapshot (you wrote "
-                "it), pass weights_only=False to load it with full pickle"
-            ) from exc
-        raise SnapshotCorruptError(
-            f"could not load snapshot {path}: {type(exc).__name__}: {exc}"
-        ) from exc
-    _agree_on_read_errors(path, snapshot.read_errors or [], coll)
+    with allowed_globals():
+        for key in order:
+            target = load[key]
+            try:
+                current = target.state_dict()
+            except Exception as exc:
+                if not _is_users(target):
+                    raise
+                own_error = own_error or StatefulError(key, "state_dict", target, exc)
+                continue
+            try:
+                states[key] = fmt.read_state_dict(
+                    view, key, current, read_into, verifier=verifier, weights_only=bool(weights_only)
+                )
+            except Exception as exc:  # agreed on below, on every rank
+                read_errors.append((key, exc))
+    _agree_on_read_errors(path, read_errors, coll)
+    if own_error is None:
+        for key in order:
+            target = load[key]
+            try:
+                if isinstance(target, _nn_module()):
+                    target.load_state_dict(states[key], strict=strict)
+                else:
+                    target.load_state_dict(states[key])
+            except SnapshotError:
+                raise
+            except Exception as exc:
+                if not _is_users(target):
+                    raise SnapshotCorruptError(
+                        f"could not load snapshot {path}: {key}: {type(exc).__name__}: {exc}"
+                    ) from exc
+                own_error = StatefulError(key, "load_state_dict", target, exc)
+                break
     if own_error is not None:
         _raise_own_error(path, own_error)
     if rest is not None:
@@ -394,8 +408,6 @@ def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], co
         mine = ("refused", refusal(refused))
     elif errors:
         mine = ("corrupt", "; ".join(f"{key}: {type(exc).__name__}: {exc}" for key, exc in errors))
-    for _key, exc in errors:
-        _close_leaked_event_loops(exc)
     reports = coll.all_gather(mine) if coll.world_size > 1 else [mine]
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if not failed:
@@ -438,6 +450,47 @@ def _raise_own_error(path: str, error: Any) -> None:
     raise error.original
 
 
+class StatefulError(Exception):
+    """A stateful's own ``state_dict()`` or ``load_state_dict()`` raised during a restore.
+
+    ``key``: its app-state key; ``method``: which of the two; ``original``: what it raised.
+    Told apart from failures to read the snapshot, which are the snapshot's fault.
+    """
+
+    def __init__(self, key: str, method: str, target: Any, exc: BaseException) -> None:
+        super().__init__(f"{key}.{method}() raised {type(exc).__name__}: {exc}")
+        self.key = key
+        self.method = method
+        while hasattr(target, "__wrapped__"):  # the plugin's wrappers: the object they wrap
+            target = target.__wrapped__
+        self.target = target
+        self.original = exc
+
+
+def _is_users(stateful: Any) -> bool:
+    """Whether ``stateful`` runs the user's code (or is the plugin's wrapper around it), as
+    opposed to one of the plugin's own statefuls (the RNG state, a plain value)."""
+    return not type(stateful).__module__.startswith("tnt_snapshot_plugin.") or hasattr(stateful, "__wrapped__")
+
+
+def _nn_module() -> type:
+    import torch
+
+    return torch.nn.Module
+
+
+def _verifier(store: Store, name: str, path: str) -> Any:
+    """The checksums of snapshot ``name`` (from its index); None for a snapshot without them
+    (one torchtnt or torchsnapshot wrote)."""
+    from .checksums import Verifier
+
+    try:
+        index = store.read_file(name, INDEX_FNAME)
+    except FileNotFoundError:
+        return None
+    return Verifier.from_index(path, index)
+
+
 def _refused_by_weights_only(exc: BaseException) -> bool:
     """Whether ``exc`` (or its cause) is torch's restricted unpickler refusing what a snapshot
     holds (a global not allowed, a construct it cannot build), as opposed to bytes that are no
@@ -456,21 +509,6 @@ def _refused_by_weights_only(exc: BaseException) -> bool:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
     return False
-
-
-def _close_leaked_event_loops(exc: BaseException) -> None:
-    """Close the event loop a failed torchsnapshot restore leaves open (it closes it on success
-    only), so a damaged snapshot costs a warning that names it, not a ResourceWarning later."""
-    import asyncio
-
-    tb = exc.__traceback__
-    while tb is not None:
-        for value in list(tb.tb_frame.f_locals.values()):
-            if isinstance(value, asyncio.AbstractEventLoop) and not (
-                value.is_running() or value.is_closed()
-            ):
-                value.close()
-        tb = tb.tb_next
 
 
 def _not_a_directory(store: Store) -> Optional[str]:
@@ -518,36 +556,33 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
 _NAMED_ENTRIES = 12
 
 
-def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collectives) -> bool:
+def _fit_world_size(path: str, meta: Any, read_into: Any, keys: Iterable[str], coll: Collectives) -> bool:
     """Make the entries of ``keys`` that map exactly onto this world size available to every rank,
     or raise StateMismatchError naming those that cannot; whether the RNG state maps.
 
     A snapshot taken on N ranks restores exactly on M != N ranks where every entry is replicated
-    (saved once for all ranks), sharded (ShardedTensor, DTensor: torchsnapshot reshards them), or
+    (saved once for all ranks), sharded (ShardedTensor, DTensor: resharded as they are read), or
     saved per rank with the same value on every rank (progress counters, a full state dict saved
     on every rank: read and compared here, on rank 0). A per-rank entry whose values differ (an
     optimizer's flat FSDP1 shards, a loader's position) has no value for a rank of another world
     size. The RNG state, per rank by nature, is then not restored, with a warning, rather than
     refusing every world-size change. Every rank reaches the same verdict (rank 0 decides).
     """
-    from torchsnapshot.manifest import DTensorEntry, PrimitiveEntry, ShardedTensorEntry
-    from torchsnapshot.manifest_utils import is_container_entry, is_fully_replicated_entry
+    from .format import reader as fmt
 
-    from .compat import read_entries
-
-    metadata = snapshot.metadata
-    saved = metadata.world_size
-    wanted = {_encode_key(key) for key in keys}
+    saved = meta.world_size
+    wanted = {encode(key) for key in keys}
 
     def per_rank_entries() -> dict[str, list[Any]]:
         """logical path -> each saved rank's entry (None where a rank has none)."""
         out: dict[str, list[Any]] = {}
         replicated: set[str] = set()
-        for full, entry in metadata.manifest.items():
+        for full, entry in meta.manifest.items():
             rank, _, logical = full.partition("/")
-            if logical.split("/", 1)[0] not in wanted or is_container_entry(entry):
+            kind = entry.get("type")
+            if logical.split("/", 1)[0] not in wanted or kind in _CONTAINERS:
                 continue
-            if isinstance(entry, (ShardedTensorEntry, DTensorEntry)) or is_fully_replicated_entry(entry):
+            if kind in ("ShardedTensor", "DTensor") or entry.get("replicated"):
                 replicated.add(logical)
                 continue
             out.setdefault(logical, [None] * saved)[int(rank)] = entry
@@ -560,25 +595,25 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
         entries = per_rank_entries()
         same: list[str] = []
         differ: list[str] = []
-        to_read: dict[str, Any] = {}
+        to_read: list[str] = []
         for logical, by_rank in entries.items():
             if any(e is None for e in by_rank):
                 differ.append(logical)
-            elif all(isinstance(e, PrimitiveEntry) for e in by_rank):
-                values = {(e.type, e.serialized_value) for e in by_rank}
+            elif all(e.get("type") in _PRIMITIVES for e in by_rank):
+                values = {(e["type"], e.get("serialized_value")) for e in by_rank}
                 (same if len(values) == 1 else differ).append(logical)
             else:
-                to_read.update((f"{rank}/{logical}", e) for rank, e in enumerate(by_rank))
-        if to_read:
-            try:
-                read = read_entries(snapshot, to_read)
-            except Exception as exc:  # damaged bytes: every rank raises it as corruption below
-                _close_leaked_event_loops(exc)
-                return [], [], f"{type(exc).__name__}: {exc}"
-            for logical in {full.partition("/")[2] for full in to_read}:
-                first = read[f"0/{logical}"]
-                equal = all(_same_value(first, read[f"{r}/{logical}"]) for r in range(1, saved))
+                to_read.append(logical)
+        try:
+            for logical in to_read:
+                first = fmt.read_value(meta.manifest, f"0/{logical}", read_into)
+                equal = all(
+                    _same_value(first, fmt.read_value(meta.manifest, f"{r}/{logical}", read_into))
+                    for r in range(1, saved)
+                )
                 (same if equal else differ).append(logical)
+        except Exception as exc:  # damaged bytes: every rank raises it as corruption below
+            return [], [], f"{type(exc).__name__}: {exc}"
         return sorted(same), sorted(differ), None
 
     same, differ, unreadable = coll.on_rank0(verdict)
@@ -587,7 +622,7 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
             f"could not read snapshot {path}'s per-rank entries to restore it on "
             f"{_ranks(coll.world_size)} (taken on {_ranks(saved)}): {unreadable}"
         )
-    rng_prefix = _encode_key(RNG_STATE_KEY) + "/"
+    rng_prefix = encode(RNG_STATE_KEY) + "/"
     rng_differs = [p for p in differ if p.startswith(rng_prefix)]
     differ = [p for p in differ if not p.startswith(rng_prefix)]
     if differ:
@@ -603,9 +638,9 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
     # Entries equal on every saved rank are rank 0's for every rank of the new world: marked
     # replicated in this in-memory copy of the metadata (nothing is written).
     for logical in same:
-        entry = metadata.manifest.get(f"0/{logical}")
-        if entry is not None and hasattr(entry, "replicated"):
-            entry.replicated = True
+        entry = meta.manifest.get(f"0/{logical}")
+        if entry is not None and "replicated" in entry:
+            entry["replicated"] = True
     if rng_differs:
         warnings.warn(
             f"snapshot {path} was taken on {_ranks(saved)} and is restored on {_ranks(coll.world_size)}: "
@@ -616,14 +651,12 @@ def _fit_world_size(path: str, snapshot: Any, keys: Iterable[str], coll: Collect
     return True
 
 
+_CONTAINERS = frozenset({"dict", "OrderedDict", "list"})
+_PRIMITIVES = frozenset({"int", "str", "bool", "bytes", "float"})
+
+
 def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
-def _encode_key(key: str) -> str:
-    from torchsnapshot.flatten import _encode
-
-    return _encode(key)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -647,14 +680,14 @@ def _same_value(a: Any, b: Any) -> bool:
 def _global_shape(entry: Any) -> Optional[list[int]]:
     """The whole tensor's shape of a manifest entry: a dense entry's own, or the extent of a
     ShardedTensor's or DTensor's shards (every rank's, merged into the entry); None if no tensor."""
-    if hasattr(entry, "shape"):
-        return list(entry.shape)
-    shards = getattr(entry, "shards", None)
+    if "shape" in entry:
+        return list(entry["shape"])
+    shards = entry.get("shards")
     if not shards:
         return None
     return [
-        max(shard.offsets[d] + shard.sizes[d] for shard in shards)
-        for d in range(len(shards[0].sizes))
+        max(shard["offsets"][d] + shard["sizes"][d] for shard in shards)
+        for d in range(len(shards[0]["sizes"]))
     ]
 
 

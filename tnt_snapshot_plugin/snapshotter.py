@@ -16,11 +16,11 @@ How a snapshot is taken (asynchronous mode):
 1. on the training thread: wait for the previous snapshot (one in flight at most), call every
    entry's ``state_dict()`` and copy the tensors into reused staging buffers. This copy is the
    whole stall; training then mutates its tensors freely.
-2. on a background thread: torchsnapshot writes the copies under a staging name through the
-   plugin's storage layer (every file fsynced, ``.snapshot_metadata`` held back, errors recorded);
-   the ranks agree whether every rank wrote everything; rank 0 commits (index, with the commit
-   sequence number, and metadata written last, then an atomic rename on disk); retention
-   (retention.py) deletes older snapshots only then.
+2. on a background thread: :class:`writer_job.SnapshotWriter` writes the copies in
+   torchsnapshot's format under a staging name (every file fsynced and checksummed); the ranks
+   agree whether every rank wrote everything; rank 0 commits (the manifest and the index, with
+   the commit sequence number, by the store's commit strategy); retention (retention.py)
+   deletes older snapshots only then.
 3. at the next hook on the training thread: the outcome is reaped - the ``snapshot_committed``
    hook runs, or the failure is reported with its step.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -66,15 +65,13 @@ from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
+from .writer_job import SnapshotWriter
 from .storage import (
     DirLock,
     Store,
-    WriteRecorder,
-    io_concurrency,
     live_runs,
     new_run_id,
     open_store,
-    recording,
     staging_token,
     writer_gone,
     writer_identity,
@@ -214,7 +211,7 @@ class Snapshotter:
         self._lock: Optional[DirLock] = None
         self._warned_ahead = False
         self._writes = 0
-        self._last_seq: Optional[int] = None
+        self._writer: SnapshotWriter = None  # type: ignore[assignment]  # made by attach()
         self.attach()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -248,6 +245,7 @@ class Snapshotter:
             # Every rank opens rank 0's dirpath: a bad one raises the same error on every rank.
             self._store = open_store(dirpath, self.config.storage_options)
         self._coll.on_rank0(self._store.check_writable)
+        self._writer = SnapshotWriter(self._store, self._coll, self.config, self._load_check)
 
     def train_start(
         self, unit_keys: Iterable[str], epoch: Optional[int] = None, step: Optional[int] = None
@@ -258,14 +256,14 @@ class Snapshotter:
         Raises ConfigError (on every rank) when another live saver holds ``dirpath``.
         """
         self.attach()
-        from . import compat  # noqa: F401  (import torchsnapshot now, not during the first snapshot's stall)
+        from .format import writer  # noqa: F401  (imported now, not during the first snapshot's stall)
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
         if self._lock is None:
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
-            self._last_seq = None
+            self._writer.last_seq = None  # the next commit lists the directory
         try:
             ahead = self.collectives.on_rank0(functools.partial(self._start_on_rank0, epoch, step))
         except OSError as exc:  # the storage is unreachable now (StorageUnavailableError is one)
@@ -484,7 +482,7 @@ class Snapshotter:
             # this run is over: what it left behind is a leftover now
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
-            self._last_seq = None
+            self._writer.last_seq = None  # the next commit lists the directory
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -620,23 +618,6 @@ class Snapshotter:
         if self._wall is not None:
             self._wall.restart()  # the interval counts training time, not this stall
         return True
-
-    def _check_loadable(self, job: _Job) -> None:
-        """Refuse to write a snapshot restore could not load (on the writer thread, off the
-        training thread; every rank agrees before any enters torchsnapshot's collectives)."""
-        error: Optional[SnapshotError] = None
-        try:
-            self._load_check.check(job.frozen)
-        except SnapshotError as exc:
-            error = exc
-        coll = self.collectives
-        if coll.world_size > 1:
-            reports = coll.all_gather(None if error is None else str(error))
-            failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
-            if failed and (error is None or len(failed) > 1):
-                raise UnrestorableStateError("; ".join(failed)) from error
-        if error is not None:
-            raise error
 
     def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
         """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
@@ -774,142 +755,7 @@ class Snapshotter:
         # gets the GIL back, which a new thread running Python keeps for the whole switch
         # interval (5 ms) - measured as 5 ms more stall per asynchronous snapshot.
         time.sleep(0)
-        from .compat import Snapshot, gc_paused
-
-        coll = self.collectives
-        store = self._store
-        self._check_loadable(job)
-        writer = writer_identity(self._run_id)
-
-        def begin() -> None:
-            occupant = store.occupant(job.name.text)
-            if occupant == "foreign":
-                raise SnapshotWriteError(
-                    f"{store.child(job.name.text)} exists and was not written by the plugin (it "
-                    "holds no index or writer marker of the plugin's); it is left alone and this "
-                    "snapshot cannot take its name: move it out of dirpath"
-                )
-            if occupant == "ours" and job.staging == job.name.text:
-                store.remove(job.staging)  # written in place (object stores): clear the old first
-            store.begin(job.staging, {**writer, "started_at": time.time()})
-
-        coll.on_rank0(begin)
-        recorder = WriteRecorder()
-        # The cyclic collector is paused only while training waits for this write anyway: an
-        # asynchronous write can last minutes on an object store, and training goes on meanwhile.
-        paused = contextlib.nullcontext() if self.config.async_snapshot else gc_paused()
-        concurrency = io_concurrency(self.config.knobs.max_per_rank_io_concurrency)
-        with recording(recorder), _write_knobs(job.frozen), concurrency, paused:
-            Snapshot.take(
-                store.torchsnapshot_url(job.staging),
-                app_state=job.frozen,
-                pg=coll.group,
-                replicated=job.replicated,
-                storage_options=self.config.storage_options,
-            )
-        error: Optional[BaseException] = None
-        if recorder.error is not None:
-            error = SnapshotWriteError(
-                f"writing {recorder.error_path} failed: {type(recorder.error).__name__}: "
-                f"{recorder.error}"
-            )
-        # Each rank's file sizes and checksums (checksums.py), gathered together: one collective.
-        gathered = coll.all_gather((recorder.sizes, recorder.checksums))
-        sizes = [rank_sizes for rank_sizes, _ in gathered]
-        job.bytes_written = sum({rel: n for rank_sizes in sizes for rel, n in rank_sizes.items()}.values())
-        try:
-            raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
-        except SnapshotError:
-            if coll.rank == 0:
-                try:
-                    store.remove(job.staging)
-                except Exception as exc:  # the failed write stays invisible to restore anyway
-                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
-            raise
-
-        def commit() -> None:
-            assert recorder.metadata is not None, "torchsnapshot wrote no metadata on rank 0"
-            files: dict[str, int] = {}
-            for rank_sizes in sizes:
-                files.update(rank_sizes)
-            # The directory is listed (one read of each index) for retention, and for the first
-            # commit of a run; while this run holds the dirpath lock no one else commits, so later
-            # sequence numbers follow from the last one without listing again.
-            listed: list[retention.Listed] = []
-            retaining = self.config.keep_last_n_snapshots is not None or self.config.best is not None
-            if retaining or self._last_seq is None or self._lock is None:
-                try:
-                    listed = store.listed()
-                    seq = retention.next_seq(listed)
-                except Exception as exc:
-                    if self._last_seq is None:
-                        raise  # no sequence number to follow: not committed, rather than misordered
-                    # Committed all the same (this run holds the lock: the next number is known);
-                    # retention waits for a listing that works.
-                    job.warnings.append(
-                        f"could not list {self.dirpath} ({type(exc).__name__}: {exc}); snapshot "
-                        f"{job.name} is committed, and retention is skipped this time"
-                    )
-                    listed, retaining, seq = [], False, self._last_seq + 1
-            else:
-                seq = self._last_seq + 1
-            fields: dict[str, Any] = {
-                "format": 1,
-                "epoch": job.name.epoch,
-                "step": job.name.step,
-                "files": files,
-                "seq": seq,
-                "committed_at": time.time(),
-                "writer": writer,
-                "world_size": coll.world_size,
-            }
-            checksums = {rel: rec for _, rank_sums in gathered for rel, rec in rank_sums.items()}
-            if checksums:
-                from .checksums import record
-                from .storage import METADATA_FNAME
-
-                # the metadata too: it holds the primitive values (numbers, strings) themselves
-                checksums[METADATA_FNAME] = record(recorder.metadata)
-                fields["checksums"] = checksums
-            if job.name.metric is not None and job.name.metric_value is not None:
-                value = job.name.metric_value
-                fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
-            index = json.dumps(fields, sort_keys=True).encode()
-            try:
-                store.commit(job.staging, job.name.text, recorder.metadata, index)
-            except Exception:
-                # Not committed: nothing restore would ever read; do not leave it behind (on an
-                # object store it is written under its final name: only if still incomplete).
-                try:
-                    committed = job.staging == job.name.text and store.is_complete(job.staging)
-                    if not committed and job.staging in store.list_names():
-                        store.remove(job.staging)
-                except Exception as exc:
-                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
-                raise
-            self._last_seq = seq
-            this = retention.Listed(
-                job.name,
-                seq=seq,
-                ours=True,
-                writer=writer,
-                indexed_metric=(
-                    (job.name.metric, fields["metric"]["value"])
-                    if job.name.metric is not None and "metric" in fields
-                    else None
-                ),
-            )
-            if retaining:
-                self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
-
-        coll.on_rank0(commit)
-
-    def _retain(self, job: _Job, listed: list[retention.Listed]) -> None:
-        keep = self.config.keep_last_n_snapshots
-        if keep is None and self.config.best is None:
-            return
-        doomed = retention.to_delete(listed, keep, protect=[job.name.text], best=self.config.best)
-        job.warnings.extend(retention.apply(self._store, doomed))
+        self._writer.write(job, self._run_id, locked=self._lock is not None)
 
     def _reap(self) -> None:
         job, self._pending = self._pending, None
@@ -959,69 +805,6 @@ class Snapshotter:
             SnapshotFailedWarning,
             stacklevel=3,
         )
-
-
-#: Tensors of at least this many bytes are written one file each; smaller ones are packed into
-#: files of about this size (written straight from the tensors, compat.py item 10). Separate files
-#: are written by several I/O threads at once: with torchsnapshot's default (128 MiB) nearly the
-#: whole state is one file written by one thread (64 MiB packs: a synchronous 64 MiB snapshot took
-#: 2.4x as long to be durable in benchmarks/run.py); and wherever the packing falls back to
-#: torchsnapshot's own (GPU tensors in a synchronous snapshot), a pack is a copy in memory.
-_PACK_BYTES = 4 * 1024 * 1024
-_SLAB_KNOB = "TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE"
-_BUDGET_KNOB = "TORCHSNAPSHOT_PER_RANK_MEMORY_BUDGET_BYTES"
-
-
-@contextlib.contextmanager
-def _write_knobs(frozen: Mapping[str, Any]) -> Iterator[None]:
-    """torchsnapshot knobs (environment variables it reads during a take) for the plugin's writes.
-
-    * pack only tensors under ``_PACK_BYTES``;
-    * a memory budget that lets about two of the largest tensors (no copy: they are written from
-      their own memory, which torchsnapshot counts anyway) and four packs be in flight at once,
-      instead of 60% of the host's free memory: the packs of a state of many small tensors then
-      never exist all at once.
-
-    A knob the user has set in the environment is left as it is. (The variables are process-wide:
-    a torchsnapshot take on another thread meanwhile sees them too.)
-    """
-    largest = _largest_tensor_bytes(frozen)
-    knobs = {
-        _SLAB_KNOB: str(_PACK_BYTES),
-        _BUDGET_KNOB: str(4 * 2 * _PACK_BYTES + 2 * largest + 1),
-    }
-    saved = {}
-    for name, value in knobs.items():
-        if name not in os.environ:
-            saved[name] = value
-            os.environ[name] = value
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if os.environ.get(name) == value:
-                del os.environ[name]
-
-
-def _largest_tensor_bytes(frozen: Mapping[str, Any]) -> int:
-    import torch
-
-    from .app_state import local_shards
-
-    largest = 0
-    stack: list[Any] = [entry.state_dict() for entry in frozen.values()]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            # A ShardedTensor or DTensor is written from this rank's shards only.
-            for tensor in local_shards(obj):
-                if tensor.layout == torch.strided:
-                    largest = max(largest, tensor.numel() * tensor.element_size())
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-    return largest
 
 
 def _is_ddp(obj: Any) -> bool:

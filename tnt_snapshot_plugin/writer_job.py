@@ -1,0 +1,277 @@
+"""The background write of one snapshot: format -> store -> agreement -> commit -> retention.
+
+:class:`SnapshotWriter` runs on the saver's writer thread (or on the training thread for a
+synchronous snapshot). For each snapshot, on every rank:
+
+1. check that restore could load every object entry (``loading.LoadCheck``; the ranks agree);
+2. rank 0 marks the staging directory as the plugin's (its writer marker);
+3. flatten the frozen state into manifest records and payloads (``format.writer``) and write the
+   payloads through the store, several files at once, each file's checksum computed from the
+   bytes in hand (``checksums``);
+4. one collective gathers every rank's records, file sizes, checksums and outcome;
+5. rank 0 commits: ``.snapshot_metadata`` (the manifest) and the plugin's index, by the store's
+   commit strategy (a rename on disk, the metadata written last on an object store); then
+   retention deletes older snapshots, never before.
+
+A failure on any rank is raised on every rank, and the staging directory is removed: nothing
+that restore would pick is left behind. Cadence, staging copies and reaping stay in
+``snapshotter.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from . import retention
+from .checksums import record_views
+from .config import SnapshotConfig
+from .distributed import Collectives, raise_if_any_failed
+from .errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
+from .format import writer as fmt
+from .format.common import METADATA_FNAME
+from .loading import LoadCheck
+from .storage import Store, writer_identity
+
+#: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
+DEFAULT_IO_THREADS = 4
+
+
+class SnapshotWriter:
+    """Writes snapshots of one dirpath, one at a time, and commits them in order.
+
+    ``last_seq``: the commit sequence number of this run's last snapshot (None until the first
+    commit of a run lists the directory); the saver resets it when its run starts.
+    """
+
+    def __init__(self, store: Store, collectives: Collectives, config: SnapshotConfig, load_check: LoadCheck) -> None:
+        self.store = store
+        self.coll = collectives
+        self.config = config
+        self.load_check = load_check
+        self.last_seq: Optional[int] = None
+
+    # -- one snapshot -----------------------------------------------------------------------
+
+    def write(self, job: Any, run_id: str, *, locked: bool) -> None:
+        """Write and commit ``job`` (snapshotter._Job); raise on every rank if any rank failed.
+
+        ``locked``: this run holds the dirpath lock (no one else commits meanwhile).
+        """
+        coll, store = self.coll, self.store
+        self._check_loadable(job)
+        writer = writer_identity(run_id)
+
+        def begin() -> None:
+            occupant = store.occupant(job.name.text)
+            if occupant == "foreign":
+                raise SnapshotWriteError(
+                    f"{store.child(job.name.text)} exists and was not written by the plugin (it "
+                    "holds no index or writer marker of the plugin's); it is left alone and this "
+                    "snapshot cannot take its name: move it out of dirpath"
+                )
+            if occupant == "ours" and job.staging == job.name.text:
+                store.remove(job.staging)  # written in place (object stores): clear the old first
+            store.begin(job.staging, {**writer, "started_at": time.time()})
+
+        coll.on_rank0(begin)
+        entries: dict[str, dict[str, Any]] = {}
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        error: Optional[BaseException] = None
+        containers: dict[str, dict[str, Any]] = {}
+        leaves: dict[str, Any] = {}
+        try:
+            for key, frozen in job.frozen.items():
+                c, leaf = fmt.flatten(key, frozen.state_dict())
+                containers.update(c)
+                leaves.update(leaf)
+        except Exception as exc:  # recorded, and raised on every rank below
+            error = _write_error(job, exc)
+        # Collective, made by every rank whatever happened above.
+        replicated = self._agree_replicated(job, leaves if error is None else {})
+        if error is None:
+            try:
+                plan = fmt.plan(
+                    containers, leaves, rank=coll.rank, world_size=coll.world_size, replicated=replicated
+                )
+                entries = plan.entries
+                sizes, sums = self._write_payloads(job.staging, plan.payloads)
+            except Exception as exc:
+                error = _write_error(job, exc)
+        # Every rank's records, sizes and checksums, gathered together: one collective.
+        gathered = coll.all_gather((entries, sizes, sums) if error is None else None)
+        try:
+            raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
+        except SnapshotError:
+            if coll.rank == 0:
+                try:
+                    store.remove(job.staging)
+                except Exception as exc:  # the failed write stays invisible to restore anyway
+                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+            raise
+        parts = [part for part in gathered if part is not None]
+        files: dict[str, int] = {}
+        checksums: dict[str, dict[str, Any]] = {}
+        for _entries, rank_sizes, rank_sums in parts:
+            files.update(rank_sizes)
+            checksums.update(rank_sums)
+        job.bytes_written = sum(files.values())
+        coll.on_rank0(lambda: self._commit(job, writer, [p[0] for p in parts], files, checksums, locked))
+
+    def _check_loadable(self, job: Any) -> None:
+        """Refuse to write a snapshot restore could not load (off the training thread; every
+        rank agrees before any writes)."""
+        error: Optional[SnapshotError] = None
+        try:
+            self.load_check.check(job.frozen)
+        except SnapshotError as exc:
+            error = exc
+        coll = self.coll
+        if coll.world_size > 1:
+            reports = coll.all_gather(None if error is None else str(error))
+            failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
+            if failed and (error is None or len(failed) > 1):
+                raise UnrestorableStateError("; ".join(failed)) from error
+        if error is not None:
+            raise error
+
+    def _agree_replicated(self, job: Any, leaves: dict[str, Any]) -> set[str]:
+        """The logical paths written once for all ranks: those the ``replicated`` globs match
+        that every rank has (one collective under torch.distributed, made on every rank)."""
+        if not job.replicated:
+            return set()
+        mine = fmt.replicable(leaves, job.replicated)
+        if self.coll.world_size == 1:
+            return set(mine)
+        everyone = self.coll.all_gather(mine)
+        return set.intersection(*(set(paths) for paths in everyone))
+
+    def _write_payloads(
+        self, staging: str, payloads: list[fmt.Payload]
+    ) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+        """Write every payload file of this rank (several at once); their sizes and checksums."""
+        store = self.store
+        threads = self.config.knobs.max_per_rank_io_concurrency or DEFAULT_IO_THREADS
+
+        def one(payload: fmt.Payload) -> tuple[str, int, dict[str, Any]]:
+            checksum = record_views(payload.views)  # from the bytes in hand, before the write
+            try:
+                store.write_payload(staging, payload.rel, payload.views)
+            except SnapshotError:
+                raise
+            except Exception as exc:
+                raise SnapshotWriteError(
+                    f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            return payload.rel, sum(v.nbytes for v in payload.views), checksum
+
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        if len(payloads) <= 1 or threads <= 1:
+            results = [one(p) for p in payloads]
+        else:
+            with ThreadPoolExecutor(max_workers=min(threads, len(payloads)), thread_name_prefix="tnt-snapshot-io") as pool:
+                results = list(pool.map(one, payloads))
+        for rel, size, checksum in results:
+            sizes[rel] = size
+            sums[rel] = checksum
+        return sizes, sums
+
+    # -- commit (rank 0) ----------------------------------------------------------------------
+
+    def _commit(
+        self,
+        job: Any,
+        writer: dict[str, Any],
+        parts: list[dict[str, dict[str, Any]]],
+        files: dict[str, int],
+        checksums: dict[str, dict[str, Any]],
+        locked: bool,
+    ) -> None:
+        store = self.store
+        metadata = fmt.metadata_bytes(fmt.merge(parts), self.coll.world_size)
+        # The directory is listed (one read of each index) for retention, and for the first
+        # commit of a run; while this run holds the dirpath lock no one else commits, so later
+        # sequence numbers follow from the last one without listing again.
+        listed: list[retention.Listed] = []
+        retaining = self.config.keep_last_n_snapshots is not None or self.config.best is not None
+        if retaining or self.last_seq is None or not locked:
+            try:
+                listed = store.listed()
+                seq = retention.next_seq(listed)
+            except Exception as exc:
+                if self.last_seq is None:
+                    raise  # no sequence number to follow: not committed, rather than misordered
+                # Committed all the same (this run holds the lock: the next number is known);
+                # retention waits for a listing that works.
+                job.warnings.append(
+                    f"could not list {store.url} ({type(exc).__name__}: {exc}); snapshot "
+                    f"{job.name} is committed, and retention is skipped this time"
+                )
+                listed, retaining, seq = [], False, self.last_seq + 1
+        else:
+            seq = self.last_seq + 1
+        fields: dict[str, Any] = {
+            "format": 1,
+            "epoch": job.name.epoch,
+            "step": job.name.step,
+            "files": files,
+            "seq": seq,
+            "committed_at": time.time(),
+            "writer": writer,
+            "world_size": self.coll.world_size,
+        }
+        # the metadata too: it holds the primitive values (numbers, strings) themselves
+        fields["checksums"] = {**checksums, METADATA_FNAME: record_views([memoryview(metadata)])}
+        if job.name.metric is not None and job.name.metric_value is not None:
+            value = job.name.metric_value
+            fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
+        index = json.dumps(fields, sort_keys=True).encode()
+        try:
+            store.commit(job.staging, job.name.text, metadata, index)
+        except Exception:
+            # Not committed: nothing restore would ever read; do not leave it behind (on an
+            # object store it is written under its final name: only if still incomplete).
+            try:
+                committed = job.staging == job.name.text and store.is_complete(job.staging)
+                if not committed and job.staging in store.list_names():
+                    store.remove(job.staging)
+            except Exception as exc:
+                job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+            raise
+        self.last_seq = seq
+        this = retention.Listed(
+            job.name,
+            seq=seq,
+            ours=True,
+            writer=writer,
+            indexed_metric=(
+                (job.name.metric, fields["metric"]["value"])
+                if job.name.metric is not None and "metric" in fields
+                else None
+            ),
+        )
+        if retaining:
+            self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
+
+    def _retain(self, job: Any, listed: list[retention.Listed]) -> None:
+        keep = self.config.keep_last_n_snapshots
+        if keep is None and self.config.best is None:
+            return
+        doomed = retention.to_delete(listed, keep, protect=[job.name.text], best=self.config.best)
+        job.warnings.extend(retention.apply(self.store, doomed))
+
+
+def _write_error(job: Any, exc: BaseException) -> BaseException:
+    if isinstance(exc, SnapshotError):
+        return exc
+    error = SnapshotWriteError(f"writing snapshot {job.name} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+__all__ = ["DEFAULT_IO_THREADS", "SnapshotWriter"]
