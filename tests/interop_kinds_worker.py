@@ -6,6 +6,11 @@ Importable (the unit, the values of every entry kind, a bitwise comparison) and 
         restores each snapshot the plugin wrote with stock torchsnapshot (``Snapshot.restore``
         into fresh objects, ``read_object`` for single entries) and with torchtnt 0.2.4's own
         ``TorchSnapshotSaver.restore``, and writes what differs from the reference to OUT_JSON;
+    python interop_kinds_worker.py check-two-ranks OUT_JSON DIR
+        the same for a snapshot two ranks wrote (replicated entries and per-rank ones): restored as
+        rank 0 by ``Snapshot.restore``, each rank's view read with ``read_object``;
+    python interop_kinds_worker.py write-two-ranks RANK INIT_FILE DIR
+        one of two gloo ranks writing that snapshot with the plugin's saver (imports the plugin);
     python interop_kinds_worker.py write-stock OUT_DIR
         writes a snapshot with stock ``Snapshot.take`` (its large tensor as a ChunkedTensor) and
         one with torchtnt's own saver during a real ``train``, and the values they hold.
@@ -277,6 +282,74 @@ def check_plugin_written(out_json: str, ref_path: str, snapshots: list[str]) -> 
         json.dump(report, f)
 
 
+#: the keys the two-rank snapshot marks replicated; ``per_rank`` differs between the ranks
+REPLICATED_KEYS = ("model", "optimizer", "lr_scheduler", *KINDS_KEYS)
+
+
+def _two_rank_unit(rank: int, *, fresh: bool = False) -> KindsUnit:
+    unit = KindsUnit(seed=11 if fresh else 0, fresh=fresh)
+    unit.per_rank = Slot({} if fresh else {"rank": rank, "t": torch.full((5,), float(rank)), "s": f"rank {rank}"})
+    return unit
+
+
+def write_two_ranks(rank: int, init_file: str, dirpath: str) -> None:
+    import torch.distributed as dist
+    from torchtnt.framework.train import train
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        unit = _two_rank_unit(rank)
+        saver = TorchSnapshotSaver(
+            dirpath if rank == 0 else "", save_every_n_epochs=1, async_snapshot=False,
+            replicated=[f"{key}/**" for key in REPLICATED_KEYS],
+        )
+        train(unit, batches(), max_epochs=1, callbacks=[saver])
+        ref = {"state": unit_state(unit), "torch_rng": torch.get_rng_state()}
+        torch.save(ref, os.path.join(os.path.dirname(dirpath), f"ref_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_two_ranks(out_json: str, dirpath: str) -> None:
+    import torchsnapshot
+
+    allow_numpy()
+    refs = [torch.load(os.path.join(os.path.dirname(dirpath), f"ref_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+    (snap,) = [os.path.join(dirpath, name) for name in os.listdir(dirpath) if name.startswith("epoch_")]
+    report: dict[str, list[str]] = {}
+
+    def restore_as_rank0() -> list[str]:
+        fresh = _two_rank_unit(0, fresh=True)
+        torchsnapshot.Snapshot(snap).restore(dict(fresh.app_state()))
+        return differences(refs[0]["state"], unit_state(fresh))
+
+    def read_each_rank() -> list[str]:
+        snapshot = torchsnapshot.Snapshot(snap)
+        found: list[str] = []
+        for rank in (0, 1):
+            expected = refs[rank]["state"]
+            paths = [(f"{rank}/per_rank/{k}", ("per_rank", k)) for k in ("rank", "t", "s")]
+            paths += [(f"{rank}/train_progress/num_steps_completed", ("train_progress", "num_steps_completed"))]
+            paths += [(f"{rank}/{p.split('/', 1)[1]}", where) for p, where in SINGLE_ENTRIES]
+            for path, where in paths:
+                value = expected
+                for part in where:
+                    value = value[part]
+                try:
+                    found += differences(value, snapshot.read_object(path), path)
+                except Exception as exc:
+                    found.append(f"{path}: read_object raised {type(exc).__name__}: {str(exc)[:300]}")
+        return found
+
+    _attempt(report, "two ranks: torchsnapshot Snapshot.restore as rank 0", restore_as_rank0)
+    _attempt(report, "two ranks: torchsnapshot read_object, each rank's view", read_each_rank)
+    report["plugin modules imported"] = sorted(m for m in sys.modules if m.startswith("tnt_snapshot_plugin"))
+    with open(out_json, "w") as f:
+        json.dump(report, f)
+
+
 def write_stock(out_dir: str) -> None:
     import torchsnapshot
     from torchsnapshot.knobs import override_max_chunk_size_bytes
@@ -306,6 +379,10 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "check-plugin-written":
         check_plugin_written(args[0], args[1], args[2:])
+    elif mode == "write-two-ranks":
+        write_two_ranks(int(args[0]), args[1], args[2])
+    elif mode == "check-two-ranks":
+        check_two_ranks(args[0], args[1])
     elif mode == "write-stock":
         write_stock(args[0])
     else:

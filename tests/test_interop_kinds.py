@@ -29,8 +29,14 @@ from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 WORKER = os.path.join(os.path.dirname(__file__), "interop_kinds_worker.py")
 
 
-def _run_worker(*args: str) -> None:
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")  # gloo over loopback only
+    return env
+
+
+def _run_worker(*args: str) -> None:
+    env = _env()
     done = subprocess.run(
         [sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=300
     )
@@ -58,14 +64,36 @@ def test_stock_torchsnapshot_and_torchtnt_restore_every_kind_the_plugin_wrote(tm
 
     out = tmp_path / "report.json"
     _run_worker("check-plugin-written", str(out), str(ref), *snapshots)
-    report = json.loads(out.read_text())
+    _report_failures(json.loads(out.read_text()), checks=6)
 
+
+def _report_failures(report: dict[str, list[str]], checks: int) -> None:
     assert report.pop("plugin modules imported") == [], "the stock side imported the plugin"
-    assert len(report) == 6, sorted(report)
+    assert len(report) == checks, sorted(report)
     failed = {check: found for check, found in report.items() if found}
     assert not failed, "what stock torchsnapshot / torchtnt restored differs from what was saved:\n" + "\n".join(
         f"[{check}]\n  " + "\n  ".join(found) for check, found in sorted(failed.items())
     )
+
+
+def test_stock_torchsnapshot_reads_every_rank_of_a_snapshot_two_ranks_wrote(tmp_path):
+    """Two gloo ranks save with ``replicated`` (every key but ``per_rank``, progress and RNG):
+    stock torchsnapshot, one process without a process group, restores rank 0's view and reads
+    each rank's entries, replicated ones included, with ``read_object``."""
+    snapshots = tmp_path / "snapshots"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "write-two-ranks", str(rank), str(tmp_path / "rendezvous"), str(snapshots)],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for rank, proc in enumerate(ranks):
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"rank {rank} failed:\n{output[-5000:]}"
+    out = tmp_path / "report.json"
+    _run_worker("check-two-ranks", str(out), str(snapshots))
+    _report_failures(json.loads(out.read_text()), checks=2)
 
 
 def test_the_plugin_restores_every_kind_stock_torchsnapshot_and_torchtnt_wrote(tmp_path):
