@@ -53,8 +53,10 @@ def test_stock_torchsnapshot_and_torchtnt_restore_every_kind_the_plugin_wrote(tm
     unit = KindsUnit(seed=0)
     savers = [
         TorchSnapshotSaver(str(tmp_path / "async"), save_every_n_epochs=1, async_snapshot=True),
-        # synchronous, and with every entry but the progress and RNG marked replicated
-        TorchSnapshotSaver(str(tmp_path / "sync"), save_every_n_epochs=1, async_snapshot=False, replicated=["**"]),
+        # synchronous, and with every entry but the progress and RNG marked replicated; no signal
+        # handler of its own (two savers' handlers would be uninstalled out of order)
+        TorchSnapshotSaver(str(tmp_path / "sync"), save_every_n_epochs=1, async_snapshot=False, replicated=["**"],
+                           preemption_signals=[]),
     ]
     train(unit, batches(), max_epochs=1, callbacks=savers)
     assert unit.optimizer.state, "the optimizer has state to save"
