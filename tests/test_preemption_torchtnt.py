@@ -140,3 +140,28 @@ def test_signal_finishes_the_step_drains_snapshots_saves_and_exits_by_the_signal
         assert out.index(handler_lines[0]) > out.index(f"end {last} {ends[last]}")
     else:
         assert handler_lines == []
+
+
+def test_two_savers_stopping_in_any_order_leave_the_original_handler():
+    """Each saver's handler hands the signal on to the one installed before it; when the first
+    saver stops while a later one still watches, the later one hands on to the original."""
+    import signal
+
+    from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.preemption import PreemptionHandler
+
+    def original(signum, frame):  # pragma: no cover - never delivered here
+        pass
+
+    before = signal.signal(signal.SIGUSR1, original)
+    try:
+        for order in ((0, 1), (1, 0)):
+            handlers = [PreemptionHandler((signal.SIGUSR1,), Collectives(None)) for _ in range(2)]
+            for h in handlers:
+                h.install()
+            assert signal.getsignal(signal.SIGUSR1) == handlers[1]._handle
+            handlers[order[0]].uninstall()
+            handlers[order[1]].uninstall()
+            assert signal.getsignal(signal.SIGUSR1) is original, order
+    finally:
+        signal.signal(signal.SIGUSR1, before)

@@ -23,6 +23,11 @@ from .distributed import AgreedFlag, Collectives
 logger = logging.getLogger(__name__)
 
 
+#: The plugin's handlers installed now, per signal, oldest first: a handler removed while a later
+#: one is installed hands its own predecessor to that later one, so savers may stop in any order.
+_installed: dict[int, list["PreemptionHandler"]] = {}
+
+
 class PreemptionHandler:
     def __init__(self, signals: tuple[signal.Signals, ...], collectives: Collectives) -> None:
         self._signals = signals
@@ -46,9 +51,16 @@ class PreemptionHandler:
         for sig in self._signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
+            _installed.setdefault(sig, []).append(self)
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
+            chain = _installed.get(sig, [])
+            if self in chain:
+                later = chain.index(self) + 1
+                if later < len(chain):  # installed after this one: it now hands on to our predecessor
+                    chain[later]._previous[sig] = previous
+                chain.remove(self)
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
