@@ -139,6 +139,8 @@ def test_short_and_missing_files_are_corrupt_naming_the_file(store):
         store.read_into(name, [("batched/abc", 10, memoryview(bytearray(8)))])
     with pytest.raises(SnapshotCorruptError, match=r"0/model/weight.*truncated"):
         store.read_into(name, [("0/model/weight", 0, memoryview(bytearray(101)))])
+    with pytest.raises(SnapshotCorruptError, match=r"batched/abc.*(truncated|ends at byte)"):
+        store.read_into(name, [("batched/abc", 100, memoryview(bytearray(4)))])  # past the end
     with pytest.raises(SnapshotCorruptError, match=r"0/model/nope"):
         store.read_into(name, [("0/model/nope", 0, memoryview(bytearray(1)))])
 
@@ -398,3 +400,39 @@ def test_patching_the_old_storage_seam_still_reaches_the_stores(tmp_path, monkey
     assert {WRITER_FNAME, "weight", "abc", INDEX_FNAME, METADATA_FNAME} <= set(seen)
     monkeypatch.undo()
     assert fileio.write_durably is real
+
+
+def test_a_real_saver_runs_on_a_faulty_store_reached_by_its_dirpath(tmp_path):
+    """The saver and restore open ``memory://NAME`` like any dirpath; the registered FaultyStore
+    (here around a local store, which torchsnapshot can still write to) fails the second commit."""
+    import warnings
+
+    import torch
+
+    from tnt_snapshot_plugin import SnapshotConfig, SnapshotFailedWarning, Snapshotter, restore_from_latest
+    from toy import Holder
+
+    faulty = FaultyStore(LocalStore(str(tmp_path / "run")))
+    dirpath = register("stores-test-saver", faulty)
+    try:
+        faulty.inject("publish", OSError(errno.EIO, "Input/output error (injected)"), nth=2)
+        saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False))
+        saver.train_start(["model"], 0, 0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in (1, 2, 3):
+                saver.save(0, step, {"model": Holder({"w": torch.full((4,), float(step))})})
+            saver.train_end(0, 3, lambda intra_epoch: {})
+        failed = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+        assert len(failed) == 1 and "epoch_0_step_2 (epoch 0, step 2) failed" in failed[0]
+        assert "Input/output error (injected)" in failed[0]
+        assert [s.text for s in LocalStore(str(tmp_path / "run")).complete_snapshots()] == [
+            "epoch_0_step_1",
+            "epoch_0_step_3",
+        ]
+        target = Holder({"w": torch.zeros(4)})
+        assert restore_from_latest(dirpath, {"model": target}).endswith("epoch_0_step_3")
+        assert torch.equal(target.state["w"], torch.full((4,), 3.0))
+        assert {"lock", "begin", "commit", "publish"} <= {op for op, _ in faulty.calls}
+    finally:
+        unregister("stores-test-saver")
