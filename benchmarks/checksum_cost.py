@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import evict, median  # noqa: E402
 
-from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, checksums, restore, storage  # noqa: E402
+from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, checksums, fileio, restore, storage  # noqa: E402
 
 
 def make_model(count: int, numel: int, seed: int) -> torch.nn.Module:
@@ -74,11 +74,11 @@ def mode(on: bool) -> Iterator[None]:
             pass
 
     def write_only(path: str, data: Any) -> None:
-        storage._active.hasher = None if isinstance(data, storage.Gathered) else NoHash()
+        fileio.hashing.hasher = None if isinstance(data, storage.Gathered) else NoHash()
         try:
             storage._write_durably(path, data)
         finally:
-            storage._active.hasher = None
+            fileio.hashing.hasher = None
 
     if on:
         checksums.record = timed_record

@@ -20,16 +20,14 @@ snapshot's directory (the S3 storage plugin refuses those itself).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .storage import current_io_concurrency, is_inside
-
-#: Keep about this many bytes of upcoming reads announced to the kernel (``WILLNEED``), so the
-#: disk reads ahead while earlier entries are being copied, without flooding the page cache.
-READ_AHEAD_BYTES = 256 * 1024 * 1024
+from . import fileio
+from .fileio import READ_AHEAD_BYTES, VERIFY_PIECE_BYTES
+from .storage import current_io_concurrency
+from .stores.s3 import FETCH_CHUNK_BYTES, FETCH_WORKERS, fetch_ranges
 
 _DIRECT_DTYPES: Optional[dict[torch.dtype, str]] = None
 
@@ -79,11 +77,6 @@ def direct_target(entry: Any, target: Any) -> Optional[tuple[str, int, memoryvie
     return entry.location, start, memoryview(array).cast("B")
 
 
-#: With checksums, a payload is read and hashed in pieces of this size, each hashed while it is
-#: still in the CPU's cache.
-VERIFY_PIECE_BYTES = 2 * 1024 * 1024
-
-
 def read_into(root: str, reads: Iterable[tuple[Any, ...]], verifier: Any = None) -> int:
     """Fill each buffer from ``root/file`` at its offset; return the bytes read.
 
@@ -92,71 +85,9 @@ def read_into(root: str, reads: Iterable[tuple[Any, ...]], verifier: Any = None)
     which ranges follow (``POSIX_FADV_WILLNEED``, up to :data:`READ_AHEAD_BYTES` ahead).
     ``verifier`` (a ``checksums.Verifier``): each buffer's bytes are checked as they are read;
     a mismatch raises SnapshotCorruptError naming the file and the entry.
+    (``fileio.preadv_into`` does the reading.)
     """
-    by_file: dict[str, list[tuple[int, memoryview, Optional[str]]]] = {}
-    for location, offset, buf, *name in reads:
-        by_file.setdefault(location, []).append((offset, buf, name[0] if name else None))
-    for location in by_file:
-        if not is_inside(root, location):
-            raise BadSnapshotFile(
-                f"the manifest of {root} names the file {location!r}, outside the snapshot: "
-                "the snapshot is damaged or was not written by torchsnapshot"
-            )
-    plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
-
-    fds: dict[str, int] = {}
-    advise = getattr(os, "posix_fadvise", None)
-    ahead = 0  # index in plan of the next file not announced yet
-    announced = 0  # bytes announced and not read yet
-    total = 0
-    try:
-        for i, (location, items) in enumerate(plan):
-            while advise is not None and ahead < len(plan) and (ahead <= i or announced < READ_AHEAD_BYTES):
-                loc, its = plan[ahead]
-                fd = fds[loc] = os.open(os.path.join(root, loc), os.O_RDONLY | os.O_CLOEXEC)
-                first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
-                advise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
-                announced += last - first
-                ahead += 1
-            if location not in fds:
-                fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
-            fd = fds[location]
-            for offset, buf, entry in items:
-                got = 0
-                size = buf.nbytes
-                stream = (
-                    verifier.streaming(location, offset, size)
-                    if verifier is not None and size > VERIFY_PIECE_BYTES
-                    else None
-                )
-                piece = VERIFY_PIECE_BYTES if stream is not None else size
-                while got < size:
-                    n = os.preadv(fd, [buf[got:got + piece]], offset + got)
-                    if n == 0:
-                        raise BadSnapshotFile(
-                            f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
-                            f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
-                            "is truncated"
-                        )
-                    if stream is not None:
-                        stream[0].update(buf[got:got + n])
-                    got += n
-                if stream is not None:
-                    verifier.finish(location, offset, size, *stream, entry=entry)
-                elif verifier is not None:
-                    verifier.check(location, offset, buf, entry=entry)
-                total += size
-                announced -= size
-            os.close(fds.pop(location))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return total
-
-
-#: Object-store reads: at most this many bytes per ranged GET, and this many GETs at once.
-FETCH_CHUNK_BYTES = 32 * 1024 * 1024
-FETCH_WORKERS = 4
+    return fileio.preadv_into(root, reads, error=BadSnapshotFile, verifier=verifier)
 
 
 def fetch_into(
@@ -165,53 +96,19 @@ def fetch_into(
     """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
 
     Each file's entries are covered by ranged reads of at most :data:`FETCH_CHUNK_BYTES` (the
-    small tensors packed into one file come in one read), :data:`FETCH_WORKERS` at a time, and
-    copied into the buffers. Returns the bytes fetched. ``reads`` and ``verifier``: as
-    :func:`read_into` (each buffer is checked once its bytes are in).
+    small tensors packed into one file come in one read), :data:`FETCH_WORKERS` at a time (or the
+    restore's io_concurrency limit, knob_options), and copied into the buffers. Returns the bytes
+    fetched. ``reads`` and ``verifier``: as :func:`read_into` (each buffer is checked once its
+    bytes are in). (``stores.s3.fetch_ranges`` does the reading.)
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    names: dict[tuple[str, int], Optional[str]] = {}
-    for location, offset, buf, *name in reads:
-        if buf.nbytes:
-            by_file.setdefault(location, []).append((offset, buf))
-            names[location, offset] = name[0] if name else None
-    jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
-    for location, items in sorted(by_file.items()):
-        items.sort(key=lambda item: item[0])
-        start = items[0][0]
-        end = max(offset + buf.nbytes for offset, buf in items)
-        for lower in range(start, end, FETCH_CHUNK_BYTES):
-            upper = min(end, lower + FETCH_CHUNK_BYTES)
-            inside = [(o, b) for o, b in items if o < upper and o + b.nbytes > lower]
-            if inside:
-                jobs.append((location, lower, upper, inside))
-
-    def one(job: tuple[str, int, int, list[tuple[int, memoryview]]]) -> int:
-        location, lower, upper, items = job
-        data = memoryview(fetch(location, lower, upper))
-        if data.nbytes < upper - lower:
-            raise BadSnapshotFile(
-                f"{location} ends at byte {lower + data.nbytes}, before the end of the entries it "
-                f"holds (byte {upper}): the object is truncated"
-            )
-        for offset, buf in items:
-            a, b = max(offset, lower), min(offset + buf.nbytes, upper)
-            buf[a - offset:b - offset] = data[a - lower:b - lower]
-        return upper - lower
-
-    if not jobs:
-        return 0
-    # At most FETCH_WORKERS GETs in flight, or the restore's io_concurrency limit (knob_options).
-    workers = min(current_io_concurrency() or FETCH_WORKERS, len(jobs))
-    with ThreadPoolExecutor(workers, thread_name_prefix="tnt-snapshot-fetch") as pool:
-        fetched = sum(pool.map(one, jobs))
-    if verifier is not None:
-        for location, items in by_file.items():
-            for offset, buf in items:
-                verifier.check(location, offset, buf, entry=names[location, offset])
-    return fetched
+    return fetch_ranges(
+        fetch,
+        reads,
+        error=BadSnapshotFile,
+        chunk_bytes=FETCH_CHUNK_BYTES,
+        workers=current_io_concurrency() or FETCH_WORKERS,
+        verifier=verifier,
+    )
 
 
 __all__ = [
@@ -219,6 +116,7 @@ __all__ = [
     "FETCH_CHUNK_BYTES",
     "FETCH_WORKERS",
     "READ_AHEAD_BYTES",
+    "VERIFY_PIECE_BYTES",
     "direct_target",
     "fetch_into",
     "read_into",

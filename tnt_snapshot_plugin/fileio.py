@@ -1,0 +1,300 @@
+"""Durable file I/O on local disk: the only module that writes or reads snapshot bytes with syscalls.
+
+* Writes: :func:`write_durably` writes a new file from one buffer or from several buffers end to
+  end (``writev``, never copied together), asks the kernel to start writing back every
+  :data:`WRITE_SLICE` bytes (``sync_file_range``, Linux), and ``fdatasync``s before it returns.
+  :func:`fsync_dir` makes a rename or a new name durable.
+* Reads: :func:`read_range` (``pread``), :func:`map_range` (a read-only mapping of a large range),
+  and :func:`preadv_into` (bytes straight into caller-owned buffers, file by file in offset order,
+  with the kernel told ahead which ranges follow).
+* Path checks: :func:`is_inside` (a local path, symlinks resolved) and :func:`relative_inside` (a
+  relative path as written, for object keys): a file named by a manifest never escapes its snapshot.
+
+Nothing here knows about snapshots, manifests or stores; errors are the OS's, except that
+:func:`preadv_into` raises the error class it is given for a short file or an escaping path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import posixpath
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+# Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
+# to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
+# copied, and the final fdatasync mostly waits for writes already in flight instead of starting
+# all of them. Measured on the project's machine (1 GiB in 16 MiB writes, 2 runs): write then
+# fdatasync 0.22-0.54 GB/s; with the writeback started after each write 0.45-0.58 GB/s.
+WRITE_SLICE = 8 * 1024 * 1024
+_SYNC_FILE_RANGE_WRITE = 2
+#: A hasher on :data:`hashing` is fed a plain buffer in pieces of this size, each just before it
+#: is written (while still in the CPU's cache).
+HASH_PIECE = 1024 * 1024
+#: The most buffers one ``writev`` takes (Linux's IOV_MAX).
+IOV_MAX = 1024
+#: Reads at least this large map the file instead of copying it into a new buffer.
+MAP_BYTES = 1024 * 1024
+#: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
+#: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
+READ_AHEAD_BYTES = 256 * 1024 * 1024
+#: :func:`preadv_into` with a verifier reads and hashes in pieces of this size.
+VERIFY_PIECE_BYTES = 2 * 1024 * 1024
+
+#: Per thread: ``hashing.hasher`` (set by a caller around :func:`write_durably`, else None) is
+#: fed every byte of a plain buffer as it is written, and counts them in ``hasher.fed``.
+hashing = threading.local()
+
+
+def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the final fdatasync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def relative_inside(rel: str) -> bool:
+    """Whether the relative path ``rel`` stays below its root, read as written (object keys)."""
+    norm = posixpath.normpath(rel)
+    return not (rel.startswith("/") or norm == ".." or norm.startswith("../"))
+
+
+def is_inside(root: str, rel: str) -> bool:
+    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``."""
+    return os.path.realpath(os.path.join(root, rel)).startswith(os.path.join(os.path.realpath(root), ""))
+
+
+def byte_views(data: Sequence[Any]) -> list[memoryview]:
+    """Flat unsigned-byte views of the buffers ``data`` (no copy)."""
+    views = []
+    for buf in data:
+        view = memoryview(buf)
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return views
+
+
+def write_gathered(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` in order with as few ``writev`` calls as the kernel allows."""
+    pending = [v for v in views if v.nbytes]
+    first = 0  # pending[first:] is still to write
+    done = 0
+    since_flush = 0
+    while first < len(pending):
+        written = os.writev(fd, pending[first:first + IOV_MAX])
+        done += written
+        since_flush += written
+        while written:  # skip what was written; keep the rest of a buffer written in part
+            head = pending[first]
+            if written >= head.nbytes:
+                written -= head.nbytes
+                first += 1
+            else:
+                pending[first] = head[written:]
+                written = 0
+        if _sync_file_range is not None and since_flush >= WRITE_SLICE:
+            _sync_file_range(fd, done - since_flush, since_flush, _SYNC_FILE_RANGE_WRITE)
+            since_flush = 0
+
+
+def write_durably(path: str, data: Any) -> None:
+    """Write ``data`` to the new file ``path``, durably: fdatasync'd on return.
+
+    ``data``: one buffer; or several, end to end - a list or tuple of buffers, or an object whose
+    ``views`` attribute is a list of flat byte views (``storage.Gathered``) - written with
+    ``writev`` (:func:`write_gathered`). Missing parent directories are created. A hasher set on
+    :data:`hashing` by the caller is fed a single buffer as it is written.
+
+    Every snapshot file on local disk is written through this function; the stores look it up
+    on this module at each call.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        views = byte_views(data) if isinstance(data, (list, tuple)) else getattr(data, "views", None)
+        if views is not None:
+            write_gathered(fd, views)
+            os.fdatasync(fd)
+            return
+        view = memoryview(data).cast("B")
+        total = view.nbytes
+        hasher = getattr(hashing, "hasher", None)
+        piece = HASH_PIECE if hasher is not None else WRITE_SLICE
+        offset = 0
+        while offset < total:
+            start = offset
+            end = min(total, offset + WRITE_SLICE)
+            while offset < end:
+                upper = min(end, offset + piece)
+                if hasher is not None:
+                    # hashed just before the kernel copies it: read from memory once, for both
+                    hasher.update(view[offset:upper])
+                    hasher.fed += upper - offset
+                while offset < upper:
+                    offset += os.write(fd, view[offset:upper])
+            if _sync_file_range is not None and total > WRITE_SLICE:
+                _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the names in directory ``path`` (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def map_range(path: str, byte_range: Optional[tuple[int, int]]) -> Optional[memoryview]:
+    """A read-only view of ``byte_range`` (default: all) of ``path``, up to its end; None if that
+    is smaller than :data:`MAP_BYTES` (read it instead). As with any mapping, a file *truncated*
+    while the view is used would fault; deleting it is harmless."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        start, end = (0, size) if byte_range is None else byte_range
+        end = min(end, size)
+        if end - start < MAP_BYTES:
+            return None
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
+    finally:
+        os.close(fd)
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_WILLNEED)  # start reading all of it now, in the background
+    return memoryview(mapping)[start - base:]
+
+
+def read_range(path: str, byte_range: Optional[tuple[int, int]]) -> bytes:
+    """Bytes ``byte_range`` (default: all) of ``path``, fewer if the file ends first."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if byte_range is None:
+            start, size = 0, os.fstat(fd).st_size
+        else:
+            start, size = byte_range[0], byte_range[1] - byte_range[0]
+        data = os.pread(fd, size, start)
+        if len(data) == size or not data:
+            return data
+        parts = [data]  # a short read: keep reading until the end of the range or the file
+        got = len(data)
+        while got < size:
+            more = os.pread(fd, size - got, start + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def preadv_into(
+    root: str,
+    reads: Iterable[tuple[Any, ...]],
+    *,
+    error: type[Exception],
+    verifier: Any = None,
+) -> int:
+    """Fill each buffer from ``root/file`` at its offset; return the bytes read.
+
+    ``reads``: ``(file, offset, buffer)`` or ``(file, offset, buffer, entry name)``; each buffer a
+    writable flat byte view. Reads go file by file in offset order (sequential on disk); the kernel
+    is told ahead of time which ranges follow (``POSIX_FADV_WILLNEED``, up to
+    :data:`READ_AHEAD_BYTES` ahead). A file outside ``root`` (symlinks resolved) or ending before
+    a buffer is full raises ``error`` naming it; a missing file raises FileNotFoundError.
+    ``verifier`` (a ``checksums.Verifier``): each buffer's bytes are checked as they are read.
+    """
+    by_file: dict[str, list[tuple[int, memoryview, Optional[str]]]] = {}
+    for location, offset, buf, *name in reads:
+        by_file.setdefault(location, []).append((offset, buf, name[0] if name else None))
+    for location in by_file:
+        if not is_inside(root, location):
+            raise error(
+                f"the manifest of {root} names the file {location!r}, outside the snapshot: "
+                "the snapshot is damaged or was not written by torchsnapshot"
+            )
+    plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
+
+    fds: dict[str, int] = {}
+    advise = getattr(os, "posix_fadvise", None)
+    ahead = 0  # index in plan of the next file not announced yet
+    announced = 0  # bytes announced and not read yet
+    total = 0
+    try:
+        for i, (location, items) in enumerate(plan):
+            while advise is not None and ahead < len(plan) and (ahead <= i or announced < READ_AHEAD_BYTES):
+                loc, its = plan[ahead]
+                fd = fds[loc] = os.open(os.path.join(root, loc), os.O_RDONLY | os.O_CLOEXEC)
+                first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
+                advise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
+                announced += last - first
+                ahead += 1
+            if location not in fds:
+                fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
+            fd = fds[location]
+            for offset, buf, entry in items:
+                got = 0
+                size = buf.nbytes
+                stream = (
+                    verifier.streaming(location, offset, size)
+                    if verifier is not None and size > VERIFY_PIECE_BYTES
+                    else None
+                )
+                piece = VERIFY_PIECE_BYTES if stream is not None else size
+                while got < size:
+                    n = os.preadv(fd, [buf[got:got + piece]], offset + got)
+                    if n == 0:
+                        raise error(
+                            f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
+                            f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
+                            "is truncated"
+                        )
+                    if stream is not None:
+                        stream[0].update(buf[got:got + n])
+                    got += n
+                if stream is not None:
+                    verifier.finish(location, offset, size, *stream, entry=entry)
+                elif verifier is not None:
+                    verifier.check(location, offset, buf, entry=entry)
+                total += size
+                announced -= size
+            os.close(fds.pop(location))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return total
+
+
+__all__ = [
+    "HASH_PIECE",
+    "IOV_MAX",
+    "MAP_BYTES",
+    "READ_AHEAD_BYTES",
+    "VERIFY_PIECE_BYTES",
+    "WRITE_SLICE",
+    "byte_views",
+    "fsync_dir",
+    "hashing",
+    "is_inside",
+    "map_range",
+    "preadv_into",
+    "read_range",
+    "relative_inside",
+    "write_durably",
+    "write_gathered",
+]

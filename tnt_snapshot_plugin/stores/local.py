@@ -1,0 +1,254 @@
+"""Snapshot directories on local disk: :class:`LocalStore` and its ``fcntl`` dirpath lock.
+
+Snapshots are staged in a directory named after their writer and renamed into place
+(:class:`~.base.AtomicRename`); every file is written durably (``fileio.write_durably``: fdatasync'd,
+parent directories fsynced before the rename). Deletion unpublishes first (one rename into a
+staging directory that provably is the plugin's), so a crash part-way never leaves a listed
+snapshot with files missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+from typing import Any, Optional, Sequence
+
+from .. import fileio
+from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from ..naming import is_staging_name
+from .base import (
+    INDEX_FNAME,
+    LOCK_FNAME,
+    WRITER_FNAME,
+    AtomicRename,
+    Buffer,
+    DirLock,
+    Read,
+    Store,
+)
+from .writers import busy_error, writer_of_token
+
+
+class FileLock(DirLock):
+    """``fcntl.flock`` on ``dirpath/.tnt_snapshot.lock``, held while the run lasts and naming its
+    holder. The kernel drops it when the process dies, so a killed job leaves no stale lock; the
+    file is removed on release (while still locked), and a taker checks that the file it locked is
+    still the one at that path, so a file unlinked under it is never mistaken for the lock."""
+
+    def __init__(self, root: str, url: str, holder: dict[str, Any]) -> None:
+        import fcntl
+
+        self._fd: Optional[int] = None
+        self._path = os.path.join(root, LOCK_FNAME)
+        for _attempt in range(100):
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    other = json.loads(os.pread(fd, 4096, 0) or b"null")
+                except ValueError:
+                    other = None
+                os.close(fd)
+                raise busy_error(url, other) from None
+            except OSError:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self._path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # released and removed by its holder meanwhile: take the new one
+        else:
+            raise SnapshotError(f"could not lock {self._path}: it keeps being replaced")
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except BaseException:
+            os.close(fd)  # let go of the lock: no one could release it otherwise
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+            os.close(fd)  # closing the only descriptor drops the flock
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown; the kernel drops the lock at exit anyway
+            pass
+
+
+class LocalStore(Store):
+    protocol = AtomicRename()
+
+    def __init__(self, dirpath: str) -> None:
+        self.url = dirpath
+        self.root = os.path.abspath(dirpath)
+
+    def child(self, name: str) -> str:
+        return os.path.join(self.url, name)
+
+    def nested(self, name: str) -> Store:
+        return LocalStore(self.child(name))
+
+    def torchsnapshot_url(self, name: str) -> str:
+        return "tntfs://" + os.path.join(self.root, name)
+
+    def list_names(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def has_file(self, name: str, rel: str) -> bool:
+        return os.path.isfile(os.path.join(self.root, name, rel))
+
+    def is_complete(self, name: str) -> bool:
+        # A symlink named like a snapshot is not one of ours (listing skips it too).
+        return not os.path.islink(os.path.join(self.root, name)) and super().is_complete(name)
+
+    def read_file(self, name: str, rel: str) -> bytes:
+        with open(os.path.join(self.root, name, rel), "rb") as f:
+            return f.read()
+
+    def file_size(self, name: str, rel: str) -> Optional[int]:
+        try:
+            return os.stat(os.path.join(self.root, name, rel)).st_size
+        except FileNotFoundError:
+            return None
+
+    def check_writable(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError(f"dirpath {self.url!r} exists and is not a directory; pass a directory")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            probe = os.path.join(self.root, f".tnt_write_probe.{uuid.uuid4().hex}")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise ConfigError(
+                f"dirpath {self.url!r} cannot be written ({exc.strerror or exc}); "
+                "pass a directory this process can create files in"
+            ) from exc
+
+    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+        self._check_rel(name, rel, SnapshotWriteError)
+        path = os.path.join(self.root, name, rel)
+        if not fileio.is_inside(os.path.join(self.root, name), rel):
+            raise SnapshotWriteError(f"refusing to write {path}: it resolves outside {self.child(name)}")
+        # looked up on fileio at each call: the one place every local snapshot file is written
+        fileio.write_durably(path, data[0] if len(data) == 1 else list(data))
+
+    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+        self._check_reads(name, reads)
+        root = os.path.join(self.root, name)
+        try:
+            fileio.preadv_into(root, reads, error=SnapshotCorruptError)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise SnapshotCorruptError(
+                f"{exc.filename or root}: a file the snapshot names cannot be read "
+                f"({exc.strerror}); the snapshot is damaged"
+            ) from exc
+
+    def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        path = os.path.join(self.root, staging)
+        os.makedirs(path)  # dirpath too, if someone removed it meanwhile
+        try:
+            fileio.write_durably(os.path.join(path, WRITER_FNAME), json.dumps(writer).encode())
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
+        path = os.path.join(self.root, name)
+        try:
+            if os.path.islink(path) or not set(os.listdir(path)) <= {WRITER_FNAME}:
+                return None
+            started = os.stat(path).st_mtime
+        except OSError:
+            return None
+        return writer_of_token(name.rsplit(".", 1)[1], started) if is_staging_name(name) else None
+
+    def lock(self, holder: dict[str, Any]) -> DirLock:
+        os.makedirs(self.root, exist_ok=True)
+        return FileLock(self.root, self.url, holder)
+
+    def publish(self, staging: str, final: str) -> None:
+        staged = os.path.join(self.root, staging)
+        for parent, _dirs, _files in os.walk(staged, topdown=False):
+            fileio.fsync_dir(parent)
+        target = os.path.join(self.root, final)
+        doomed = None
+        if os.path.lexists(target):
+            # Another run's snapshot (or an interrupted write) of the plugin's under this name:
+            # unpublished first, replaced, then deleted. Anything else is never touched.
+            if os.path.islink(target) or not self.provably_ours(final):
+                raise SnapshotWriteError(
+                    f"{self.child(final)} exists and was not written by the plugin (no "
+                    f"{INDEX_FNAME} or {WRITER_FNAME}); move it out of dirpath. The snapshot "
+                    "was not committed"
+                )
+            from ..naming import staging_name
+
+            doomed = os.path.join(self.root, staging_name(final, "del" + uuid.uuid4().hex[:9]))
+            os.rename(target, doomed)
+        os.rename(staged, target)
+        fileio.fsync_dir(self.root)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove(self, name: str) -> None:
+        path = os.path.join(self.root, name)
+        if os.path.islink(path):
+            raise SnapshotError(f"refusing to delete {path}: it is a symlink")
+        if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.root):
+            raise SnapshotError(f"refusing to delete {path}: it resolves outside {self.url}")
+        if not os.path.exists(path):
+            return
+        if not is_staging_name(name):
+            # Unpublish atomically first, into a staging directory whose writer marker is written
+            # before and removed after everything else: a crash part-way then leaves a staging
+            # directory that provably is the plugin's (removed at the next train start), never a
+            # listed snapshot with files missing, nor a directory that can no longer be told ours.
+            from ..naming import staging_name
+
+            doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
+            os.mkdir(doomed)
+            marker = {"deleting": name, "host": socket.gethostname(), "pid": os.getpid()}
+            fileio.write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
+            os.rename(path, os.path.join(doomed, name))
+            fileio.fsync_dir(self.root)
+            path = doomed
+        rmtree_proof_last(path)
+
+
+def rmtree_proof_last(path: str) -> None:
+    """Delete directory ``path``, its index and writer marker (the proof it is the plugin's) last."""
+    proofs = (WRITER_FNAME, INDEX_FNAME)
+    with os.scandir(path) as entries:
+        rest = [e for e in entries if e.name not in proofs]
+    for entry in rest:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    for proof in proofs:
+        try:
+            os.unlink(os.path.join(path, proof))
+        except FileNotFoundError:
+            pass
+    os.rmdir(path)

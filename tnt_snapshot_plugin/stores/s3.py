@@ -1,0 +1,460 @@
+"""Snapshot directories on S3 (and S3-compatible object stores): :class:`S3Store`, its boto3
+client, the translation of botocore's errors into the plugin's, and the dirpath lease.
+
+Object stores cannot rename atomically: a snapshot is written under its final name and published
+by ``.snapshot_metadata`` written last (:class:`~.base.MetadataWrittenLast`). boto3 is imported
+only when an S3 store or client is built; a missing boto3 is a ConfigError with the install hint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from ..errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    StorageUnavailableError,
+)
+from ..fileio import byte_views
+from .base import (
+    LEASE_FNAME,
+    METADATA_FNAME,
+    WRITER_FNAME,
+    Buffer,
+    DirLock,
+    MetadataWrittenLast,
+    Read,
+    Store,
+)
+from .writers import busy_error, writer_gone
+
+#: How long an S3 lease lasts without renewal (it is renewed at every commit and every minute).
+LEASE_S = 300.0
+
+S3_OPTION_KEYS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+    }
+)
+
+#: Reads: at most this many bytes per ranged GET, and this many GETs at once.
+FETCH_CHUNK_BYTES = 32 * 1024 * 1024
+FETCH_WORKERS = 4
+#: A payload larger than this is uploaded in parts of this size (multipart upload), not one PUT.
+MULTIPART_BYTES = 64 * 1024 * 1024
+
+_s3_clients: dict[tuple[Any, ...], Any] = {}
+_s3_clients_lock = threading.Lock()
+
+
+def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise ConfigError(
+            "s3:// snapshots need boto3: pip install 'tnt-snapshot-plugin[s3]'"
+        ) from None
+    options = dict(storage_options or {})
+    unknown = set(options) - S3_OPTION_KEYS
+    if unknown:
+        raise ConfigError(
+            f"storage_options has keys {sorted(unknown)} that the S3 storage does not know; "
+            f"expected some of {sorted(S3_OPTION_KEYS)}"
+        )
+    # Building a client costs ~0.2 s (botocore loads the service model), and every store and
+    # every torchsnapshot plugin instance needs one; clients are thread-safe, so one is shared
+    # per process and configuration (the AWS_* environment included: it fills in what the
+    # options leave out).
+    key = (
+        os.getpid(),
+        tuple(sorted(options.items())),
+        tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))),
+    )
+    with _s3_clients_lock:
+        client = _s3_clients.get(key)
+        if client is None:
+            client = _s3_clients[key] = boto3.session.Session().client(
+                "s3", config=_s3_config(), **options
+            )
+    return client
+
+
+def _s3_config() -> Any:
+    """Transient errors (connection refused or reset, timeouts, throttling, 5xx) are retried with
+    exponential backoff by botocore's "standard" retry mode, 4 attempts in all unless
+    ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` say otherwise; a connection is given 10 s."""
+    from botocore.config import Config
+
+    retries: dict[str, Any] = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:
+        retries["total_max_attempts"] = 4
+    return Config(retries=retries, connect_timeout=10, read_timeout=60)
+
+
+_CREDENTIAL_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "403", "InvalidToken"}
+)
+
+
+def s3_error(url: str, exc: BaseException) -> Optional[SnapshotError]:
+    """The plugin's error for a botocore exception met at ``url`` (None: not botocore's)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code == "NoSuchBucket":
+            return SnapshotNotFoundError(
+                f"{url}: the bucket does not exist ({exc}); check the URL and storage_options"
+            )
+        if code in ("NoSuchKey", "404", "NotFound"):  # a FileNotFoundError, as for local files
+            return SnapshotNotFoundError(f"{url}: no such object ({exc})")
+        if code in _CREDENTIAL_CODES:
+            return ConfigError(
+                f"{url}: the object store refused the credentials ({exc}); check "
+                "storage_options (aws_access_key_id, aws_secret_access_key, aws_session_token)"
+            )
+        return StorageUnavailableError(f"{url}: the object store failed the request ({exc})")
+    if isinstance(exc, NoCredentialsError):
+        return ConfigError(f"{url}: no credentials ({exc}); pass them in storage_options")
+    if isinstance(exc, BotoCoreError):
+        return StorageUnavailableError(
+            f"{url}: the object store could not be reached ({type(exc).__name__}: {exc}), after "
+            "retries; check endpoint_url and the network"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def s3_errors(url: str) -> Any:
+    """Raise botocore's exceptions as the plugin's (``s3_error``), naming ``url``."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        mapped = s3_error(url, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def translated(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An ``S3Store`` method raising the plugin's errors (``s3_errors``) instead of botocore's."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with s3_errors(self.url):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def fetch_ranges(
+    fetch: Callable[[str, int, int], bytes],
+    reads: Iterable[tuple[Any, ...]],
+    *,
+    error: type[Exception],
+    chunk_bytes: int = FETCH_CHUNK_BYTES,
+    workers: int = FETCH_WORKERS,
+    verifier: Any = None,
+) -> int:
+    """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
+
+    ``reads``: ``(file, offset, buffer)`` or ``(file, offset, buffer, entry name)``. Each file's
+    buffers are covered by ranged reads of at most ``chunk_bytes`` (the small tensors packed into
+    one file come in one read), ``workers`` at a time, and copied into the buffers. A range that
+    comes back short raises ``error`` naming the file. Returns the bytes fetched. ``verifier``
+    (a ``checksums.Verifier``): each buffer is checked once its bytes are in.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    names: dict[tuple[str, int], Optional[str]] = {}
+    for location, offset, buf, *name in reads:
+        if buf.nbytes:
+            by_file.setdefault(location, []).append((offset, buf))
+            names[location, offset] = name[0] if name else None
+    jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
+    for location, items in sorted(by_file.items()):
+        items.sort(key=lambda item: item[0])
+        start = items[0][0]
+        end = max(offset + buf.nbytes for offset, buf in items)
+        for lower in range(start, end, chunk_bytes):
+            upper = min(end, lower + chunk_bytes)
+            inside = [(o, b) for o, b in items if o < upper and o + b.nbytes > lower]
+            if inside:
+                jobs.append((location, lower, upper, inside))
+
+    def one(job: tuple[str, int, int, list[tuple[int, memoryview]]]) -> int:
+        location, lower, upper, items = job
+        data = memoryview(fetch(location, lower, upper))
+        if data.nbytes < upper - lower:
+            raise error(
+                f"{location} ends at byte {lower + data.nbytes}, before the end of the entries it "
+                f"holds (byte {upper}): the object is truncated"
+            )
+        for offset, buf in items:
+            a, b = max(offset, lower), min(offset + buf.nbytes, upper)
+            buf[a - offset:b - offset] = data[a - lower:b - lower]
+        return upper - lower
+
+    if not jobs:
+        return 0
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="tnt-snapshot-fetch") as pool:
+        fetched = sum(pool.map(one, jobs))
+    if verifier is not None:
+        for location, items in by_file.items():
+            for offset, buf in items:
+                verifier.check(location, offset, buf, entry=names[location, offset])
+    return fetched
+
+
+class S3Lease(DirLock):
+    """Best effort on S3 (no compare-and-swap): the lease object ``dirpath/.tnt_snapshot.lease.json``
+    names the live saver and when its lease expires (``LEASE_S``); a thread renews it every
+    minute. A second saver is refused while an unexpired lease of another run is there, unless
+    that run's process is provably dead on this host. Two jobs starting within the same second
+    can both miss each other's lease; jobs that overlap longer are refused."""
+
+    def __init__(self, store: S3Store, holder: dict[str, Any]) -> None:
+        self._store = store
+        self._holder = dict(holder)
+        self._stop = threading.Event()
+        try:
+            current = store._read_json("", LEASE_FNAME)
+        except Exception as exc:  # best effort: never stop training over the lease
+            _lease_warning(store, exc)
+            current = None
+        if (
+            current is not None
+            and current.get("run_id") != holder.get("run_id")
+            and isinstance(current.get("expires_at"), (int, float))
+            and current["expires_at"] > time.time()
+            and writer_gone(current, stale_after=float("inf")) is None
+        ):
+            raise busy_error(store.url, current)
+        try:
+            self._renew()
+        except Exception as exc:
+            _lease_warning(store, exc)
+        self._thread = threading.Thread(target=self._keep, name="tnt-snapshot-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        body = json.dumps({**self._holder, "expires_at": time.time() + LEASE_S}).encode()
+        self._store.client.put_object(
+            Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME), Body=body
+        )
+
+    def _keep(self) -> None:
+        while not self._stop.wait(min(60.0, LEASE_S / 5)):
+            try:
+                self._renew()
+            except Exception:  # best effort; the next renewal tries again
+                pass
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            current = self._store._read_json("", LEASE_FNAME)
+            if current is not None and current.get("run_id") == self._holder.get("run_id"):
+                self._store.client.delete_object(
+                    Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME)
+                )
+        except Exception:  # it expires by itself
+            pass
+
+
+def _lease_warning(store: S3Store, exc: BaseException) -> None:
+    import warnings
+
+    warnings.warn(
+        f"could not read or write the lease {store.child(LEASE_FNAME)} ({type(exc).__name__}: "
+        f"{exc}); another job writing {store.url} at the same time would not be detected",
+        stacklevel=5,
+    )
+
+
+class S3Store(Store):
+    protocol = MetadataWrittenLast()
+    #: Payloads larger than this go up as a multipart upload in parts of this size.
+    multipart_bytes = MULTIPART_BYTES
+
+    def __init__(self, url: str, storage_options: Optional[dict[str, Any]]) -> None:
+        self.url = url.rstrip("/")
+        rest = self.url[len("s3://"):]
+        self.bucket, _, self.prefix = rest.partition("/")
+        if not self.bucket:
+            raise ConfigError(f"dirpath {url!r} names no bucket; expected s3://BUCKET/PREFIX")
+        self.storage_options = storage_options
+        self.client = s3_client(storage_options)
+
+    def _key(self, name: str, rel: str = "") -> str:
+        parts = [p for p in (self.prefix, name, rel) if p]
+        return "/".join(parts)
+
+    def child(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def nested(self, name: str) -> Store:
+        return S3Store(self.child(name), self.storage_options)
+
+    def torchsnapshot_url(self, name: str) -> str:
+        return f"tnts3://{self.bucket}/{self._key(name)}"
+
+    @translated
+    def list_names(self) -> list[str]:
+        prefix = self._key("") + "/" if self.prefix else ""
+        names: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for common in page.get("CommonPrefixes", []):
+                names.append(common["Prefix"][len(prefix):].rstrip("/"))
+        return names
+
+    def has_file(self, name: str, rel: str) -> bool:
+        return self.file_size(name, rel) is not None
+
+    @translated
+    def read_file(self, name: str, rel: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name, rel))["Body"].read()  # type: ignore[no-any-return]
+
+    @translated
+    def file_size(self, name: str, rel: str) -> Optional[int]:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(name, rel))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return int(head["ContentLength"])
+
+    def check_writable(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as exc:
+            raise ConfigError(
+                f"dirpath {self.url!r}: bucket {self.bucket!r} is not reachable ({exc}); check "
+                "the bucket name and storage_options (endpoint_url, credentials)"
+            ) from exc
+
+    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+        self._check_rel(name, rel, SnapshotWriteError)
+        key = self._key(name, rel)
+        views = byte_views(data)
+        total = sum(v.nbytes for v in views)
+        with s3_errors(f"s3://{self.bucket}/{key}"):
+            if total <= self.multipart_bytes:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"".join(views))
+                return
+            self._put_multipart(key, views, total)
+
+    def _put_multipart(self, key: str, views: list[memoryview], total: int) -> None:
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        try:
+            parts = []
+            pending = [v for v in views if v.nbytes]
+            for number, start in enumerate(range(0, total, self.multipart_bytes), 1):
+                want = min(self.multipart_bytes, total - start)
+                chunk: list[memoryview] = []
+                while want:
+                    head = pending[0]
+                    take = min(want, head.nbytes)
+                    chunk.append(head[:take])
+                    want -= take
+                    if take == head.nbytes:
+                        pending.pop(0)
+                    else:
+                        pending[0] = head[take:]
+                etag = self.client.upload_part(
+                    Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number, Body=b"".join(chunk)
+                )["ETag"]
+                parts.append({"ETag": etag, "PartNumber": number})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            raise
+
+    def _fetch(self, name: str, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of file ``rel`` of child ``name`` (fewer if the object ends first)."""
+        key = self._key(name, rel)
+        try:
+            with s3_errors(f"s3://{self.bucket}/{key}"):
+                body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+                try:
+                    return body.read()  # type: ignore[no-any-return]
+                finally:
+                    body.close()
+        except SnapshotNotFoundError as exc:
+            raise SnapshotCorruptError(
+                f"s3://{self.bucket}/{key}: an object the snapshot names is missing; the snapshot is damaged"
+            ) from exc
+        except StorageUnavailableError as exc:
+            code = ""
+            cause = exc.__cause__
+            response = getattr(cause, "response", None)
+            if isinstance(response, dict):
+                code = str(response.get("Error", {}).get("Code", ""))
+            if code == "InvalidRange":  # the range starts at or past the object's end
+                return b""
+            raise
+
+    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+        self._check_reads(name, reads)
+        fetch_ranges(
+            lambda rel, start, end: self._fetch(name, rel, start, end),
+            reads,
+            error=SnapshotCorruptError,
+        )
+
+    def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(staging, WRITER_FNAME), Body=json.dumps(writer).encode()
+        )
+
+    @translated
+    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+        super().commit(staging, final, metadata, index)
+
+    def lock(self, holder: dict[str, Any]) -> DirLock:
+        return S3Lease(self, holder)
+
+    @translated
+    def _remove(self, name: str) -> None:
+        # Unpublish first: a crash part-way then leaves an incomplete snapshot (ignored by
+        # restore, cleared at the next train start), never a complete-looking one missing files.
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(name, METADATA_FNAME))
+        prefix = self._key(name) + "/"
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        ):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+
+
+__all__ = ["LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS", "fetch_ranges", "s3_client",
+           "s3_error", "s3_errors", "translated"]
