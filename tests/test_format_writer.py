@@ -119,7 +119,14 @@ def single_rank_state() -> dict[str, Any]:
             "nested": [1, [2, {"x": torch.zeros(3, dtype=torch.int16)}]],
             "int_keys": {0: "zero", 7: torch.ones(1)},
         },
-        "odd/key%": {"..": torch.ones(2), ".": torch.zeros(2), "": torch.full((2,), 3.0), "x/../y": 4},
+        "odd/key%": {
+            "..": torch.ones(2),
+            ".": torch.zeros(2),
+            "": torch.full((2,), 3.0),
+            "x/../y": 4,
+            "emoji 😀 \x85\u2028": torch.ones(3),  # YAML-hostile characters in the manifest
+            "str 😀": "value 😀\x7f",
+        },
     }
 
 

@@ -36,8 +36,10 @@ import ctypes
 import fnmatch
 import functools
 import hashlib
+import heapq
 import io
 import json
+import re
 import struct
 import zlib
 from collections import OrderedDict
@@ -139,12 +141,12 @@ def _replicated_writers(leaves: Mapping[str, Any], replicated: Set[str], world_s
         for path in replicated
         if path in leaves and not _is_sharded(leaves[path])  # a sharded value is never replicated
     )
-    loads = [0] * world_size
+    loads = [(0, rank) for rank in range(world_size)]  # a heap: the least loaded rank, lowest first
     writers: dict[str, int] = {}
     for negative_cost, path in costs:
-        rank = min(range(world_size), key=loads.__getitem__)
+        load, rank = loads[0]
         writers[path] = rank
-        loads[rank] -= negative_cost
+        heapq.heapreplace(loads, (load - negative_cost, rank))
     return writers
 
 
@@ -355,7 +357,7 @@ def _pointer_record(rel: str, local: torch.Tensor) -> dict:
     """The record of a DTensor shard that another rank of its replica group writes to ``rel``."""
     dtype_name = DTYPE_NAMES.get(local.dtype)
     if dtype_name is None:
-        raise ConfigError(f"DTensor of dtype {local.dtype} cannot be saved in torchsnapshot's format.")
+        raise ConfigError(f"a DTensor of dtype {local.dtype} cannot be saved in torchsnapshot's format.")
     raw = local.dtype in RAW_DTYPES and local.numel() > 0
     return {
         "type": "Tensor",
@@ -516,7 +518,15 @@ def merge(parts: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
     return manifest
 
 
+#: Characters YAML does not take raw (non-printable, or line breaks inside a quoted scalar),
+#: and surrogates (not encodable): these are escaped, as JSON allows.
+_YAML_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
 def metadata_bytes(manifest: Mapping[str, dict], world_size: int) -> bytes:
-    """The contents of ``.snapshot_metadata``: JSON (which torchsnapshot's YAML parser reads)."""
+    """The contents of ``.snapshot_metadata``: JSON, which torchsnapshot's YAML parser reads.
+    Non-ASCII text is written as UTF-8, not as JSON escapes: libyaml rejects the escaped
+    surrogate pairs that ``json.dumps`` writes for characters beyond the BMP (emoji)."""
     document = {"version": FORMAT_VERSION, "world_size": world_size, "manifest": manifest}
-    return json.dumps(document).encode()
+    text = json.dumps(document, ensure_ascii=False)
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
