@@ -1,0 +1,387 @@
+"""The plugin's writer of torchsnapshot's format (tnt_snapshot_plugin/format/writer.py).
+
+What it writes is restored by STOCK torchsnapshot in subprocesses that never import the plugin
+(tests/stock_reader.py), and compared bitwise with what was saved: one process for every
+single-rank entry kind, two gloo processes for replicated values, DTensors and ShardedTensors
+(written by tests/format_writer_worker.py). Unit tests compare :func:`writer.flatten` with
+torchsnapshot's own ``flatten`` and check that locations stay inside the snapshot directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import subprocess
+import sys
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from stock_reader import REPLICATED, same
+from torchsnapshot.flatten import flatten as stock_flatten
+
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
+from tnt_snapshot_plugin.format import writer
+from tnt_snapshot_plugin.format.common import DTYPE_NAMES, METADATA_FNAME, RAW, TORCH_SAVE
+
+HERE = Path(__file__).parent
+LAUNCH_DEADLINE_S = 180
+
+
+def write_snapshot(root: Path, plans: list[writer.Plan], world_size: int = 1) -> dict[str, dict]:
+    """Write the plans' payloads with plain file writes, then the merged manifest."""
+    for plan in plans:
+        for payload in plan.payloads:
+            path = root / payload.rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                for view in payload.views:
+                    f.write(view)
+    manifest = writer.merge([plan.entries for plan in plans])
+    (root / METADATA_FNAME).write_bytes(writer.metadata_bytes(manifest, world_size))
+    return manifest
+
+
+def plan_for(state: dict[str, Any], **kwargs: Any) -> writer.Plan:
+    containers: dict[str, dict] = {}
+    leaves: dict[str, Any] = {}
+    for key, state_dict in state.items():
+        more_containers, more_leaves = writer.flatten(key, state_dict)
+        containers.update(more_containers)
+        leaves.update(more_leaves)
+    kwargs.setdefault("rank", 0)
+    kwargs.setdefault("world_size", 1)
+    kwargs.setdefault("replicated", set())
+    return writer.plan(containers, leaves, **kwargs)
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+    for dtype in DTYPE_NAMES:
+        name = str(dtype).removeprefix("torch.")
+        if dtype.is_floating_point or dtype.is_complex:
+            out[name] = torch.randn(5, 3, generator=gen, dtype=dtype)
+        elif dtype is torch.bool:
+            out[name] = torch.randn(7, generator=gen) > 0
+        elif dtype in (torch.qint8, torch.quint8, torch.qint32):
+            with warnings.catch_warnings():  # torch deprecates quantized dtypes; the format keeps them
+                warnings.simplefilter("ignore", UserWarning)
+                out[name] = torch.quantize_per_tensor(torch.randn(6, generator=gen), 0.1, 3, dtype)
+        else:
+            out[name] = torch.randint(-100 if dtype is not torch.uint8 else 0, 100, (4, 2), generator=gen, dtype=dtype)
+    return out
+
+
+def single_rank_state() -> dict[str, Any]:
+    big = torch.arange(1000.0)
+    return {
+        "tensors": {
+            **{name: t for name, t in every_dtype().items() if not t.is_quantized},
+            "bf16_odd": torch.arange(7, dtype=torch.bfloat16) / 3,
+            "empty": torch.empty(0),
+            "empty_2d": torch.empty(2, 0),
+            "empty_3d_int": torch.zeros(0, 3, 4, dtype=torch.int64),
+            "empty_complex": torch.empty(0, 2, dtype=torch.complex64),
+            "scalar": torch.tensor(3.5),
+            "noncontig": torch.arange(24.0).reshape(4, 6).t()[1:],
+            "grad": torch.ones(3, requires_grad=True) * 2,
+            "param": torch.nn.Parameter(torch.full((2, 2), 0.5)),
+            "view_of_big": big[10:20],
+            "complex_view": torch.arange(20.0).to(torch.complex64)[2:5],
+            "big": torch.arange(600.0),  # > pack_bytes: a file of its own
+            "big_bf16_odd": torch.arange(1001, dtype=torch.bfloat16),
+        },
+        "quantized": {name: t for name, t in every_dtype().items() if t.is_quantized},
+        "prims": {
+            "int": 3,
+            "huge": -(10**30),
+            "str": "héllo wörld",
+            "empty_str": "",
+            "bool": True,
+            "float": 0.1,
+            "inf": float("-inf"),
+            "bytes": b"\x00\xffab",
+        },
+        "objects": {
+            "tuple": (1, "a", 2.5),
+            "set": {1, 2, 3},
+            "none": None,
+            "tuple_keys": {(1, 2): 3},
+            "colliding_keys": {1: "int", "1": "str"},
+            "ordered": OrderedDict(b=1, a=OrderedDict(z=torch.ones(2), y=[1, 2])),
+            "nested": [1, [2, {"x": torch.zeros(3, dtype=torch.int16)}]],
+            "int_keys": {0: "zero", 7: torch.ones(1)},
+        },
+        "odd/key%": {
+            "..": torch.ones(2),
+            ".": torch.zeros(2),
+            "": torch.full((2,), 3.0),
+            "x/../y": 4,
+            "emoji 😀 \x85\u2028": torch.ones(3),  # YAML-hostile characters in the manifest
+            "str 😀": "value 😀\x7f",
+        },
+    }
+
+
+# --- stock torchsnapshot restores what the writer wrote (one subprocess for every kind) -------
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]:
+    """(what was saved, what stock torchsnapshot restored, the manifest)."""
+    root = tmp_path_factory.mktemp("single")
+    state = single_rank_state()
+    quantized = {"quantized": state.pop("quantized")}  # apart: see stock_reader.single
+    manifest = write_snapshot(root / "snap", [plan_for(state, pack_bytes=1024)])
+    manifest.update(write_snapshot(root / "snap_q", [plan_for(quantized, pack_bytes=1024)]))
+    state.update(quantized)
+    out = root / "restored.pt"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "stock_reader.py"), "single", str(out), str(root / "snap"), str(root / "snap_q")],
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_DEADLINE_S,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr  # torchsnapshot logs failed reads and goes on
+    return state, torch.load(out, weights_only=False), manifest
+
+
+@pytest.mark.parametrize(
+    "key, how",
+    [(key, how) for key in ("tensors", "prims", "objects", "odd/key%") for how in ("plain", "inplace")]
+    + [("quantized", "inplace")],  # torchsnapshot rebuilds quantized tensors only into quantized targets
+)
+def test_stock_torchsnapshot_restores_each_kind_bitwise(single_rank, key, how):
+    state, restored, _ = single_rank
+    saved, got = flat(state[key]), flat(restored[how][key])
+    assert saved.keys() == got.keys()
+    differ = [name for name in saved if not same(saved[name], got[name])]
+    assert not differ, {name: (saved[name], got[name]) for name in differ}
+
+
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested containers -> path -> leaf (to compare values wherever they were stored)."""
+    if type(value) in (dict, OrderedDict) and writer._is_flattenable(value):
+        return {k: v for name, item in value.items() for k, v in flat(item, f"{prefix}/{name}").items()}
+    if type(value) is list:
+        return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{prefix}/{i}").items()}
+    return {prefix: value}
+
+
+def test_manifest_records_follow_torchsnapshots_schema(single_rank):
+    _, _, manifest = single_rank
+    tensors = {path.split("/")[-1]: entry for path, entry in manifest.items() if path.startswith("0/tensors/")}
+    assert tensors["float32"] == {
+        "type": "Tensor",
+        "location": tensors["float32"]["location"],
+        "serializer": RAW,
+        "dtype": "torch.float32",
+        "shape": [5, 3],
+        "replicated": False,
+        "byte_range": tensors["float32"]["byte_range"],
+    }
+    assert tensors["float32"]["location"].startswith("batched/")
+    assert tensors["big"]["location"] == "0/tensors/big" and tensors["big"]["byte_range"] is None
+    assert {tensors[n]["serializer"] for n in ("complex64", "empty", "empty_3d_int")} == {TORCH_SAVE}
+    assert manifest["0/quantized/qint8"]["serializer"] == TORCH_SAVE
+    assert tensors["bf16_odd"]["serializer"] == RAW and tensors["bf16_odd"]["byte_range"][1] - tensors["bf16_odd"]["byte_range"][0] == 14
+    assert manifest["0/prims/float"] == {
+        "type": "float",
+        "serialized_value": "mpmZmZmZuT8=",
+        "replicated": False,
+        "readable": "0.1",
+    }
+    assert manifest["0/prims/int"]["readable"] is None
+    assert manifest["0/objects/tuple"]["obj_type"] == "builtins.tuple"
+    assert manifest["0/objects/ordered"] == {"type": "OrderedDict", "keys": ["b", "a"]}
+    assert manifest["0/objects/int_keys"] == {"type": "dict", "keys": [0, 7]}
+    assert manifest["0/objects/nested"] == {"type": "list"}
+
+
+def test_small_tensors_are_packed_and_views_are_zero_copy():
+    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(40)}  # 256 bytes each
+    plan = plan_for({"m": tensors}, pack_bytes=1024)
+    packs = [p for p in plan.payloads if p.rel.startswith("batched/")]
+    assert len(packs) == 10 and all(sum(v.nbytes for v in p.views) == 1024 for p in packs)
+    assert plan.nbytes == 40 * 256
+    tensors["t0"].fill_(-1.0)  # the views are over the tensors' own memory
+    assert bytes(packs[0].views[0]) == torch.full((64,), -1.0).numpy().tobytes()
+    ranges = [plan.entries[f"0/m/t{i}"]["byte_range"] for i in range(4)]
+    assert ranges == [[0, 256], [256, 512], [512, 768], [768, 1024]]
+
+
+def test_unsupported_dtype_is_a_config_error_naming_the_path():
+    with pytest.raises(ConfigError, match="m/f8.*float8"):
+        plan_for({"m": {"f8": torch.zeros(2, dtype=torch.float8_e4m3fn)}})
+
+
+# --- flatten: exactly torchsnapshot's paths ---------------------------------------------------
+
+TRICKY = {
+    "a/b": torch.ones(1),
+    "100%": {"x/y%z": 2, "%2F": "literal"},
+    3: [4, {5: "five", "s": [OrderedDict([("k", 1), ("j", OrderedDict(q=[]))])]}],
+    True: "bool key",
+    "non_str_keys": {(1, 2): 3, "a": 1},
+    "collide": {1: "int", "1": "str"},
+    "tuple": (1, [2]),
+    "empty": {},
+    "empty_list": [],
+    "..": {".": 1, "": 2},
+}
+
+
+@pytest.mark.parametrize("key", ["plain", "with/slash%", ".."])
+def test_flatten_matches_torchsnapshots_flatten(key):
+    containers, leaves = writer.flatten(key, TRICKY)
+    stock_containers, stock_leaves = stock_flatten(TRICKY, prefix=key)
+    assert containers == {path: asdict(entry) for path, entry in stock_containers.items()}
+    assert list(containers) == list(stock_containers)
+    assert list(leaves) == list(stock_leaves)
+    assert all(leaves[path] is stock_leaves[path] for path in leaves)
+
+
+def test_flatten_of_a_non_container_is_one_leaf():
+    assert writer.flatten("k/1", (1, 2)) == ({}, {"k%2F1": (1, 2)})
+
+
+# --- locations --------------------------------------------------------------------------------
+
+
+def test_locations_stay_inside_the_snapshot_and_never_collide():
+    values = ["..", ".", "", "../../etc", "a\x00b", "x" * 300, "é" * 200, "%2E", "%", "%2E%2E"]
+    state = {name: torch.full((100,), float(i)) for i, name in enumerate(values)}
+    state["objects"] = {name: (name,) for name in values}
+    plan = plan_for({"..": state}, pack_bytes=0)
+    rels = [payload.rel for payload in plan.payloads]
+    assert len(rels) == 2 * len(values) and len(set(rels)) == len(rels)
+    for rel in rels:
+        parts = rel.split("/")
+        assert parts[0] == "0" and posixpath.normpath(rel) == rel, rel
+        assert all(part not in ("", ".", "..") and "\x00" not in part and len(part.encode()) <= 255 for part in parts)
+
+
+def test_replicated_values_are_written_once_spread_over_ranks():
+    leaves = {f"m/p{i}": torch.zeros(10 * (i + 1)) for i in range(6)}
+    leaves["m/step"] = 5
+    leaves["m/own"] = torch.ones(1)
+    replicated = set(leaves) - {"m/own"}
+    plans = [writer.plan({}, leaves, rank=r, world_size=2, replicated=replicated) for r in range(2)]
+    for path in replicated:
+        writers = [r for r in range(2) if f"0/{path}" in plans[r].entries]
+        assert len(writers) == 1 and f"1/{path}" not in plans[1].entries, path
+        assert plans[writers[0]].entries[f"0/{path}"]["replicated"] is True
+    assert "0/m/own" in plans[0].entries and "1/m/own" in plans[1].entries
+    assert abs(plans[0].nbytes - plans[1].nbytes) <= 4 * 60 + 4  # greedy: within the largest item
+    manifest = writer.merge([p.entries for p in plans])
+    assert sum(path.startswith("0/") for path in manifest) == len(replicated) + 1
+
+
+def test_replicable_matches_globs_and_leaves_sharded_values_out():
+    leaves = {"m/w": torch.ones(1), "m/b": 1, "opt/state/0/x": 2, "other": 3}
+    assert writer.replicable(leaves, ["m/*", "opt/**"]) == ["m/w", "m/b", "opt/state/0/x"]
+    assert writer.replicable(leaves, []) == []
+
+
+def test_merge_refuses_two_ranks_recording_one_path_differently():
+    with pytest.raises(SnapshotError, match="0/m/x"):
+        writer.merge([{"0/m/x": {"type": "int", "serialized_value": "1"}}, {"0/m/x": {"type": "int", "serialized_value": "2"}}])
+
+
+# --- two gloo ranks: replicated values, DTensor, ShardedTensor --------------------------------
+
+
+def launch(script: str, args: list[str], out: Path, name: str) -> None:
+    """Run ``script`` as 2 ranks (args + RANK 2 RENDEZVOUS) under a deadline."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    logs = [open(out / f"{name}{rank}.log", "w+") for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / script), *args, str(rank), "2", str(out / f"{name}.rendezvous")],
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    deadline = time.monotonic() + LAUNCH_DEADLINE_S
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    output = ""
+    for log in logs:
+        log.seek(0)
+        output += log.read()[-3000:]
+        log.close()
+    assert all(p.returncode == 0 for p in procs), output
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch("format_writer_worker.py", [str(out / "snap"), str(out)], out, "writer")
+    writers = [json.loads((out / f"writer{rank}.json").read_text()) for rank in range(2)]
+    for record in writers:
+        assert record["ok"], record.get("traceback")
+    launch("stock_reader.py", ["dist", str(out / "snap"), str(out)], out, "stock")
+    stocks = [json.loads((out / f"stock{rank}.json").read_text()) for rank in range(2)]
+    for record in stocks:
+        assert record["ok"], record.get("traceback")
+    return out, writers, stocks
+
+
+@pytest.mark.slow
+def test_stock_torchsnapshot_restores_two_ranks_bitwise(two_ranks):
+    _, _, stocks = two_ranks
+    for record in stocks:
+        assert "shard/dt_one" in record["compared"] and "shard/st_one" in record["compared"]
+        assert record["mismatches"] == []
+
+
+@pytest.mark.slow
+def test_two_ranks_record_replicated_values_once_under_rank0(two_ranks):
+    out, writers, _ = two_ranks
+    manifest = json.loads((out / "snap" / METADATA_FNAME).read_text())["manifest"]
+    for path in REPLICATED:
+        assert f"0/{path}" in manifest and f"1/{path}" not in manifest, path
+        assert sum(f"0/{path}" in record["snap"]["entries"] for record in writers) == 1, path
+    assert {f"{rank}/model/b" for rank in range(2)} <= manifest.keys()
+    payloads = [rel for record in writers for rel in record["snap"]["payloads"]]
+    assert len(payloads) == len(set(payloads))  # no file written twice
+    on_disk = {str(p.relative_to(out / "snap")) for p in (out / "snap").rglob("*") if p.is_file()}
+    assert on_disk == set(payloads) | {METADATA_FNAME}
+    assert all(rel.startswith(("0/", "batched/0-")) for rel in writers[0]["snap"]["payloads"])
+    assert all(rel.startswith(("1/", "batched/1-")) for rel in writers[1]["snap"]["payloads"])
+
+
+@pytest.mark.slow
+def test_two_ranks_shard_records(two_ranks):
+    out, _, _ = two_ranks
+    manifest = json.loads((out / "snap" / METADATA_FNAME).read_text())["manifest"]
+    # a shard held by both ranks (Shard over a 1-rank mesh dim): one file, both records point at it
+    part = [manifest[f"{rank}/shard/dt_part"] for rank in range(2)]
+    assert part[0]["shards"][0]["tensor"]["location"] == part[1]["shards"][0]["tensor"]["location"]
+    assert part[0]["mesh"] == [[0, 1]] and part[0]["dim_map"] == [[0], [-1]]
+    assert manifest["1/shard/dt_one"]["shards"][0]["sizes"] == [0]
+    assert manifest["0/shard/dt"]["dim_map"] == [[0]] and manifest["0/shard/dt"]["mesh"] == [0, 1]
+    # a fully replicated DTensor: one record, under rank 0, its bytes written once
+    rep_manifest = json.loads((out / "snap_rep" / METADATA_FNAME).read_text())["manifest"]
+    assert "1/rep/dt_rep" not in rep_manifest
+    tensor = rep_manifest["0/rep/dt_rep"]["shards"][0]["tensor"]
+    data = (out / "snap_rep" / tensor["location"]).read_bytes()
+    start, end = tensor["byte_range"] or (0, len(data))
+    restored = torch.frombuffer(bytearray(data[start:end]), dtype=torch.int32)
+    assert torch.equal(restored, torch.arange(4, dtype=torch.int32))

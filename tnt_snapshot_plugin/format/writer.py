@@ -1,0 +1,532 @@
+"""Write state dicts in torchsnapshot's on-disk format, without torchsnapshot.
+
+The writer turns each rank's state into manifest records (plain dicts, torchsnapshot's schema) and
+payloads (byte views to write to files); the caller writes the payloads, gathers every rank's
+records on rank 0 (:func:`merge`) and writes ``.snapshot_metadata`` (:func:`metadata_bytes`) last.
+Stock torchsnapshot restores what it writes. The choices, where the format leaves room:
+
+* **Paths.** :func:`flatten` builds logical paths exactly as torchsnapshot's ``flatten`` does:
+  lists and dicts/OrderedDicts whose keys are all ``str``/``int`` with distinct ``str()`` are
+  containers; anything else (tuples, sets, dicts with other keys, dict subclasses) is one value.
+* **Files.** Everything rank R writes lives under ``R/`` or in ``batched/R-N``, so no two ranks
+  ever write the same file. Small tensors (below ``pack_bytes``) are packed end to end into
+  ``batched/R-N`` files of about ``pack_bytes`` (``byte_range`` says where); a larger tensor or an
+  object gets a file of its own at ``R/<logical path>``, a shard at ``R/<logical path>/shard_<offsets>``.
+  Path components the filesystem would read as navigation (``""``, ``"."``, ``".."``), NUL bytes,
+  and components too long for a file name are rewritten into names ``encode`` never produces, so a
+  location never leaves the snapshot directory and two values never share a file.
+* **Bytes.** Tensors of the raw dtypes (``common.RAW_DTYPES``) are stored as their bytes,
+  zero-copy over CPU contiguous tensors (GPU and non-contiguous tensors are copied first). Other
+  dtypes (complex, quantized) and empty tensors are ``torch.save``'d: stock torchsnapshot cannot
+  rebuild an empty tensor from zero raw bytes. Objects are ``torch.save``'d to a file of their
+  own; ``int``/``str``/``bool``/``bytes``/``float`` (exact types) are stored inline in the manifest.
+* **Replicated values** (logical paths the caller says every rank holds identically) are recorded
+  once, under ``0/``: every rank computes the same assignment of writers from its own leaves
+  (largest first, ties by path, each to the least loaded rank) and only the assigned rank writes
+  the bytes and emits the record.
+* **ShardedTensor / DTensor**: each rank records its own local shards. A DTensor shard held by
+  several ranks (a replica group) is written by one of them, chosen from the path alone, and every
+  rank of the group records the same location; a fully replicated DTensor is recorded once, under ``0/``.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import fnmatch
+import functools
+import hashlib
+import heapq
+import io
+import json
+import re
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
+from tnt_snapshot_plugin.format.common import (
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    RAW,
+    RAW_DTYPES,
+    TORCH_SAVE,
+    encode,
+)
+
+#: What a replicated object is assumed to cost when spreading replicated writes over the ranks
+#: (its size is only known once it is serialized, and every rank must agree without serializing).
+NOMINAL_OBJECT_BYTES = 1024
+
+#: A path component longer than this (in UTF-8 bytes) is shortened to stay a valid file name.
+MAX_COMPONENT_BYTES = 200
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PRIMITIVES = {int: "int", str: "str", bool: "bool", bytes: "bytes", float: "float"}
+
+
+# --- flatten ----------------------------------------------------------------------------------
+
+
+def flatten(key: str, state_dict: Any) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Split ``state_dict`` (saved under app-state ``key``) into its containers and its leaves.
+
+    Returns ``(containers, leaves)``: logical path -> container record (``{"type": "dict",
+    "keys": [...]}``, ``"OrderedDict"`` likewise, ``{"type": "list"}``) and logical path -> value.
+    Paths are ``KEY/sub/...`` with the key and every dict key ``encode``d, list items by index,
+    exactly as torchsnapshot's ``flatten`` builds them."""
+    containers: dict[str, dict] = {}
+    leaves: dict[str, Any] = {}
+    _flatten_into(state_dict, encode(key), containers, leaves)
+    return containers, leaves
+
+
+def _flatten_into(value: Any, path: str, containers: dict[str, dict], leaves: dict[str, Any]) -> None:
+    kind = type(value)
+    if kind is list:
+        containers[path] = {"type": "list"}
+        for index, item in enumerate(value):
+            _flatten_into(item, f"{path}/{index}", containers, leaves)
+    elif (kind is dict or kind is OrderedDict) and _is_flattenable(value):
+        containers[path] = {"type": "dict" if kind is dict else "OrderedDict", "keys": list(value)}
+        for name, item in value.items():
+            _flatten_into(item, f"{path}/{encode(str(name))}", containers, leaves)
+    else:
+        leaves[path] = value
+
+
+def _is_flattenable(mapping: Mapping[Any, Any]) -> bool:
+    """A dict is a container when its keys are str/int with distinct ``str()`` (else one object)."""
+    if not all(isinstance(name, (str, int)) for name in mapping):
+        return False
+    return len({str(name) for name in mapping}) == len(mapping)
+
+
+# --- replicated values ------------------------------------------------------------------------
+
+
+def replicable(leaves: Mapping[str, Any], patterns: Sequence[str]) -> list[str]:
+    """The logical paths of ``leaves`` that match a glob of ``patterns`` (``fnmatch``, as
+    torchsnapshot) and are not sharded. The caller gathers these from every rank and passes the
+    paths every rank has to :func:`plan` as ``replicated``."""
+    if not patterns:
+        return []
+    matched: set[str] = set()
+    for pattern in patterns:
+        matched.update(fnmatch.filter(leaves, pattern))
+    return [path for path in leaves if path in matched and not _is_sharded(leaves[path])]
+
+
+def _is_sharded(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or type(value) in _PLAIN_TENSOR_TYPES:
+        return False
+    sharded_tensor, dtensor, shard = _distributed_types()
+    if sharded_tensor is not None and isinstance(value, sharded_tensor):
+        return True
+    if dtensor is not None and isinstance(value, dtensor):
+        return any(isinstance(p, shard) for p in value.placements)
+    return False
+
+
+def _replicated_writers(leaves: Mapping[str, Any], replicated: Set[str], world_size: int) -> dict[str, int]:
+    """Logical path -> the rank that writes it, for every replicated leaf. Deterministic: every
+    rank holds the same replicated leaves, so every rank computes the same answer."""
+    costs = sorted(
+        (-_write_cost(leaves[path]), path)
+        for path in replicated
+        if path in leaves and not _is_sharded(leaves[path])  # a sharded value is never replicated
+    )
+    loads = [(0, rank) for rank in range(world_size)]  # a heap: the least loaded rank, lowest first
+    writers: dict[str, int] = {}
+    for negative_cost, path in costs:
+        load, rank = loads[0]
+        writers[path] = rank
+        heapq.heapreplace(loads, (load - negative_cost, rank))
+    return writers
+
+
+def _write_cost(value: Any) -> int:
+    if type(value) in _PRIMITIVES:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return NOMINAL_OBJECT_BYTES
+
+
+# --- plan -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Payload:
+    """One file to write: ``rel`` (relative to the snapshot directory, ``/``-separated) holds the
+    concatenation of ``views``; ``keep`` holds the objects owning their memory until written."""
+
+    rel: str
+    views: list[memoryview]
+    keep: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """What one rank writes: its manifest records (full paths ``RANK/...``, and ``0/...`` for the
+    replicated values it writes), its payloads, and their total size in bytes."""
+
+    entries: dict[str, dict]
+    payloads: list[Payload]
+    nbytes: int
+
+
+def plan(
+    containers: Mapping[str, dict],
+    leaves: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    replicated: Set[str],
+    pack_bytes: int = 4 << 20,
+) -> Plan:
+    """This rank's manifest records and payloads for ``containers`` and ``leaves`` (from
+    :func:`flatten`, every app-state key together: one plan per rank per snapshot).
+
+    ``replicated``: the logical paths every rank holds identically (the same set on every rank);
+    they are recorded once, under ``0/``, by the rank assigned to write them. ``pack_bytes``: tensors
+    smaller than this are packed into shared files of about this size (0: no packing).
+    Raises :class:`~tnt_snapshot_plugin.errors.ConfigError` for a value the format cannot hold."""
+    builder = _Builder(rank, pack_bytes)
+    for path, record in containers.items():
+        builder.entries[f"{rank}/{path}"] = record
+    writers = _replicated_writers(leaves, replicated, world_size) if replicated else {}
+    for path, value in leaves.items():
+        writer = writers.get(path)
+        if writer is None:
+            builder.add(path, f"{rank}/{path}", value, False)
+        elif writer == rank:
+            builder.add(path, f"0/{path}", value, True)
+    return builder.finish()
+
+
+class _Builder:
+    """Collects one rank's records and payloads, packing small tensors as it goes."""
+
+    def __init__(self, rank: int, pack_bytes: int) -> None:
+        self.rank = rank
+        self.pack_bytes = pack_bytes
+        self.entries: dict[str, dict] = {}
+        self.payloads: list[Payload] = []
+        self.nbytes = 0
+        self._pack: Optional[Payload] = None
+        self._pack_size = 0
+
+    def finish(self) -> Plan:
+        return Plan(self.entries, self.payloads, self.nbytes)
+
+    def add(self, path: str, manifest_path: str, value: Any, replicated: bool) -> None:
+        kind = type(value)
+        if kind in _PLAIN_TENSOR_TYPES:
+            self.entries[manifest_path] = self.tensor(path, value, None, replicated)
+        elif kind in _PRIMITIVES:
+            self.entries[manifest_path] = _primitive_record(_PRIMITIVES[kind], value, replicated)
+        elif isinstance(value, torch.Tensor) and _is_distributed(value):
+            self.add_distributed(path, manifest_path, value, replicated)
+        elif isinstance(value, torch.Tensor):
+            self.entries[manifest_path] = self.tensor(path, value, None, replicated)
+        else:
+            self.entries[manifest_path] = self.object(path, value, replicated)
+
+    # -- tensors
+
+    def tensor(
+        self, path: str, tensor: torch.Tensor, own_rel: Optional[str], replicated: bool, pack: bool = True
+    ) -> dict:
+        """The record of a dense tensor; its bytes go to a pack, or to ``own_rel`` (default: the
+        file of ``path`` under this rank's directory)."""
+        dtype_name = DTYPE_NAMES.get(tensor.dtype)
+        if dtype_name is None:
+            raise ConfigError(
+                f"{path!r}: tensors of dtype {tensor.dtype} cannot be saved in torchsnapshot's format "
+                f"(it knows {', '.join(sorted(DTYPE_NAMES.values()))}); convert the tensor in the "
+                "state_dict (e.g. .to(torch.float32)) or store it as another type."
+            )
+        shape = list(tensor.shape)
+        cpu, view = _tensor_bytes(tensor)
+        serializer = RAW if cpu is not None else TORCH_SAVE
+        size = view.nbytes
+        if pack and 0 < self.pack_bytes and size < self.pack_bytes:
+            location, byte_range = self._packed(view, cpu)
+        else:
+            location, byte_range = own_rel or f"{self.rank}/{_safe(path)}", None
+            self._own_file(location, view, cpu)
+        return {
+            "type": "Tensor",
+            "location": location,
+            "serializer": serializer,
+            "dtype": dtype_name,
+            "shape": shape,
+            "replicated": replicated,
+            "byte_range": byte_range,
+        }
+
+    def _packed(self, view: memoryview, owner: Any) -> tuple[str, list[int]]:
+        size = view.nbytes
+        pack = self._pack
+        if pack is None or self._pack_size + size > self.pack_bytes:
+            pack = self._pack = Payload(f"batched/{self.rank}-{len(self.payloads)}", [], [])
+            self.payloads.append(pack)
+            self._pack_size = 0
+        start = self._pack_size
+        pack.views.append(view)
+        if owner is not None:
+            pack.keep.append(owner)
+        self._pack_size = start + size
+        self.nbytes += size
+        return pack.rel, [start, start + size]
+
+    def _own_file(self, rel: str, view: memoryview, owner: Any) -> None:
+        self.payloads.append(Payload(rel, [view], [] if owner is None else [owner]))
+        self.nbytes += view.nbytes
+
+    # -- objects
+
+    def object(self, path: str, value: Any, replicated: bool) -> dict:
+        rel = f"{self.rank}/{_safe(path)}"
+        self._own_file(rel, memoryview(_torch_save(value)), None)
+        kind = type(value)
+        return {
+            "type": "object",
+            "location": rel,
+            "serializer": TORCH_SAVE,
+            "obj_type": f"{kind.__module__}.{kind.__name__}",
+            "replicated": replicated,
+        }
+
+    # -- ShardedTensor / DTensor
+
+    def add_distributed(self, path: str, manifest_path: str, value: torch.Tensor, replicated: bool) -> None:
+        sharded_tensor, _dtensor, _shard = _distributed_types()
+        if sharded_tensor is not None and isinstance(value, sharded_tensor):
+            self.entries[manifest_path] = self.sharded_tensor(path, value)
+        else:
+            self.add_dtensor(path, manifest_path, value, replicated)
+
+    def sharded_tensor(self, path: str, value: Any) -> dict:
+        shards = []
+        for local in value.local_shards():
+            offsets = list(local.metadata.shard_offsets)
+            rel = _shard_rel(self.rank, path, offsets)
+            shards.append(
+                {
+                    "offsets": offsets,
+                    "sizes": list(local.metadata.shard_sizes),
+                    "tensor": self.tensor(path, local.tensor, rel, False),
+                }
+            )
+        return {"type": "ShardedTensor", "shards": shards}
+
+    def add_dtensor(self, path: str, manifest_path: str, value: Any, replicated: bool) -> None:
+        layout = _dtensor_layout(path, value)
+        if layout is None:  # this rank holds no part of it
+            return
+        group, offsets, sizes, dim_map = layout
+        writer = group[zlib.crc32(path.encode()) % len(group)]
+        fully_replicated = all(dims == [-1] for dims in dim_map)
+        if replicated:  # a replicated value this rank was assigned to write
+            writer = self.rank
+        elif fully_replicated and writer != self.rank:
+            return  # recorded once, by the writer
+        rel = _shard_rel(writer, path, offsets)
+        if writer == self.rank:
+            # a shard no other rank records can be packed; one its replicas point at cannot
+            tensor = self.tensor(path, value.to_local(), rel, False, pack=len(group) == 1 or fully_replicated)
+        else:
+            tensor = _pointer_record(rel, value.to_local())
+        record = {
+            "type": "DTensor",
+            "shards": [{"offsets": offsets, "sizes": sizes, "tensor": tensor}],
+            "mesh": value.device_mesh.mesh.tolist(),
+            "dim_map": dim_map,
+        }
+        self.entries[manifest_path if replicated or not fully_replicated else f"0/{path}"] = record
+
+
+def _pointer_record(rel: str, local: torch.Tensor) -> dict:
+    """The record of a DTensor shard that another rank of its replica group writes to ``rel``."""
+    dtype_name = DTYPE_NAMES.get(local.dtype)
+    if dtype_name is None:
+        raise ConfigError(f"a DTensor of dtype {local.dtype} cannot be saved in torchsnapshot's format.")
+    raw = local.dtype in RAW_DTYPES and local.numel() > 0
+    return {
+        "type": "Tensor",
+        "location": rel,
+        "serializer": RAW if raw else TORCH_SAVE,
+        "dtype": dtype_name,
+        "shape": list(local.shape),
+        "replicated": False,
+        "byte_range": None,
+    }
+
+
+def _dtensor_layout(path: str, value: Any) -> Optional[tuple[list[int], list[int], list[int], list[list[int]]]]:  # noqa: E501
+    """(ranks holding this rank's shard, its offsets, its sizes, dim_map), or None when this rank
+    is not in the DTensor's mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    dim_map: list[list[int]] = [[] for _ in range(value.dim())]
+    for mesh_dim, placement in enumerate(value.placements):
+        if isinstance(placement, Shard):
+            dim_map[placement.dim].append(mesh_dim)
+        elif not isinstance(placement, Replicate):
+            raise ConfigError(
+                f"{path!r}: a DTensor with placement {placement} cannot be saved; redistribute it to "
+                "Shard/Replicate placements (e.g. dtensor.redistribute(placements=[Replicate()])) first."
+            )
+    sharding_mesh_dims = {d for dims in dim_map for d in dims}
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    index = tuple(coordinate[d] if d in sharding_mesh_dims else slice(None) for d in range(mesh.ndim))
+    group = sorted(mesh.mesh[index].reshape(-1).tolist())
+    return group, list(offsets), list(sizes), [dims or [-1] for dims in dim_map]
+
+
+def _shard_rel(rank: int, path: str, offsets: Sequence[int]) -> str:
+    return f"{rank}/{_safe(path)}/shard_{'_'.join(str(o) for o in offsets)}"
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[Optional[torch.Tensor], memoryview]:
+    """(the CPU contiguous tensor whose memory the view covers, or None when the view is over
+    ``torch.save`` bytes; the bytes to store)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    if tensor.dtype in RAW_DTYPES and tensor.numel():
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        return tensor, _memory_of(tensor)
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()  # torch.save writes a view's whole storage; save only the view
+    return None, memoryview(_torch_save(tensor))
+
+
+def _memory_of(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a CPU contiguous tensor's memory, zero-copy. It does not keep the
+    tensor alive (``Payload.keep`` does): ``common.byte_view`` does, at three times the cost,
+    which is most of a plan's time for many small tensors."""
+    return memoryview(_byte_array_type(tensor.numel() * tensor.element_size()).from_address(tensor.data_ptr()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _byte_array_type(nbytes: int) -> Any:
+    return ctypes.c_ubyte * nbytes
+
+
+def _torch_save(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _primitive_record(type_name: str, value: Any, replicated: bool) -> dict:
+    if type_name == "bytes":
+        serialized = base64.b64encode(value).decode("ascii")
+    elif type_name == "float":
+        serialized = base64.b64encode(struct.pack("d", value)).decode("ascii")
+    else:
+        serialized = str(value)
+    return {
+        "type": type_name,
+        "serialized_value": serialized,
+        "replicated": replicated,
+        "readable": str(value) if type_name == "float" else None,
+    }
+
+
+def _is_distributed(value: torch.Tensor) -> bool:
+    sharded_tensor, dtensor, _shard = _distributed_types()
+    return (sharded_tensor is not None and isinstance(value, sharded_tensor)) or (
+        dtensor is not None and isinstance(value, dtensor)
+    )
+
+
+_DISTRIBUTED_TYPES: Optional[tuple[Any, Any, Any]] = None
+
+
+def _distributed_types() -> tuple[Any, Any, Any]:
+    """(ShardedTensor, DTensor, Shard placement), or Nones where torch.distributed is missing;
+    imported on first use (only states holding tensor subclasses pay for it)."""
+    global _DISTRIBUTED_TYPES
+    if _DISTRIBUTED_TYPES is None:
+        if torch.distributed.is_available():
+            from torch.distributed._shard.sharded_tensor import ShardedTensor
+            from torch.distributed.tensor import DTensor, Shard
+
+            _DISTRIBUTED_TYPES = (ShardedTensor, DTensor, Shard)
+        else:
+            _DISTRIBUTED_TYPES = (None, None, None)
+    return _DISTRIBUTED_TYPES
+
+
+# --- locations --------------------------------------------------------------------------------
+
+#: Components ``encode`` never produces (its ``%`` is always ``%25`` or ``%2F``), standing in
+#: for the ones a filesystem would read as navigation.
+_RESERVED_COMPONENTS = {"": "%", ".": "%2E", "..": "%2E%2E"}
+
+
+def _safe(path: str) -> str:
+    """``path`` as a relative file path that stays inside the snapshot directory: no empty,
+    ``.`` or ``..`` component, no NUL byte, no component too long for a file name; distinct
+    logical paths stay distinct."""
+    return "/".join(_safe_component(component) for component in path.split("/"))
+
+
+def _safe_component(component: str) -> str:
+    if component in _RESERVED_COMPONENTS:
+        return _RESERVED_COMPONENTS[component]
+    if "\x00" in component:
+        component = component.replace("\x00", "%00")
+    if len(component) * 4 > MAX_COMPONENT_BYTES and len(component.encode()) > MAX_COMPONENT_BYTES:
+        digest = hashlib.sha256(component.encode()).hexdigest()[:16]
+        head = component.encode()[: MAX_COMPONENT_BYTES // 2].decode(errors="ignore")
+        component = f"{head}%~{digest}"
+    return component
+
+
+# --- the manifest -----------------------------------------------------------------------------
+
+
+def merge(parts: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
+    """Rank 0: the snapshot's manifest from every rank's ``Plan.entries`` (in rank order).
+    Two ranks recording the same path differently is a bug in the caller: raises SnapshotError."""
+    manifest: dict[str, dict] = {}
+    for part in parts:
+        for path, record in part.items():
+            known = manifest.setdefault(path, record)
+            if known is not record and known != record:
+                raise SnapshotError(
+                    f"two ranks recorded {path!r} differently ({known} vs {record}); the ranks "
+                    "disagree on which values are replicated: pass every rank the same `replicated`."
+                )
+    return manifest
+
+
+#: Characters YAML does not take raw (non-printable, or line breaks inside a quoted scalar),
+#: and surrogates (not encodable): these are escaped, as JSON allows.
+_YAML_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
+def metadata_bytes(manifest: Mapping[str, dict], world_size: int) -> bytes:
+    """The contents of ``.snapshot_metadata``: JSON, which torchsnapshot's YAML parser reads.
+    Non-ASCII text is written as UTF-8, not as JSON escapes: libyaml rejects the escaped
+    surrogate pairs that ``json.dumps`` writes for characters beyond the BMP (emoji)."""
+    document = {"version": FORMAT_VERSION, "world_size": world_size, "manifest": manifest}
+    text = json.dumps(document, ensure_ascii=False)
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
