@@ -300,7 +300,7 @@ class _Plan:
         return dtype
 
     def shape(self, value: Any, path: str, field: str = "shape") -> list:
-        if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        if type(value) is not list or not all(type(n) is int and n >= 0 for n in value):
             raise self.corrupt(path, f"its {field} is {value!r}")
         return value
 
@@ -317,14 +317,11 @@ class _Plan:
             if size is None:
                 raise self.corrupt(path, "the file is missing", rel)
             return 0, size
-        if (
-            not isinstance(byte_range, list)
-            or len(byte_range) != 2
-            or not all(type(n) is int for n in byte_range)
-            or not 0 <= byte_range[0] <= byte_range[1]
-        ):
+        if type(byte_range) is not list or len(byte_range) != 2:
             raise self.corrupt(path, f"its byte range is {byte_range!r}", rel)
         start, end = byte_range
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise self.corrupt(path, f"its byte range is {byte_range!r}", rel)
         if nbytes is not None and end - start != nbytes:
             raise self.corrupt(path, f"its byte range {byte_range} does not hold {nbytes} bytes", rel)
         return start, end - start
@@ -386,16 +383,14 @@ class _Plan:
     # -- entries --------------------------------------------------------------------------
 
     def tensor(self, path: str, entry: dict, target: Any) -> None:
-        if entry.get("serializer") == RAW:
-            dtype = self.dtype(entry, path)
-            shape = self.shape(entry.get("shape"), path)
-            if _direct(target, dtype, shape):
+        if target is not None and entry.get("serializer") == RAW:  # the hot path: no copies
+            dtype = DTYPES_BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
+            if dtype in RAW_DTYPES and _direct(target, dtype, entry.get("shape")):  # type: ignore[arg-type]
                 self.raw_into(path, entry, target)
                 self.values[path] = target
                 return
-        else:
-            dtype = self.dtype(entry, path)
-            shape = self.shape(entry.get("shape"), path)
+        dtype = self.dtype(entry, path)
+        shape = self.shape(entry.get("shape"), path)
         get = self.payload(path, entry)
         self.settle(path, target, get, dtype, shape)
 
