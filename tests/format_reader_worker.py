@@ -148,7 +148,7 @@ def read_resharded(snapdir: str, rank: int, record: dict) -> None:
         "st": st,
         "dt": distribute_tensor(torch.zeros(ROWS, COLS, dtype=torch.float64), mesh, [Shard(1)]),
         "drep": distribute_tensor(torch.zeros(ROWS, COLS, dtype=torch.int64), mesh, [Shard(0)]),
-        "rep": torch.zeros(5),
+        "rep": distribute_tensor(torch.zeros(5), mesh, [Shard(0)]),  # saved whole, read sharded
         "mine": torch.zeros(3),
         "step": 0,
     }
@@ -176,7 +176,7 @@ def read_resharded(snapdir: str, rank: int, record: dict) -> None:
     record["dt"] = torch.equal(out["dt"].full_tensor(), full["dt"])
     record["dt_local_cols"] = list(out["dt"].to_local().shape)
     record["drep"] = torch.equal(out["drep"].full_tensor(), full["drep"])
-    record["rep"] = torch.equal(out["rep"], full["rep"])
+    record["rep"] = torch.equal(out["rep"].full_tensor(), full["rep"])
     record["mine"] = out["mine"].tolist()
     record["step"] = out["step"]
 

@@ -159,7 +159,7 @@ def rank_view(meta: Metadata, rank: int) -> dict[str, dict]:
             continue
         if owner == mine:
             own[logical] = entry
-        if owner == "0" and (
+        if owner == "0" and (  # a DTensor here is a fully replicated one
             kind in CONTAINER_TYPES or entry.get("replicated") is True or kind == "DTensor"
         ):
             shared[logical] = entry
@@ -171,7 +171,10 @@ def rank_view(meta: Metadata, rank: int) -> dict[str, dict]:
     else:
         view = shared
     for logical, group in sharded.items():
-        view[logical] = _merge_sharded(group)
+        try:
+            view[logical] = _merge_sharded(group)
+        except (TypeError, AttributeError) as exc:
+            raise _corrupt(f"{meta.where}/.snapshot_metadata", f"the shards of {logical!r} are malformed ({exc})") from exc
     return view
 
 
@@ -391,6 +394,9 @@ class _Plan:
                 return
         dtype = self.dtype(entry, path)
         shape = self.shape(entry.get("shape"), path)
+        if _sharded_kind(target) is not None:  # a whole tensor saved, a sharded one to fill
+            self.spread(path, [([0] * len(shape), shape, entry)], dtype, shape, target)
+            return
         get = self.payload(path, entry)
         self.settle(path, target, get, dtype, shape)
 
@@ -406,41 +412,44 @@ class _Plan:
     def chunked(self, path: str, entry: dict, target: Any) -> None:
         dtype = self.dtype(entry, path)
         shape = self.shape(entry.get("shape"), path)
-        fits = _fits(target, dtype, shape)
-        if fits:
-            dst = target.detach()
-        elif dtype in _QUANTIZED:
-            raise self.corrupt(path, "a chunked quantized tensor cannot be assembled without a target")
-        else:
-            dst = torch.empty(shape, dtype=dtype)
-        self.values[path] = target if fits else dst
-        whole = dst.view(-1) if dst.dim() == 0 else dst
-        self.fill(path, whole, [0] * whole.dim(), self.pieces(path, entry, "chunks"))
+        self.spread(path, self.pieces(path, entry, "chunks"), dtype, shape, target)
 
     def sharded(self, path: str, entry: dict, target: Any) -> None:
         pieces = self.pieces(path, entry, "shards")
         if not pieces:
             raise self.corrupt(path, "it has no shards")
         shape = [max(p[0][d] + p[1][d] for p in pieces) for d in range(len(pieces[0][0]))]
-        dtype = self.dtype(pieces[0][2], path)
+        self.spread(path, pieces, self.dtype(pieces[0][2], path), shape, target)
+
+    def spread(self, path: str, pieces: list[tuple[list, list, dict]], dtype: torch.dtype, shape: list, target: Any) -> None:
+        """The tensor of ``shape`` saved in ``pieces`` (chunks or shards) into ``target``: each
+        local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
+        pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
+        filled whole; anything else gets a new tensor (the whole saved one)."""
         kind = _sharded_kind(target)
         if kind == "ShardedTensor" and list(target.size()) == shape:
             for shard in target.local_shards():
                 self.fill(path, shard.tensor.detach(), list(shard.metadata.shard_offsets), pieces)
             self.values[path] = target
-        elif kind == "DTensor" and list(target.shape) == shape:
+            return
+        if kind == "DTensor" and list(target.shape) == shape:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
             self.fill(path, target.to_local().detach(), list(offsets), pieces)
             self.values[path] = target
-        elif kind is None and _fits(target, dtype, shape):
-            self.fill(path, target.detach(), [0] * len(shape), pieces)
-            self.values[path] = target
-        else:  # no target, or one of another shape: the whole saved tensor
-            out = torch.empty(shape, dtype=dtype)
-            self.fill(path, out, [0] * len(shape), pieces)
-            self.values[path] = out
+            return
+        fits = kind is None and _fits(target, dtype, shape)
+        if fits:
+            dst = target.detach()
+        elif dtype in _QUANTIZED:
+            raise self.corrupt(path, "a quantized tensor saved in pieces cannot be assembled without a target of its dtype and shape")
+        else:
+            dst = torch.empty(shape, dtype=dtype)
+        self.values[path] = target if fits else dst
+        if dst.dim() == 0 and pieces and len(pieces[0][0]) == 1:
+            dst = dst.view(-1)  # torchsnapshot chunks a 0-d tensor as a 1-d one
+        self.fill(path, dst, [0] * dst.dim(), pieces)
 
     def pieces(self, path: str, entry: dict, field: str) -> list[tuple[list, list, dict]]:
         """(offsets, sizes, tensor entry) of each saved piece of a chunked or sharded entry."""
@@ -628,8 +637,6 @@ def _inflate(root: str, tree: dict[str, dict], values: dict[str, Any], added: di
             return build(path)
         return values[path]
 
-    if root not in tree:
-        raise KeyError(f"the snapshot holds no entry {root!r}")
     return value(root)
 
 
@@ -645,6 +652,8 @@ def _read_tree(
     every_sharded: bool,
 ) -> Any:
     tree = _subtree(view, root)
+    if root not in tree:
+        raise KeyError(f"the snapshot holds no entry {root!r}")
     targets: dict[str, torch.Tensor] = {}
     if target is not None:
         _target_tensors(target, root, targets)
