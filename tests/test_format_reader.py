@@ -432,3 +432,56 @@ def test_a_flipped_byte_in_a_shard_is_caught(sharded, tmp_path):
         read_state_dict(rank_view(_meta(root), 0), "model", {"dt": torch.zeros(10, 6, dtype=torch.float64)},
                         files.read_into, verifier=verifier)
     assert shard["location"] in str(info.value) and "model/dt" in str(info.value)
+
+
+def _raw_entry(location: str, value: torch.Tensor, start: int = 0) -> dict:
+    nbytes = value.numel() * value.element_size()
+    return {"type": "Tensor", "location": location, "serializer": "buffer_protocol", "dtype": str(value.dtype),
+            "shape": list(value.shape), "replicated": False, "byte_range": [start, start + nbytes]}
+
+
+def test_dtensor_replicas_are_merged_once_and_a_rank_reads_shards_it_did_not_save(tmp_path):
+    """4 ranks on a 2x2 mesh, a DTensor sharded over mesh dim 0 and replicated over dim 1: ranks
+    0 and 1 hold the same rows, as do 2 and 3. Rank 3 saved no 'w' (its dict does not list it)."""
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    top, bottom = byte_view(full[:3].contiguous()).tobytes(), byte_view(full[3:].contiguous()).tobytes()
+    root = tmp_path / "snap"
+    (root / "sharded").mkdir(parents=True)
+    (root / "sharded/top").write_bytes(top)
+    (root / "sharded/bottom").write_bytes(bottom)
+
+    def dtensor(rows: int, location: str) -> dict:
+        tensor = _raw_entry(location, full[rows:rows + 3])
+        return {"type": "DTensor", "mesh": [[0, 1], [2, 3]], "dim_map": [[0], [-1]],
+                "shards": [{"offsets": [rows, 0], "sizes": [3, 4], "tensor": tensor}]}
+
+    manifest = {}
+    for rank in range(4):
+        manifest[f"{rank}/m"] = {"type": "dict", "keys": ["w"] if rank < 3 else []}
+        if rank < 3:
+            manifest[f"{rank}/m/w"] = dtensor(0 if rank < 2 else 3, "sharded/top" if rank < 2 else "sharded/bottom")
+    meta = parse_metadata(json.dumps({"version": "0", "world_size": 4, "manifest": manifest}).encode(), str(root))
+    files = LocalFiles(root)
+    for rank in (0, 3, 5):
+        view = rank_view(meta, rank)
+        assert [s["offsets"] for s in view["m/w"]["shards"]] == [[0, 0], [3, 0]]
+        target = {"w": torch.zeros(6, 4)}
+        out = read_state_dict(view, "m", target, files.read_into)
+        assert out["w"] is target["w"] and torch.equal(target["w"], full), rank
+    assert sorted(files.calls) == [2, 2, 2]
+
+
+def test_an_object_refused_by_weights_only_names_its_entry(tmp_path):
+    import fractions
+    import io
+
+    from tnt_snapshot_plugin.errors import UnrestorableStateError
+
+    buf = io.BytesIO()
+    torch.save(fractions.Fraction(1, 3), buf)
+    entry = {"type": "object", "location": "0/k/v", "serializer": "torch_save", "obj_type": "fractions.Fraction", "replicated": False}
+    root = _synthetic(tmp_path, {"0/k/v": entry}, {"0/k/v": buf.getvalue()})
+    with pytest.raises(UnrestorableStateError, match="'k/v'"):
+        _read(root, "k", {})
+    out, _ = _read(root, "k", {}, weights_only=False)
+    assert out == {"v": fractions.Fraction(1, 3)}
