@@ -282,11 +282,12 @@ class _Plan:
 
     def location(self, entry: dict, path: str) -> str:
         rel = entry.get("location")
+        if type(rel) is not str:
+            raise self.corrupt(path, f"its location is {rel!r}")
         if rel in self._inside:
-            return rel  # type: ignore[return-value]
+            return rel
         if (
-            not isinstance(rel, str)
-            or not rel
+            not rel
             or rel.startswith("/")
             or "\\" in rel
             or "\x00" in rel
@@ -314,9 +315,9 @@ class _Plan:
         if byte_range is None:
             if nbytes is not None:
                 return 0, nbytes
-            size = self.file_size(rel) if self.file_size is not None else None
             if self.file_size is None:
                 raise ValueError(f"reading {path!r} (a whole file of unknown size) needs file_size")
+            size = self.file_size(rel)
             if size is None:
                 raise self.corrupt(path, "the file is missing", rel)
             return 0, size
