@@ -1,0 +1,737 @@
+"""The plugin's reader of torchsnapshot's on-disk format.
+
+A snapshot is a directory: ``.snapshot_metadata`` (JSON, or YAML from older torchsnapshot) holds
+the manifest, ``{"RANK/KEY/sub/path": ENTRY}``, next to the payload files the entries name.
+
+* :func:`parse_metadata` turns the metadata's bytes into :class:`Metadata`, checking its shape.
+* :func:`rank_view` is what one rank restores: its own entries, rank 0's replicated ones, and
+  every sharded entry (``ShardedTensor``, ``DTensor``) with the shards of all ranks merged, so a
+  rank can read any part of it (resharding).
+* :func:`read_state_dict` rebuilds one app-state key's state dict. Tensors are read straight into
+  the target's CPU tensors where dtype and shape match (no intermediate buffer); everything else is
+  read into new memory and copied or deserialized afterwards. All the bytes of one key are asked
+  for in one ``read_into`` call, so an object store can coalesce them into few ranged reads.
+* :func:`read_value` reads one entry (or one container) without a target.
+
+What the bytes say is checked before anything is read (locations stay inside the snapshot, byte
+ranges match the tensors they hold, dtypes are known): anything wrong with the metadata or the
+payloads raises :class:`SnapshotCorruptError` naming the file and the entry. A target whose
+shape or dtype differs from what was saved is not damage: the saved value is returned, and the
+stateful's ``load_state_dict`` reports the mismatch.
+
+Containers are rebuilt as torchsnapshot's ``inflate`` rebuilds them (dicts keep the saved key
+order, a dict key that looks like an int also matches the int, lists in index order), so a state
+dict read here equals the one torchsnapshot's restore would hand to ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import pickle
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
+from ..loading import load_object, refusal
+from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, byte_view, decode, encode
+
+Read = tuple[str, int, memoryview]
+ReadInto = Callable[[list[Read]], None]
+FileSize = Callable[[str], Optional[int]]
+
+CONTAINER_TYPES = frozenset({"dict", "OrderedDict", "list"})
+SHARDED_TYPES = frozenset({"ShardedTensor", "DTensor"})
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32})
+
+
+@dataclass
+class Metadata:
+    """The parsed ``.snapshot_metadata``: ``manifest`` maps ``RANK/logical/path`` to its entry."""
+
+    version: str
+    world_size: int
+    manifest: dict[str, dict]
+    #: the snapshot, as error messages name it
+    where: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+def _corrupt(where: str, what: str) -> SnapshotCorruptError:
+    return SnapshotCorruptError(
+        f"{where}: {what}: the snapshot is damaged or was not written by torchsnapshot or this "
+        "plugin. Restore an older snapshot (restore_from_latest falls back to one by itself)"
+    )
+
+
+def _load_text(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        pass
+    try:  # older torchsnapshot releases wrote YAML (JSON is YAML, not the other way round)
+        import yaml
+
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        return yaml.load(data, Loader=loader)  # noqa: S506 - a safe loader
+    except ImportError as exc:
+        raise _corrupt(where, "the metadata is not JSON (install PyYAML to read YAML metadata)") from exc
+    except Exception as exc:
+        raise _corrupt(where, f"the metadata is neither JSON nor YAML ({exc})") from exc
+
+
+def parse_metadata(data: bytes, where: str) -> Metadata:
+    """The metadata of the snapshot at ``where`` (named in errors) from its bytes.
+
+    Checks the shape: a ``version``, a positive ``world_size``, and a manifest whose paths start
+    with a rank below the world size and whose entries are dicts with a ``type``.
+    """
+    doc = _load_text(data, f"{where}/.snapshot_metadata")
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
+        raise _corrupt(f"{where}/.snapshot_metadata", "it holds no manifest")
+    world_size = doc.get("world_size")
+    if type(world_size) is not int or world_size < 1:
+        raise _corrupt(f"{where}/.snapshot_metadata", f"world_size is {world_size!r}")
+    manifest = doc["manifest"]
+    ranks = {str(rank) for rank in range(world_size)}
+    for path, entry in manifest.items():
+        rank, sep, logical = path.partition("/") if isinstance(path, str) else ("", "", "")
+        if rank not in ranks or not sep or not logical:
+            raise _corrupt(f"{where}/.snapshot_metadata", f"the manifest path {path!r} names no rank below {world_size}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
+            raise _corrupt(f"{where}/.snapshot_metadata", f"the entry {path!r} has no type")
+    return Metadata(str(doc.get("version", "")), world_size, manifest, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# The view of one rank
+
+
+def _fully_replicated_dtensor(entry: dict) -> bool:
+    dim_map = entry.get("dim_map")
+    return isinstance(dim_map, list) and all(isinstance(d, list) and d[:1] == [-1] for d in dim_map)
+
+
+def _merge_sharded(entries: list[dict]) -> dict:
+    """One sharded entry holding the shards of every rank's entry, sorted by offsets; shards
+    written by several replicas of a DTensor (same offsets and sizes) kept once."""
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    shards = []
+    for entry in entries:
+        for shard in entry.get("shards") or ():
+            box = (tuple(shard.get("offsets") or ()), tuple(shard.get("sizes") or ()))
+            if box not in seen:
+                seen.add(box)
+                shards.append(shard)
+    shards.sort(key=lambda shard: list(shard.get("offsets") or ()))
+    merged = {k: v for k, v in entries[0].items() if k != "shards"}
+    merged["shards"] = shards
+    return merged
+
+
+def rank_view(meta: Metadata, rank: int) -> dict[str, dict]:
+    """Logical path (``KEY/sub/path``) -> the entry ``rank`` restores.
+
+    A rank of the saving world gets its own entries, rank 0's replicated ones (written once, under
+    rank 0) and every sharded entry merged over the ranks. A rank beyond the saving world gets
+    rank 0's containers, the replicated entries and the sharded ones, as torchsnapshot gives it.
+    """
+    mine = str(rank)
+    own: dict[str, dict] = {}
+    shared: dict[str, dict] = {}  # rank 0's containers and replicated entries
+    sharded: dict[str, list[dict]] = {}
+    for path, entry in meta.manifest.items():
+        owner, _, logical = path.partition("/")
+        kind = entry["type"]
+        if kind in SHARDED_TYPES and not (kind == "DTensor" and _fully_replicated_dtensor(entry)):
+            sharded.setdefault(logical, []).append(entry)
+            continue
+        if owner == mine:
+            own[logical] = entry
+        if owner == "0" and (  # a DTensor here is a fully replicated one
+            kind in CONTAINER_TYPES or entry.get("replicated") is True or kind == "DTensor"
+        ):
+            shared[logical] = entry
+    if rank < meta.world_size:
+        for logical, entry in shared.items():
+            if entry["type"] not in CONTAINER_TYPES:
+                own[logical] = entry
+        view = own
+    else:
+        view = shared
+    for logical, group in sharded.items():
+        try:
+            view[logical] = _merge_sharded(group)
+        except (TypeError, AttributeError) as exc:
+            raise _corrupt(f"{meta.where}/.snapshot_metadata", f"the shards of {logical!r} are malformed ({exc})") from exc
+    return view
+
+
+def saved_keys(view: dict[str, dict]) -> set[str]:
+    """The app-state keys (decoded) that ``view`` holds entries for."""
+    return {decode(path.partition("/")[0]) for path in view}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's restricted unpickler refusing a type (not damaged bytes)."""
+    return (
+        isinstance(exc, pickle.UnpicklingError)
+        and "weights_only" in str(exc).lower().replace(" ", "_")
+        and "Unsupported operand" not in str(exc)
+    )
+
+
+def _flattenable(d: dict) -> bool:
+    """Whether torchsnapshot's flatten walks into ``d`` (keys str or int, distinct as strings)."""
+    return all(isinstance(k, (str, int)) for k in d) and len({str(k) for k in d}) == len(d)
+
+
+def _target_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    """The tensors of a state dict by logical path, walked as torchsnapshot's flatten walks it."""
+    kind = type(obj)
+    if kind is list:
+        for i, value in enumerate(obj):
+            _target_tensors(value, f"{path}/{i}", out)
+    elif (kind is dict or kind is OrderedDict) and _flattenable(obj):
+        for key, value in obj.items():
+            _target_tensors(value, f"{path}/{encode(str(key))}", out)
+    elif isinstance(obj, torch.Tensor):
+        out[path] = obj
+
+
+def _sharded_kind(target: Any) -> Optional[str]:
+    """"ShardedTensor" or "DTensor" for such a target, else None."""
+    if target is None or type(target) in _PLAIN_TENSORS:
+        return None
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, ShardedTensor):
+        return "ShardedTensor"
+    if isinstance(target, DTensor):
+        return "DTensor"
+    return None
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; a quantized source whose scheme the destination cannot take as is
+    (another scheme or dtype, or a view into a larger tensor) is dequantized first."""
+    if src.is_quantized and (
+        not dst.is_quantized or dst.qscheme() != src.qscheme() or dst.dtype != src.dtype or dst._is_view()
+    ):
+        src = src.dequantize()
+    dst.copy_(src)
+
+
+def _fits(target: Any, dtype: torch.dtype, shape: list) -> bool:
+    """Whether a tensor target takes the saved tensor in place (same dtype and shape)."""
+    return (
+        isinstance(target, torch.Tensor)
+        and _sharded_kind(target) is None
+        and target.dtype == dtype
+        and list(target.shape) == shape
+    )
+
+
+def _direct(target: Any, dtype: torch.dtype, shape: list) -> bool:
+    """Whether the saved raw bytes can be read straight into the target's memory."""
+    return (
+        target is not None
+        and type(target) in _PLAIN_TENSORS
+        and target.dtype is dtype
+        and target.layout is _STRIDED
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and list(target.shape) == shape
+    )
+
+
+class _Plan:
+    """The reads of one key and what to do once their bytes are in."""
+
+    def __init__(self, what: str, file_size: Optional[FileSize], weights_only: bool) -> None:
+        self.what = what  # the key, as messages name it
+        self.file_size = file_size
+        self.weights_only = weights_only
+        self.reads: list[Read] = []
+        self.names: list[str] = []  # the entry of each read
+        self.after: list[Callable[[], None]] = []  # deserialize and copy, in order
+        self.values: dict[str, Any] = {}
+        self._inside: set[str] = set()
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def corrupt(self, path: str, what: str, rel: Optional[str] = None) -> SnapshotCorruptError:
+        where = f"snapshot file {rel!r} (entry {path!r})" if rel else f"entry {path!r}"
+        return _corrupt(where, what)
+
+    def location(self, entry: dict, path: str) -> str:
+        rel = entry.get("location")
+        if type(rel) is not str:
+            raise self.corrupt(path, f"its location is {rel!r}")
+        if rel in self._inside:
+            return rel
+        if (
+            not rel
+            or rel.startswith("/")
+            or "\\" in rel
+            or "\x00" in rel
+            or any(part in ("", ".", "..") for part in rel.split("/"))
+        ):
+            raise self.corrupt(path, f"its location {rel!r} is outside the snapshot directory")
+        self._inside.add(rel)
+        return rel
+
+    def dtype(self, entry: dict, path: str) -> torch.dtype:
+        dtype = DTYPES_BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise self.corrupt(path, f"unknown dtype {entry.get('dtype')!r}")
+        return dtype
+
+    def shape(self, value: Any, path: str, field: str = "shape") -> list:
+        if type(value) is not list or not all(type(n) is int and n >= 0 for n in value):
+            raise self.corrupt(path, f"its {field} is {value!r}")
+        return value
+
+    def span(self, entry: dict, path: str, rel: str, nbytes: Optional[int]) -> tuple[int, int]:
+        """(offset, length) of the entry's bytes in ``rel``; ``nbytes``: the length the entry's
+        dtype and shape imply (None: not known, the whole file unless a byte range says)."""
+        byte_range = entry.get("byte_range")
+        if byte_range is None:
+            if nbytes is not None:
+                return 0, nbytes
+            if self.file_size is None:
+                raise ValueError(f"reading {path!r} (a whole file of unknown size) needs file_size")
+            size = self.file_size(rel)
+            if size is None:
+                raise self.corrupt(path, "the file is missing", rel)
+            return 0, size
+        if type(byte_range) is not list or len(byte_range) != 2:
+            raise self.corrupt(path, f"its byte range is {byte_range!r}", rel)
+        start, end = byte_range
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise self.corrupt(path, f"its byte range is {byte_range!r}", rel)
+        if nbytes is not None and end - start != nbytes:
+            raise self.corrupt(path, f"its byte range {byte_range} does not hold {nbytes} bytes", rel)
+        return start, end - start
+
+    def read(self, rel: str, offset: int, view: memoryview, path: str) -> None:
+        if view.nbytes:
+            self.reads.append((rel, offset, view))
+            self.names.append(path)
+
+    # -- payloads -------------------------------------------------------------------------
+
+    def raw_into(self, path: str, entry: dict, dst: torch.Tensor) -> None:
+        """Read a raw tensor entry straight into ``dst`` (contiguous, CPU, its dtype and shape)."""
+        rel = self.location(entry, path)
+        start, _ = self.span(entry, path, rel, dst.numel() * dst.element_size())
+        self.read(rel, start, byte_view(dst), path)
+
+    def payload(self, path: str, entry: dict) -> Callable[[], torch.Tensor]:
+        """Read a tensor entry into new memory; returns what gives the tensor once read."""
+        serializer = entry.get("serializer")
+        dtype = self.dtype(entry, path)
+        shape = self.shape(entry.get("shape"), path)
+        if serializer == RAW:
+            if dtype not in RAW_DTYPES:
+                raise self.corrupt(path, f"a {dtype} tensor cannot be stored as raw bytes")
+            out = torch.empty(shape, dtype=dtype)
+            self.raw_into(path, entry, out)
+            return lambda: out
+        if serializer != TORCH_SAVE:
+            raise self.corrupt(path, f"unknown serializer {serializer!r}")
+        rel = self.location(entry, path)
+        start, size = self.span(entry, path, rel, None)
+        buf = bytearray(size)
+        self.read(rel, start, memoryview(buf), path)
+        box: list[torch.Tensor] = []
+
+        def load() -> None:
+            value = self.unpickle(path, rel, buf)
+            if not isinstance(value, torch.Tensor):
+                raise self.corrupt(path, f"the payload holds a {type(value).__name__}, not a tensor", rel)
+            box.append(value)
+
+        self.after.append(load)
+        return lambda: box[0]
+
+    def unpickle(self, path: str, rel: str, buf: bytearray) -> Any:
+        try:
+            return load_object(buf, weights_only=self.weights_only)
+        except Exception as exc:
+            if _is_refusal(exc):
+                raise UnrestorableStateError(
+                    f"snapshot entry {path!r} holds an object that torch.load(weights_only=True) "
+                    f"refuses: {refusal(exc)}. If the type is safe, allow it with "
+                    "torch.serialization.add_safe_globals([...]); if you trust this snapshot (you "
+                    "wrote it), load it with weights_only=False"
+                ) from exc
+            raise self.corrupt(path, f"its payload cannot be loaded ({type(exc).__name__}: {exc})", rel) from exc
+
+    # -- entries --------------------------------------------------------------------------
+
+    def tensor(self, path: str, entry: dict, target: Any) -> None:
+        if target is not None and entry.get("serializer") == RAW:  # the hot path: no copies
+            dtype = DTYPES_BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
+            if dtype in RAW_DTYPES and _direct(target, dtype, entry.get("shape")):  # type: ignore[arg-type]
+                self.raw_into(path, entry, target)
+                self.values[path] = target
+                return
+        dtype = self.dtype(entry, path)
+        shape = self.shape(entry.get("shape"), path)
+        if _sharded_kind(target) is not None:  # a whole tensor saved, a sharded one to fill
+            self.spread(path, [([0] * len(shape), shape, entry)], dtype, shape, target)
+            return
+        get = self.payload(path, entry)
+        self.settle(path, target, get, dtype, shape)
+
+    def settle(self, path: str, target: Any, get: Callable[[], torch.Tensor], dtype: torch.dtype, shape: list) -> None:
+        """The value at ``path``: the target filled from ``get()`` when it takes it in place
+        (a GPU, non-contiguous or quantized tensor), else the tensor read."""
+        if _fits(target, dtype, shape):
+            self.after.append(lambda: _copy_into(target.detach(), get()))
+            self.values[path] = target
+        else:
+            self.after.append(lambda: self.values.__setitem__(path, get()))
+
+    def chunked(self, path: str, entry: dict, target: Any) -> None:
+        dtype = self.dtype(entry, path)
+        shape = self.shape(entry.get("shape"), path)
+        self.spread(path, self.pieces(path, entry, "chunks"), dtype, shape, target)
+
+    def sharded(self, path: str, entry: dict, target: Any) -> None:
+        pieces = self.pieces(path, entry, "shards")
+        if not pieces:
+            raise self.corrupt(path, "it has no shards")
+        shape = [max(p[0][d] + p[1][d] for p in pieces) for d in range(len(pieces[0][0]))]
+        self.spread(path, pieces, self.dtype(pieces[0][2], path), shape, target)
+
+    def spread(self, path: str, pieces: list[tuple[list, list, dict]], dtype: torch.dtype, shape: list, target: Any) -> None:
+        """The tensor of ``shape`` saved in ``pieces`` (chunks or shards) into ``target``: each
+        local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
+        pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
+        filled whole; anything else gets a new tensor (the whole saved one)."""
+        kind = _sharded_kind(target)
+        if kind == "ShardedTensor" and list(target.size()) == shape:
+            for shard in target.local_shards():
+                self.fill(path, shard.tensor.detach(), list(shard.metadata.shard_offsets), pieces)
+            self.values[path] = target
+            return
+        if kind == "DTensor" and list(target.shape) == shape:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            self.fill(path, target.to_local().detach(), list(offsets), pieces)
+            self.values[path] = target
+            return
+        fits = kind is None and _fits(target, dtype, shape)
+        if fits:
+            dst = target.detach()
+        elif dtype in _QUANTIZED:
+            raise self.corrupt(path, "a quantized tensor saved in pieces cannot be assembled without a target of its dtype and shape")
+        else:
+            dst = torch.empty(shape, dtype=dtype)
+        self.values[path] = target if fits else dst
+        if dst.dim() == 0 and pieces and len(pieces[0][0]) == 1:
+            dst = dst.view(-1)  # torchsnapshot chunks a 0-d tensor as a 1-d one
+        self.fill(path, dst, [0] * dst.dim(), pieces)
+
+    def pieces(self, path: str, entry: dict, field: str) -> list[tuple[list, list, dict]]:
+        """(offsets, sizes, tensor entry) of each saved piece of a chunked or sharded entry."""
+        found = entry.get(field)
+        if not isinstance(found, list):
+            raise self.corrupt(path, f"its {field} are {found!r}")
+        pieces = []
+        for piece in found:
+            if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
+                raise self.corrupt(path, f"a piece of it is {piece!r}")
+            offsets = self.shape(piece.get("offsets"), path, "offsets")
+            sizes = self.shape(piece.get("sizes"), path, "sizes")
+            if len(offsets) != len(sizes) or (pieces and len(offsets) != len(pieces[0][0])):
+                raise self.corrupt(path, "its pieces have different ranks")
+            if piece["tensor"].get("shape") != sizes:
+                raise self.corrupt(path, f"a piece of sizes {sizes} holds a tensor of shape {piece['tensor'].get('shape')}")
+            pieces.append((offsets, sizes, piece["tensor"]))
+        return pieces
+
+    def fill(self, path: str, dst: torch.Tensor, at: list, pieces: list[tuple[list, list, dict]]) -> None:
+        """Fill ``dst`` (the box of the whole tensor starting at ``at``) from every saved piece
+        that overlaps it: straight into ``dst`` where a piece lies whole inside it and the
+        region is contiguous CPU memory of the saved dtype; else through the piece read whole."""
+        if pieces and len(pieces[0][0]) != dst.dim():
+            raise self.corrupt(path, f"its pieces have {len(pieces[0][0])} dims, the target {dst.dim()}")
+        for offsets, sizes, entry in pieces:
+            region = dst
+            src_box = []
+            whole = True
+            for d, (s_at, s_len, d_at, d_len) in enumerate(zip(offsets, sizes, at, dst.shape, strict=True)):
+                lo, hi = max(s_at, d_at), min(s_at + s_len, d_at + d_len)
+                if hi <= lo:
+                    break
+                region = region.narrow(d, lo - d_at, hi - lo)
+                src_box.append((d, lo - s_at, hi - lo))
+                whole = whole and hi - lo == s_len
+            else:
+                self.fill_region(path, entry, region, src_box, whole)
+
+    def fill_region(self, path: str, entry: dict, region: torch.Tensor, src_box: list, whole: bool) -> None:
+        if (
+            whole
+            and entry.get("serializer") == RAW
+            and region.dtype is self.dtype(entry, path)
+            and region.device.type == "cpu"
+            and region.is_contiguous()
+        ):
+            self.raw_into(path, entry, region)
+            return
+        get = self.payload(path, entry)
+
+        def copy() -> None:
+            src = get()
+            for d, start, length in src_box:
+                src = src.narrow(d, start, length)
+            _copy_into(region, src)
+
+        self.after.append(copy)
+
+    def object(self, path: str, entry: dict) -> None:
+        rel = self.location(entry, path)
+        start, size = self.span(entry, path, rel, None)
+        buf = bytearray(size)
+        self.read(rel, start, memoryview(buf), path)
+        self.after.append(lambda: self.values.__setitem__(path, self.unpickle(path, rel, buf)))
+
+    def primitive(self, path: str, entry: dict) -> None:
+        kind, text = entry["type"], entry.get("serialized_value")
+        if not isinstance(text, str):
+            raise self.corrupt(path, f"its serialized value is {text!r}")
+        try:
+            if kind == "int":
+                value: Any = int(text)
+            elif kind == "str":
+                value = text
+            elif kind == "bool":
+                if text not in ("True", "False"):
+                    raise ValueError(text)
+                value = text == "True"
+            elif kind == "bytes":
+                value = base64.b64decode(text, validate=True)
+            else:
+                value = struct.unpack("d", base64.b64decode(text, validate=True))[0]
+        except (ValueError, binascii.Error, struct.error) as exc:
+            raise self.corrupt(path, f"its {kind} value {text!r} cannot be decoded") from exc
+        self.values[path] = value
+
+    def entry(self, path: str, entry: dict, target: Any) -> None:
+        kind = entry["type"]
+        if kind == "Tensor":
+            self.tensor(path, entry, target)
+        elif kind in SHARDED_TYPES:
+            self.sharded(path, entry, target)
+        elif kind == "ChunkedTensor":
+            self.chunked(path, entry, target)
+        elif kind == "object":
+            self.object(path, entry)
+        elif kind in PRIMITIVE_TYPES:
+            self.primitive(path, entry)
+        else:
+            raise self.corrupt(path, f"unknown entry type {kind!r}")
+
+    # -- running --------------------------------------------------------------------------
+
+    def run(self, read_into: ReadInto, verifier: Any) -> None:
+        if self.reads:
+            try:
+                read_into(self.reads)
+            except SnapshotCorruptError as exc:
+                raise SnapshotCorruptError(f"{exc} (reading {self.entries_of(exc)})") from exc
+            except (SnapshotError, ConnectionError):
+                raise
+            except OSError as exc:
+                raise _corrupt(f"snapshot file {exc.filename!r}", f"{exc.strerror or exc} (reading {self.entries_of(exc)})") from exc
+        if verifier is not None:
+            check, names = verifier.check, self.names
+            for i, (rel, offset, view) in enumerate(self.reads):
+                check(rel, offset, view, entry=names[i])
+        with torch.no_grad():
+            for step in self.after:
+                step()
+
+    def entries_of(self, exc: BaseException) -> str:
+        """The entries whose files ``exc`` names (or all the key's, when it names none)."""
+        text = f"{exc} {getattr(exc, 'filename', '')}"
+        named = [self.names[i] for i, read in enumerate(self.reads) if read[0] in text]
+        if not named:
+            return f"the entries of {self.what!r}"
+        more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+        return "entry " + ", ".join(repr(n) for n in named[:3]) + more
+
+
+def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:
+    below = root + "/"
+    return {path: entry for path, entry in view.items() if path == root or path.startswith(below)}
+
+
+def _is_int(token: str) -> bool:
+    return token.isdigit() or (len(token) > 1 and token[0] in "+-" and token[1:].isdigit())
+
+
+def _inflate(root: str, tree: dict[str, dict], values: dict[str, Any], added: dict[str, list]) -> Any:
+    """The object at ``root`` rebuilt from the container entries of ``tree`` and the leaf
+    ``values``, as torchsnapshot's inflate rebuilds it."""
+    children: dict[str, dict[str, str]] = {}
+    for path in tree:
+        if path != root:
+            parent, _, token = path.rpartition("/")
+            children.setdefault(parent, {})[token] = path
+
+    def present(path: str) -> bool:
+        return path in values or tree[path]["type"] in CONTAINER_TYPES
+
+    def build(path: str) -> Any:
+        entry = tree[path]
+        kind = entry["type"]
+        kids = children.get(path, {})
+        if kind == "list":
+            try:
+                order = sorted(kids, key=int)
+            except ValueError as exc:
+                raise _corrupt(f"entry {path!r}", f"a list holds a non-index item ({exc})") from exc
+            return [value(kids[token]) for token in order if present(kids[token])]
+        by_key: dict[Any, str] = {}
+        for token, child in kids.items():
+            key = decode(token) if "%" in token else token
+            by_key[key] = child
+            if _is_int(key):
+                by_key[int(key)] = child
+        keys = entry.get("keys")
+        if not isinstance(keys, list):
+            raise _corrupt(f"entry {path!r}", f"a {kind} without a list of keys")
+        out: dict = OrderedDict() if kind == "OrderedDict" else {}
+        try:
+            for key in keys + added.get(path, []):
+                child = by_key.get(key)
+                if child is not None and present(child):
+                    out[key] = value(child)
+        except TypeError as exc:
+            raise _corrupt(f"entry {path!r}", f"a key cannot be a dict key ({exc})") from exc
+        return out
+
+    def value(path: str) -> Any:
+        if tree[path]["type"] in CONTAINER_TYPES:
+            return build(path)
+        return values[path]
+
+    return value(root)
+
+
+def _read_tree(
+    view: dict[str, dict],
+    root: str,
+    target: Any,
+    read_into: ReadInto,
+    *,
+    verifier: Any,
+    weights_only: bool,
+    file_size: Optional[FileSize],
+    every_sharded: bool,
+) -> Any:
+    tree = _subtree(view, root)
+    if root not in tree:
+        raise KeyError(f"the snapshot holds no entry {root!r}")
+    targets: dict[str, torch.Tensor] = {}
+    if target is not None:
+        _target_tensors(target, root, targets)
+    plan = _Plan(decode(root), file_size, weights_only)
+    added: dict[str, list] = {}
+    tensor_entry = plan.tensor
+    get = targets.get
+    for path, entry in tree.items():
+        kind = entry["type"]
+        if kind == "Tensor":
+            tensor_entry(path, entry, get(path))
+        elif kind in CONTAINER_TYPES:
+            continue
+        elif kind in SHARDED_TYPES and not every_sharded:
+            if path in targets:  # as torchsnapshot: read only the sharded entries asked for
+                plan.entry(path, entry, targets[path])
+                _note_added(tree, path, added)
+        else:
+            plan.entry(path, entry, get(path))
+    plan.run(read_into, verifier)
+    return _inflate(root, tree, plan.values, added)
+
+
+def _note_added(tree: dict[str, dict], path: str, added: dict[str, list]) -> None:
+    """A sharded entry this rank did not save: its key joins the parent dict's keys."""
+    parent, _, token = path.rpartition("/")
+    entry = tree.get(parent)
+    if entry is not None and entry["type"] != "list":
+        key = decode(token)
+        keys = entry.get("keys") or []
+        if key not in keys and not (_is_int(key) and int(key) in keys):
+            added.setdefault(parent, []).append(key)
+
+
+def read_state_dict(
+    view: dict[str, dict],
+    key: str,
+    target: Any,
+    read_into: ReadInto,
+    *,
+    verifier: Any = None,
+    weights_only: bool = True,
+    file_size: Optional[FileSize] = None,
+) -> Any:
+    """The state dict saved under app-state ``key``, read into ``target`` where it can be.
+
+    ``target``: the stateful's current ``state_dict()``; its tensors are filled in place where
+    the saved dtype and shape match (CPU ones read straight into, others through a CPU copy);
+    ShardedTensor and DTensor targets get the parts of the saved shards that overlap their local
+    shards. The returned state dict holds those targets, new tensors for the rest, objects
+    (``loading.load_object``), primitives and containers as torchsnapshot rebuilds them.
+    ``read_into(reads)``: fills each ``(file, offset, writable bytes)``; called once.
+    ``verifier``: a ``checksums.Verifier`` or None. ``file_size(file)``: a file's size or None when
+    it is missing; needed for entries stored as a whole file of unknown length (objects,
+    ``torch.save``'d tensors).
+    """
+    return _read_tree(
+        view, encode(key), target, read_into,
+        verifier=verifier, weights_only=weights_only, file_size=file_size, every_sharded=False,
+    )
+
+
+def read_value(
+    view: dict[str, dict],
+    path: str,
+    read_into: ReadInto,
+    *,
+    weights_only: bool = True,
+    verifier: Any = None,
+    file_size: Optional[FileSize] = None,
+) -> Any:
+    """The value of the entry (or container) at logical ``path``, read without a target; a
+    sharded entry gives its whole tensor."""
+    return _read_tree(
+        view, path, None, read_into,
+        verifier=verifier, weights_only=weights_only, file_size=file_size, every_sharded=True,
+    )
+
+
+__all__ = ["Metadata", "parse_metadata", "rank_view", "read_state_dict", "read_value", "saved_keys"]
