@@ -370,9 +370,12 @@ def _pointer_record(rel: str, local: torch.Tensor) -> dict:
     }
 
 
-def _dtensor_layout(path: str, value: Any) -> Optional[tuple[list[int], list[int], list[int], list[list[int]]]]:  # noqa: E501
-    """(ranks holding this rank's shard, its offsets, its sizes, dim_map), or None when this rank
-    is not in the DTensor's mesh."""
+#: (the ranks holding this rank's shard of a DTensor, the shard's offsets, its sizes, dim_map)
+_Layout = tuple[list[int], list[int], list[int], list[list[int]]]
+
+
+def _dtensor_layout(path: str, value: Any) -> Optional[_Layout]:
+    """Where this rank's shard of DTensor ``value`` lies, or None when this rank is not in its mesh."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
