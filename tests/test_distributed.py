@@ -210,15 +210,16 @@ def test_replicated_entries_are_written_once(ddp):
         "module.0.weight", "module.0.bias", "module.3.weight", "module.3.bias"
     }
 
-    # Files: the optimizer's pickled objects once under replicated/, not once per rank as in the
-    # same state saved without `replicated`; the optimizer's tensor bytes are halved.
+    # Files: the optimizer's pickled objects once, not once per rank as in the same state saved
+    # without `replicated`; the optimizer's tensor bytes are halved.
     files, baseline = ddp[0]["files"], ddp[0]["baseline_files"]
-    objects = {"optimizer/param_groups/0/betas", "optimizer/param_groups/0/foreach", "optimizer/param_groups/0/fused"}
-    assert {f"replicated/{o}" for o in objects} <= files.keys()
-    assert not [f for f in files if f.startswith(("0/", "1/"))]
-    assert {f"{r}/{o}" for r in (0, 1) for o in objects} <= baseline.keys()
-    # A DDP-wrapped module is replicated even without the option, as torchtnt's saver does.
     baseline_manifest = ddp[0]["baseline_manifest"]
+    objects = {"optimizer/param_groups/0/betas", "optimizer/param_groups/0/foreach", "optimizer/param_groups/0/fused"}
+    stored = {manifest[f"0/{o}"]["location"] for o in objects}
+    assert len(stored) == len(objects) and stored <= files.keys()
+    per_rank = {baseline_manifest[f"{r}/{o}"]["location"] for r in (0, 1) for o in objects}
+    assert len(per_rank) == 2 * len(objects) and per_rank <= baseline.keys()
+    # A DDP-wrapped module is replicated even without the option, as torchtnt's saver does.
     optimizer_bytes = _stored_bytes(manifest, ("optimizer",))
     assert optimizer_bytes > 0
     assert _stored_bytes(baseline_manifest, ("optimizer",)) == 2 * optimizer_bytes
@@ -312,29 +313,33 @@ def test_rank_that_leaves_training_does_not_hang_the_others(failure):
 
 
 def test_async_snapshots_without_a_process_group(tmp_path, monkeypatch):
-    """Async snapshots work in a single process with no process group.
+    """Async snapshots work in a single process with no process group, written on a thread of
+    their own.
 
     torchsnapshot-nightly's own ``Snapshot.async_take`` fails there on hosts whose localhost
     resolves to IPv4 only (``dist_store.create_store`` unpacks a 2-tuple socket address into four
-    values; upstream meta-pytorch/torchsnapshot#178, open). The plugin never calls it: it stages its
-    own copy of the state and runs the synchronous ``Snapshot.take`` on a background thread, with
-    no process group. This test fails if ``async_take`` is ever called.
+    values; upstream meta-pytorch/torchsnapshot#178, open). The plugin calls neither it nor
+    ``Snapshot.take``: it stages its own copy of the state and writes it on a background thread.
     """
     import torchsnapshot
 
-    assert not (dist.is_available() and dist.is_initialized())
-    takes: list[tuple[str, Any]] = []
-    real_take = torchsnapshot.Snapshot.take.__func__
+    from tnt_snapshot_plugin import writer_job
 
-    def recording_take(cls, *args: Any, **kwargs: Any) -> Any:
-        takes.append((threading.current_thread().name, kwargs.get("pg")))
-        return real_take(cls, *args, **kwargs)
+    assert not (dist.is_available() and dist.is_initialized())
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("Snapshot.async_take must not be used (meta-pytorch/torchsnapshot#178)")
+        raise AssertionError("torchsnapshot's take/async_take must not be used")
 
-    monkeypatch.setattr(torchsnapshot.Snapshot, "take", classmethod(recording_take))
+    monkeypatch.setattr(torchsnapshot.Snapshot, "take", forbidden)
     monkeypatch.setattr(torchsnapshot.Snapshot, "async_take", forbidden)
+    writes: list[str] = []
+    real_write = writer_job.SnapshotWriter.write
+
+    def recording_write(self: Any, *args: Any, **kwargs: Any) -> None:
+        writes.append(threading.current_thread().name)
+        real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_job.SnapshotWriter, "write", recording_write)
 
     unit = ToyUnit(seed=0)
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=2, save_on_train_end=False)
@@ -342,8 +347,7 @@ def test_async_snapshots_without_a_process_group(tmp_path, monkeypatch):
     train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
 
     assert sorted(os.listdir(tmp_path)) == ["epoch_0_step_2", "epoch_0_step_4"]
-    assert [pg for _thread, pg in takes] == [None, None]
-    assert all(thread != threading.main_thread().name for thread, _pg in takes), takes
+    assert len(writes) == 2 and threading.main_thread().name not in writes, writes
     fresh = ToyUnit(seed=5)
     TorchSnapshotSaver.restore(str(tmp_path / "epoch_0_step_4"), fresh)
     assert_bitwise_equal(weights(fresh), weights(unit))

@@ -154,6 +154,18 @@ def test_planted_pickle_is_refused_by_default(tmp_path):
     [location] = [e["location"] for p, e in manifest.items() if e["type"] == "object" and "/extra/" in p]
     marker = tmp_path / "marker"
     torch.save(_Planted(str(marker)), os.path.join(newest, location))
+    # The plant alone is caught by the checksum as damage; a planter rewrites the index too.
+    from tnt_snapshot_plugin.checksums import record_views
+
+    index_path = os.path.join(newest, ".tnt_snapshot_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    with open(os.path.join(newest, location), "rb") as f:
+        planted = f.read()
+    index["checksums"][location] = record_views([memoryview(planted)])
+    index["files"][location] = len(planted)
+    with open(index_path, "w") as f:
+        json.dump(index, f)
 
     with pytest.raises(UnrestorableStateError, match="mkdir"):
         TorchSnapshotSaver.restore(newest, HoldingUnit(None))

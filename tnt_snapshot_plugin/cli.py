@@ -726,11 +726,11 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
 
 def _read_value(store: Store, name: str, manifest: dict[str, Any], path: str) -> Any:
     """The value of manifest entry ``path`` (``RANK/KEY/...``) of snapshot ``name``."""
-    import functools
-
     from .format import reader as fmt
+    from .restoring import reading_io
 
-    return fmt.read_value(manifest, path, functools.partial(store.read_into, name))
+    read_into, file_size, verifier = reading_io(store, name, store.child(name))
+    return fmt.read_value(manifest, path, read_into, file_size=file_size, verifier=verifier)
 
 
 def _max_abs_diff(a: Any, b: Any) -> str:
@@ -866,14 +866,15 @@ def weight_keys(metadata: dict[str, Any]) -> list[str]:
 
 def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
-    import functools
-
     from .format import common
     from .format import reader as fmt
+    from .restoring import reading_io
 
     meta = fmt.parse_metadata(store.read_file(name, common.METADATA_FNAME), store.child(name))
-    view = fmt.rank_view(meta, 0)
-    return fmt.read_state_dict(view, key, None, functools.partial(store.read_into, name))
+    read_into, file_size, verifier = reading_io(store, name, store.child(name))
+    return fmt.read_state_dict(
+        fmt.rank_view(meta, 0), key, None, read_into, file_size=file_size, verifier=verifier
+    )
 
 
 def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:

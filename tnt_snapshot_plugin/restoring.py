@@ -159,14 +159,14 @@ def restore(
             raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
-        read_into = functools.partial(store.read_into, name)
+        read_into, file_size, verifier = reading_io(store, name, path)
         if not manifest:
             raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
         present = fmt.saved_keys(manifest)
         restore_rng = True
         if saved_world_size != coll.world_size:
             mapped = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            restore_rng = _fit_world_size(path, meta, read_into, mapped, coll)
+            restore_rng = _fit_world_size(path, meta, read_into, file_size, mapped, coll)
 
         optional = set(optional_keys)
         load: dict[str, Any] = {}
@@ -205,7 +205,6 @@ def restore(
         order.append(RNG_STATE_KEY)  # last: loading the other entries may draw random numbers
         load[RNG_STATE_KEY] = RNGState()
     view = fmt.rank_view(meta, coll.rank)
-    verifier = _verifier(store, name, path)
     # Every entry is read first; the ranks agree on the outcome (a damaged file anywhere: every
     # rank falls back together); only then is anything loaded into the app state.
     states: dict[str, Any] = {}
@@ -223,7 +222,8 @@ def restore(
                 continue
             try:
                 states[key] = fmt.read_state_dict(
-                    view, key, current, read_into, verifier=verifier, weights_only=bool(weights_only)
+                    view, key, current, read_into,
+                    verifier=verifier, file_size=file_size, weights_only=bool(weights_only),
                 )
             except Exception as exc:  # agreed on below, on every rank
                 read_errors.append((key, exc))
@@ -479,16 +479,33 @@ def _nn_module() -> type:
     return torch.nn.Module
 
 
-def _verifier(store: Store, name: str, path: str) -> Any:
-    """The checksums of snapshot ``name`` (from its index); None for a snapshot without them
-    (one torchtnt or torchsnapshot wrote)."""
+def reading_io(store: Store, name: str, path: str) -> tuple[Any, Any, Any]:
+    """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``.
+
+    File sizes come from the plugin's index where it has one (one read), else from the store
+    (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
+    for a snapshot without them)."""
+    import json
+
     from .checksums import Verifier
 
     try:
-        index = store.read_file(name, INDEX_FNAME)
+        index: Optional[bytes] = store.read_file(name, INDEX_FNAME)
     except FileNotFoundError:
-        return None
-    return Verifier.from_index(path, index)
+        index = None
+    sizes: dict[str, Any] = {}
+    if index is not None:
+        try:
+            listed = json.loads(index).get("files")
+        except (ValueError, AttributeError):
+            listed = None  # the verifier says what is wrong with it
+        sizes = listed if isinstance(listed, dict) else {}
+
+    def file_size(rel: str) -> Optional[int]:
+        size = sizes.get(rel)
+        return size if isinstance(size, int) else store.file_size(name, rel)
+
+    return functools.partial(store.read_into, name), file_size, Verifier.from_index(path, index)
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:
@@ -556,7 +573,7 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
 _NAMED_ENTRIES = 12
 
 
-def _fit_world_size(path: str, meta: Any, read_into: Any, keys: Iterable[str], coll: Collectives) -> bool:
+def _fit_world_size(path: str, meta: Any, read_into: Any, file_size: Any, keys: Iterable[str], coll: Collectives) -> bool:
     """Make the entries of ``keys`` that map exactly onto this world size available to every rank,
     or raise StateMismatchError naming those that cannot; whether the RNG state maps.
 
@@ -606,9 +623,9 @@ def _fit_world_size(path: str, meta: Any, read_into: Any, keys: Iterable[str], c
                 to_read.append(logical)
         try:
             for logical in to_read:
-                first = fmt.read_value(meta.manifest, f"0/{logical}", read_into)
+                first = fmt.read_value(meta.manifest, f"0/{logical}", read_into, file_size=file_size)
                 equal = all(
-                    _same_value(first, fmt.read_value(meta.manifest, f"{r}/{logical}", read_into))
+                    _same_value(first, fmt.read_value(meta.manifest, f"{r}/{logical}", read_into, file_size=file_size))
                     for r in range(1, saved)
                 )
                 (same if equal else differ).append(logical)
