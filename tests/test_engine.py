@@ -1,0 +1,142 @@
+"""The plugin's own engine end to end: what the saver writes (format.writer through the store)
+restore reads back bit for bit (format.reader), straight into the target tensors where it can,
+each file opened once per key; damage and escaping locations are refused before anything is read.
+
+Entry kinds against stock torchsnapshot and torchtnt: tests/test_interop_kinds.py; the format
+modules alone: tests/test_format_writer.py, tests/test_format_reader.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+import torch
+
+from tnt_snapshot_plugin import fileio
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.errors import SnapshotCorruptError
+from tnt_snapshot_plugin.restoring import restore
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+from toy import Holder
+from varied import assert_identical, varied_state, zeros_like_state
+
+
+def take(dirpath, state, *, async_snapshot=False) -> str:
+    """``{"h": Holder(state)}`` snapshotted by the saver at step 1; the snapshot's path."""
+    saver = Snapshotter(str(dirpath), SnapshotConfig.build(async_snapshot=async_snapshot))
+    saver.train_start(["h"], 0, 0)
+    assert saver.save(0, 1, {"h": Holder(state)})
+    saver.train_end(0, 1, lambda intra_epoch: {})
+    return str(dirpath / "epoch_0_step_1")
+
+
+@pytest.mark.parametrize("async_snapshot", [False, True], ids=["sync", "async"])
+def test_every_kind_of_entry_restores_bitwise_into_the_targets_tensors(tmp_path, async_snapshot):
+    want = varied_state(0)
+    path = take(tmp_path, want, async_snapshot=async_snapshot)
+    target = zeros_like_state(want)
+    in_place = target["big"], target["small"][7], target["transposed"]
+    got = Holder(target)
+    restore(path, {"h": got})
+    assert_identical(got.state, want)
+    # loaded into the tensors the stateful held, non-contiguous included
+    assert (got.state["big"], got.state["small"][7], got.state["transposed"]) == in_place
+    assert not got.state["transposed"].is_contiguous()
+
+
+def test_targets_that_differ_from_the_saved_tensor_get_the_saved_value(tmp_path):
+    saved = {"a": torch.arange(12.0), "b": torch.arange(6, dtype=torch.int32)}
+    path = take(tmp_path, saved)
+    # another dtype, another shape: the reader allocates what was saved; load_state_dict decides
+    got = Holder({"a": torch.zeros(12, dtype=torch.float64), "b": torch.zeros(3, 2, dtype=torch.int32)})
+    restore(path, {"h": got})
+    assert_identical(got.state, saved)
+
+
+@pytest.mark.parametrize("victim", ["big", "packed"])
+def test_a_truncated_file_is_an_error_naming_it(tmp_path, victim):
+    want = {"big": torch.randn(2_000_000), "small": [torch.randn(64) for _ in range(20)]}
+    path = take(tmp_path, want)
+    files = sorted(
+        (os.path.join(root, f) for root, _, names in os.walk(path) for f in names if not f.startswith(".")),
+        key=os.path.getsize,
+    )
+    doomed = files[-1] if victim == "big" else files[0]
+    with open(doomed, "r+b") as f:
+        f.truncate(os.path.getsize(doomed) - 8)
+    with pytest.raises(SnapshotCorruptError) as info:
+        restore(path, {"h": Holder(zeros_like_state(want))})
+    assert os.path.relpath(doomed, path) in str(info.value)
+
+
+def test_each_file_is_opened_once_per_key_and_read_in_offset_order(tmp_path, monkeypatch):
+    want = {"small": [torch.full((256,), float(i)) for i in range(40)]}
+    path = take(tmp_path, want)
+    opened: collections.Counter = collections.Counter()
+    real_open = os.open
+    offsets: list[int] = []
+    real_preadv = os.preadv
+
+    def counting_open(p, *args, **kwargs):
+        opened[p] += 1
+        return real_open(p, *args, **kwargs)
+
+    def recording_preadv(fd, bufs, offset):
+        offsets.append(offset)
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    got = Holder(zeros_like_state(want))
+    restore(path, {"h": got})
+    assert_identical(got.state, want)
+    data_files = {p: n for p, n in opened.items() if not os.path.basename(p).startswith(".")}
+    # One packed file, holding the 40 tensors and the RNG state (restored as a key of its own):
+    # opened once per key, each key's reads in one call.
+    assert len(data_files) == 1 and set(data_files.values()) == {2}
+    assert offsets and offsets == sorted(offsets)
+
+
+def snapshot_pointing_outside(tmp_path, numel: int) -> str:
+    """A snapshot of ``{"w": zeros(numel)}`` whose manifest sends "w" to a file beside dirpath."""
+    (tmp_path / "secret.bin").write_bytes(b"\x01" * 4 * numel)
+    path = take(tmp_path / "snaps", {"w": torch.zeros(numel)})
+    meta_path = tmp_path / "snaps" / "epoch_0_step_1" / ".snapshot_metadata"
+    meta = json.loads(meta_path.read_text())
+    (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
+    entry["location"], entry["byte_range"] = "../../secret.bin", None
+    meta_path.write_text(json.dumps(meta))
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["in-place", "new-tensor"])
+def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path, dtype):
+    path = snapshot_pointing_outside(tmp_path, 1024)
+    target = torch.full((1024,), 7.0, dtype=dtype)
+    with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+        restore(path, {"h": Holder({"w": target})})
+    assert torch.equal(target, torch.full((1024,), 7.0, dtype=dtype))  # nothing was read into it
+
+
+def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_path, monkeypatch):
+    """Packed tensors are written with writev straight from their memory: the kernel may write
+    less than asked (even mid-buffer), and takes at most IOV_MAX buffers per call."""
+    parts = [bytes([i % 251]) * (1 + i % 37) for i in range(3000)]
+    real_writev = os.writev
+    calls = []
+
+    def short_writev(fd, buffers):
+        calls.append(len(buffers))
+        assert len(buffers) <= 1024
+        if len(calls) % 2:
+            first = memoryview(buffers[0])
+            return real_writev(fd, [first[: max(1, first.nbytes // 2)]])
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    path = tmp_path / "f"
+    fileio.write_durably(str(path), [memoryview(p) for p in parts])
+    assert path.read_bytes() == b"".join(parts)
+    assert max(calls) == 1024 and len(calls) == 6  # halves and the rest, three times
