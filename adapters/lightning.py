@@ -61,7 +61,7 @@ from tnt_snapshot_plugin.errors import (
 )
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.snapshotter import Snapshotter
-from tnt_snapshot_plugin.storage import METADATA_FNAME, LocalStore, open_store, split_snapshot_path
+from tnt_snapshot_plugin.stores import METADATA_FNAME, LocalStore, open_store, split_snapshot_path
 
 #: The keys of every Lightning training checkpoint (others depend on the run).
 LIGHTNING_KEYS = (

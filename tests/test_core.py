@@ -124,15 +124,16 @@ def test_replicated_partial_match_lists_paths_and_escapes_glob_characters():
 
 
 @pytest.mark.frameworks
-def test_core_never_imports_a_framework():
+def test_core_never_imports_a_framework_nor_torchsnapshot():
     code = (
         "import sys\n"
         "import tnt_snapshot_plugin, tnt_snapshot_plugin.snapshotter, tnt_snapshot_plugin.restoring\n"
-        "import tnt_snapshot_plugin.storage, tnt_snapshot_plugin.compat, tnt_snapshot_plugin.demo\n"
+        "import tnt_snapshot_plugin.stores, tnt_snapshot_plugin.writer_job, tnt_snapshot_plugin.demo\n"
+        "import tnt_snapshot_plugin.format.writer, tnt_snapshot_plugin.format.reader, tnt_snapshot_plugin.cli\n"
         "from tnt_snapshot_plugin.plugins import get_plugin_manager, adapters\n"
         "assert sorted(adapters(get_plugin_manager())) == ['lightning', 'torchtnt']\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('torchtnt', 'pytorch_lightning', 'lightning', 'lightning_fabric'))\n"
+        "('torchtnt', 'pytorch_lightning', 'lightning', 'lightning_fabric', 'torchsnapshot'))\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -39,16 +39,8 @@ from rich.text import Text
 from . import retention
 from .errors import ConfigError, SnapshotError, SnapshotNotFoundError
 from .naming import SnapshotName, is_staging_name
-from .storage import (
-    INDEX_FNAME,
-    LEASE_FNAME,
-    LOCK_FNAME,
-    METADATA_FNAME,
-    LocalStore,
-    S3Store,
-    Store,
-    open_store,
-)
+from .stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, LocalStore, Store, open_store
+from .stores.s3 import S3Store
 
 #: Bumped when a key of the ``--json`` output changes meaning or goes away (keys may be added).
 JSON_VERSION = 1

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from .naming import SnapshotName, is_staging_name
 from .plugins import adapters
-from .storage import open_store
+from .stores import open_store
 
 DEFAULT_DIRPATH = "./demo-snapshots"
 

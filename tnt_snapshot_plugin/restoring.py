@@ -29,11 +29,11 @@ from .errors import (
     StateMismatchError,
     UnrestorableStateError,
 )
+from .format.common import METADATA_FNAME, encode
 from .loading import allowed_globals, refusal
 from .naming import SnapshotName
 from .plugins import get_plugin_manager
-from .format.common import METADATA_FNAME, encode
-from .storage import INDEX_FNAME, LocalStore, Store, open_store, split_snapshot_path
+from .stores import INDEX_FNAME, LocalStore, Store, open_store, split_snapshot_path
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +473,7 @@ def _is_users(stateful: Any) -> bool:
     return not type(stateful).__module__.startswith("tnt_snapshot_plugin.") or hasattr(stateful, "__wrapped__")
 
 
-def _nn_module() -> type:
+def _nn_module() -> Any:
     import torch
 
     return torch.nn.Module

@@ -30,13 +30,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import os
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import pluggy
 
@@ -52,7 +50,7 @@ from .app_state import (
 )
 from .cadence import GO_ON, PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
-from .distributed import AgreedFlag, Collectives, is_initialized, raise_if_any_failed
+from .distributed import AgreedFlag, Collectives, is_initialized
 from .errors import (
     ConfigError,
     SnapshotError,
@@ -65,17 +63,9 @@ from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
 from .plugins import get_plugin_manager, implemented
 from .preemption import PreemptionHandler
+from .stores import DirLock, Store, open_store
+from .stores.writers import live_runs, new_run_id, staging_token, writer_gone, writer_identity
 from .writer_job import SnapshotWriter
-from .storage import (
-    DirLock,
-    Store,
-    live_runs,
-    new_run_id,
-    open_store,
-    staging_token,
-    writer_gone,
-    writer_identity,
-)
 
 logger = logging.getLogger(__name__)
 

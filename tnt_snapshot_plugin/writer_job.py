@@ -34,7 +34,8 @@ from .errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
 from .format import writer as fmt
 from .format.common import METADATA_FNAME
 from .loading import LoadCheck
-from .storage import Store, writer_identity
+from .stores import Store
+from .stores.writers import writer_identity
 
 #: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
 DEFAULT_IO_THREADS = 4

@@ -69,4 +69,5 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.dtype is not torch.bfloat16 and tensor.dim() and tensor.numel():
         array = tensor.numpy()  # the faster way, where numpy has the dtype and the shape casts
         return memoryview(array).cast("B")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    array = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)

@@ -457,7 +457,7 @@ class _Plan:
         found = entry.get(field)
         if not isinstance(found, list):
             raise self.corrupt(path, f"its {field} are {found!r}")
-        pieces = []
+        pieces: list[tuple[list, list, dict]] = []
         for piece in found:
             if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
                 raise self.corrupt(path, f"a piece of it is {piece!r}")
@@ -626,9 +626,9 @@ def _inflate(root: str, tree: dict[str, dict], values: dict[str, Any], added: di
         out: dict = OrderedDict() if kind == "OrderedDict" else {}
         try:
             for key in keys + added.get(path, []):
-                child = by_key.get(key)
-                if child is not None and present(child):
-                    out[key] = value(child)
+                found = by_key.get(key)
+                if found is not None and present(found):
+                    out[key] = value(found)
         except TypeError as exc:
             raise _corrupt(f"entry {path!r}", f"a key cannot be a dict key ({exc})") from exc
         return out

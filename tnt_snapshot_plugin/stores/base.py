@@ -165,9 +165,6 @@ class Store:
         """Child directory ``name`` as a store of its own (same storage, same options)."""
         raise NotImplementedError
 
-    def torchsnapshot_url(self, name: str) -> str:
-        """The URL torchsnapshot is given for child ``name`` (served by storage.py's plugins)."""
-        raise NotImplementedError
 
     def list_names(self) -> list[str]:
         raise NotImplementedError

@@ -19,8 +19,7 @@ store (a fresh :class:`MemoryStore` is registered on first use of an unknown NAM
     Snapshotter(SnapshotConfig(dirpath=dirpath, ...))   # writes through `faulty`
 
 :func:`unregister` (or :func:`clear_registry`) forgets them. The registry is per process: ranks
-started as separate processes each have their own. torchsnapshot cannot write to these stores
-(``torchsnapshot_url`` raises): only the plugin's own writer and reader use them.
+started as separate processes each have their own.
 """
 
 from __future__ import annotations
@@ -106,11 +105,6 @@ class MemoryStore(Store):
         return MemoryStore(self.child(name), atomic_rename=self.atomic_rename, _tree=self._tree,
                            _path=self._dir(name))
 
-    def torchsnapshot_url(self, name: str) -> str:
-        raise ConfigError(
-            f"{self.child(name)}: torchsnapshot cannot write to or read from a memory:// store; "
-            "only the plugin's own writer and reader use it"
-        )
 
     def list_names(self) -> list[str]:
         prefix = self._path + "/" if self._path else ""
@@ -334,8 +328,6 @@ class FaultyStore(Store):
     def nested(self, name: str) -> Store:
         return FaultyStore(self.inner.nested(name), _faults=self._faults)
 
-    def torchsnapshot_url(self, name: str) -> str:
-        return self.inner.torchsnapshot_url(name)
 
     def list_names(self) -> list[str]:
         self._enter("list_names")

@@ -103,8 +103,6 @@ class LocalStore(Store):
     def nested(self, name: str) -> Store:
         return LocalStore(self.child(name))
 
-    def torchsnapshot_url(self, name: str) -> str:
-        return "tntfs://" + os.path.join(self.root, name)
 
     def list_names(self) -> list[str]:
         try:

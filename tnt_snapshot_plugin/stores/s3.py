@@ -74,10 +74,9 @@ def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
             f"storage_options has keys {sorted(unknown)} that the S3 storage does not know; "
             f"expected some of {sorted(S3_OPTION_KEYS)}"
         )
-    # Building a client costs ~0.2 s (botocore loads the service model), and every store and
-    # every torchsnapshot plugin instance needs one; clients are thread-safe, so one is shared
-    # per process and configuration (the AWS_* environment included: it fills in what the
-    # options leave out).
+    # Building a client costs ~0.2 s (botocore loads the service model) and clients are
+    # thread-safe, so one is shared per process and configuration (the AWS_* environment
+    # included: it fills in what the options leave out).
     key = (
         os.getpid(),
         tuple(sorted(options.items())),
@@ -314,8 +313,6 @@ class S3Store(Store):
     def nested(self, name: str) -> Store:
         return S3Store(self.child(name), self.storage_options)
 
-    def torchsnapshot_url(self, name: str) -> str:
-        return f"tnts3://{self.bucket}/{self._key(name)}"
 
     @translated
     def list_names(self) -> list[str]:
