@@ -331,7 +331,8 @@ class TorchSnapshotSaver(Callback):
 
         torchtnt 0.2.4's signature: ``restore_options=RestoreOptions(restore_train_progress,
         restore_eval_progress, restore_optimizers, restore_lr_schedulers, strict)`` says what to
-        load, ``knob_options`` how (``max_per_rank_io_concurrency``: reads in flight at once).
+        load; ``knob_options`` is accepted for torchtnt's API (restores read each key's files in
+        one pass, so ``max_per_rank_io_concurrency`` has nothing to cap).
         The same switches may be passed as keyword arguments (a keyword that contradicts
         ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
         Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).

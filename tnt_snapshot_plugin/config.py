@@ -78,11 +78,12 @@ def _signals(name: str, value: Any) -> tuple[signal.Signals, ...]:
 class Knobs:
     """Tuning of the snapshot writer and reader (torchtnt's ``KnobOptions`` maps onto it).
 
-    ``max_per_rank_io_concurrency``: how many file reads or writes one rank has in flight at once
-    (None: torchsnapshot's default, 16, served by the plugin's 4 I/O threads; N > 4 adds threads).
+    ``max_per_rank_io_concurrency``: how many files one rank writes at once (None: 4). Restores
+    do not use it: a rank reads each key's files in one pass on local disk, and with up to 4
+    ranged GETs at once on S3.
     ``enable_storage_optimization``: accepted and ignored, as torchtnt 0.2.4 itself ignores it
-    (its ``KnobOptions`` calls it "a no-op and for future use"); the plugin's files are those
-    torchsnapshot writes, uncompressed.
+    (its ``KnobOptions`` calls it "a no-op and for future use"); the files are torchsnapshot's
+    format, uncompressed.
     """
 
     max_per_rank_io_concurrency: Optional[int] = None

@@ -119,7 +119,8 @@ def restore(
     that does not fit ``app_state`` raises StateMismatchError; an exception raised by an entry's
     own ``state_dict()``/``load_state_dict()`` propagates as it is (torch's own classes: as a
     StateMismatchError naming the entry); only a failure to read or decode the snapshot's files
-    raises SnapshotCorruptError. ``io_concurrency``: reads in flight at once (None: default).
+    raises SnapshotCorruptError. ``io_concurrency``: accepted for torchtnt's ``KnobOptions`` and not used (see
+    ``config.Knobs``: a rank reads each key's files in one pass).
     """
     coll = collectives or Collectives(None)
     started = time.perf_counter()
