@@ -23,6 +23,8 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.checksums import ALGO
 from toy import Holder
+from varied import assert_identical
+from varied import zeros_like_state as zeros_like
 
 INDEX = ".tnt_snapshot_index.json"
 
@@ -44,32 +46,6 @@ def other_state(seed: int) -> dict:
         "object": {seed, seed + 1},  # pickled (torch.save)
         "step": seed,  # a primitive: in the metadata, no payload file
     }
-
-
-def zeros_like(state):
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)  # keeps the layout: transposed stays non-contiguous
-    if isinstance(state, dict):
-        return {k: zeros_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [zeros_like(v) for v in state]
-    return None
-
-
-def assert_identical(got, want):
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys()
-        for k in want:
-            assert_identical(got[k], want[k])
-    elif isinstance(want, list):
-        assert len(got) == len(want)
-        for a, b in zip(got, want, strict=True):
-            assert_identical(a, b)
-    else:
-        assert got == want
 
 
 def rng_states() -> tuple:

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-from varied import assert_identical, varied_state, zeros_like_state
 
 from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -21,6 +20,7 @@ from tnt_snapshot_plugin.errors import SnapshotCorruptError
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from toy import Holder
+from varied import assert_identical, varied_state, zeros_like_state
 
 
 def take(dirpath, state, *, async_snapshot=False) -> str:

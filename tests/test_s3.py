@@ -4,9 +4,8 @@ Everything reaches S3 through ``storage_options`` alone: every test runs with th
 variables cleared and with ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` pointing at a closed
 loopback port, so a client that read the environment instead of ``storage_options`` would fail,
 and no request can leave the machine. (torchsnapshot's own ``s3://`` plugin ignores
-``storage_options`` and would go to AWS; the plugin serves ``s3://`` through its ``tnts3://``
-plugin instead, which these tests exercise. The built-in one is not demonstrated: it needs
-aiobotocore, and a demonstration could only fail by reaching for the network.)
+``storage_options`` and would go to AWS; the plugin's S3 store, which these tests exercise, builds
+its client from them.)
 """
 
 from __future__ import annotations
@@ -374,19 +373,6 @@ def test_s3_clients_are_shared_per_configuration(options):
     assert storage_mod.s3_client(other).meta.region_name == "eu-west-1"
 
 
-def test_tnts3_plugin_takes_endpoint_and_credentials_from_storage_options(options, run_url):
-    """torchsnapshot itself, given a tnts3:// URL, writes and reads through moto."""
-    from torchsnapshot import Snapshot
-
-    url = "tnts3://" + run_url[len("s3://"):] + "/direct"
-    state = {"t": torch.arange(12, dtype=torch.float64).reshape(3, 4)}
-    Snapshot.take(url, app_state={"s": Holder(state)}, storage_options=options)
-    assert ".snapshot_metadata" in keys_under(options, run_url + "/direct")
-    target = Holder({"t": torch.zeros(3, 4, dtype=torch.float64)})
-    Snapshot(url, storage_options=options).restore({"s": target})
-    assert torch.equal(target.state["t"], state["t"])
-
-
 def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
     """``{"h": Holder(state)}`` snapshotted by the saver at step 1; the snapshot's URL."""
     from tnt_snapshot_plugin.config import SnapshotConfig
@@ -400,9 +386,8 @@ def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
 
 
 def test_s3_restore_fetches_each_file_in_few_large_ranged_reads(options, run_url, monkeypatch):
-    from varied import assert_identical, varied_state, zeros_like_state
-
     from tnt_snapshot_plugin.restoring import restore
+    from varied import assert_identical, varied_state, zeros_like_state
 
     want = varied_state(3)
     path = _write_to_s3(options, run_url, want)
@@ -425,10 +410,9 @@ def test_s3_restore_fetches_each_file_in_few_large_ranged_reads(options, run_url
 
 
 def test_truncated_s3_object_is_an_error_naming_it(options, run_url):
-    from varied import zeros_like_state
-
     from tnt_snapshot_plugin.errors import SnapshotCorruptError
     from tnt_snapshot_plugin.restoring import restore
+    from varied import zeros_like_state
 
     want = {"big": torch.randn(700_000)}
     path = _write_to_s3(options, run_url, want)

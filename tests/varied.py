@@ -41,10 +41,10 @@ def zeros_like_state(state: dict) -> dict:
 
 
 def assert_identical(got, want):
+    """Equal types, dtypes, shapes and bytes (NaNs included), recursively."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got,
-                           want.view(torch.uint8) if want.dtype == torch.bool else want)
+        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
     elif isinstance(want, dict):
         assert got.keys() == want.keys()
         for k in want:
