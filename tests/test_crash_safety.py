@@ -28,11 +28,11 @@ from tnt_snapshot_plugin import (
     SnapshotCorruptError,
     SnapshotFailedWarning,
     SnapshotWriteError,
+    fileio,
     restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.stores import LocalStore
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 

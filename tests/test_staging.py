@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import pytest
 import torch
 
 from tnt_snapshot_plugin import app_state, restore

@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 
-from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from tnt_snapshot_plugin.stores import (
     INDEX_FNAME,
     METADATA_FNAME,
-    WRITER_FNAME,
     AtomicRename,
     LocalStore,
     MetadataWrittenLast,
