@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torchtnt.framework.train import train
 
-import tnt_snapshot_plugin.storage as storage
 from tnt_snapshot_plugin import SnapshotError, SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.stores import LocalStore
+from tnt_snapshot_plugin.stores.fakes import FaultyStore, register
 from toy import StatefulLoader, ToyUnit, make_data, seed_everything, weights
 
 #: The name the training process group's backend is registered under: a gloo process group
@@ -254,22 +255,28 @@ def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:
 
 
 def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
-    """A write error on rank 1 only: every rank hears of it, nothing is committed, older intact."""
-    real_write = storage._write_durably
+    """A write error on rank 1 only: every rank hears of it, nothing is committed, older intact.
 
-    def failing_write(path: str, data: Any) -> None:
-        if "epoch_0_step_4" in path:
-            raise OSError(28, "No space left on device (injected on rank 1)")
-        real_write(path, data)
+    Every rank saves to ``memory://warn`` / ``memory://raise``: a FaultyStore around the real local
+    directory (registered in each rank's own process, so both ranks pass the same dirpath); on
+    rank 1 only, its payload writes of step 4 raise ENOSPC."""
 
-    if rank == 1:
-        storage._write_durably = failing_write
+    def faulty_dir(name: str, path: str) -> str:
+        faulty = FaultyStore(LocalStore(path))
+        if rank == 1:
+            faulty.inject(
+                "write_payload",
+                OSError(28, "No space left on device (injected on rank 1)"),
+                times=None,
+                match=lambda staging, rel: "epoch_0_step_4" in staging,
+            )
+        return register(name, faulty)
 
     # 1. on_save_error="warn": training goes on, every rank warns, step 2 stays the newest.
     warn_dir = os.path.join(out, "warn")
     unit = ToyUnit(seed=0)
     saver = TorchSnapshotSaver(
-        warn_dir, save_every_n_train_steps=2, save_on_train_end=False, collective_timeout_s=30
+        faulty_dir("warn", warn_dir), save_every_n_train_steps=2, save_on_train_end=False, collective_timeout_s=30
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -290,7 +297,7 @@ def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
     raise_dir = os.path.join(out, "raise")
     unit = ToyUnit(seed=0)
     saver = TorchSnapshotSaver(
-        raise_dir,
+        faulty_dir("raise", raise_dir),
         save_every_n_train_steps=2,
         on_save_error="raise",
         save_on_train_end=False,
@@ -304,8 +311,6 @@ def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
     dist.barrier()
     if rank == 0:
         record["raise"]["dir"] = sorted(os.listdir(raise_dir))
-
-    storage._write_durably = real_write
 
     # 3. Rank 1 fails outside the write (its state_dict raises) and leaves training while rank 0
     #    goes on: rank 0 must fail within the collective timeout, with a typed error.

@@ -21,7 +21,7 @@ from tnt_snapshot_plugin import ConfigError, hookimpl, retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.plugins import get_plugin_manager
-from tnt_snapshot_plugin.storage import INDEX_FNAME
+from tnt_snapshot_plugin.stores import INDEX_FNAME
 from toy import StatefulLoader, ToyUnit, make_data
 
 # -- the core's ranking (pure) -----------------------------------------------------------------

@@ -210,7 +210,7 @@ def test_snapshots_without_checksums_still_restore(copy):
 
 def test_the_cli_verify_finds_the_flipped_file(copy):
     from tnt_snapshot_plugin.cli import check_snapshot, survey
-    from tnt_snapshot_plugin.storage import LocalStore
+    from tnt_snapshot_plugin.stores import LocalStore
 
     dirpath, _ = copy
     newest = dirpath / "epoch_0_step_2"

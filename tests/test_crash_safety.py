@@ -2,9 +2,11 @@
 
 Restore fallback over damaged snapshots; commit-aware retention with asynchronous snapshots;
 failures while saving (an I/O error, a full disk, a directory removed during a save); staging
-leftovers. Failures are injected where the plugin meets the disk: a real full tmpfs when this
-process may mount one, otherwise ``tnt_snapshot_plugin.storage._write_durably`` (the function that
-writes every snapshot file) raising the error the kernel would raise.
+leftovers. Failures come from the real disk where a test can make it fail (a full tmpfs when this
+process may mount one, a file the kernel refuses to delete); otherwise from the in-package
+``FaultyStore`` around the real local store (the saver opens it through a ``memory://`` dirpath,
+``faulty_local`` in conftest.py), raising the error the kernel would raise where the plugin writes
+every snapshot file (``Store.write_payload``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from tnt_snapshot_plugin import (
     SnapshotCorruptError,
     SnapshotFailedWarning,
     SnapshotWriteError,
+    fileio,
     restore_from_latest,
-    storage,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.storage import LocalStore
+from tnt_snapshot_plugin.stores import LocalStore
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 METADATA = ".snapshot_metadata"
@@ -194,23 +196,14 @@ def test_every_snapshot_damaged_raises_instead_of_starting_from_scratch(snapshot
 
 
 class RetentionLog:
-    """Watches every commit and deletion the real LocalStore makes, and what was on disk then."""
+    """Watches every commit and deletion the real LocalStore makes (through a FaultyStore's
+    hooks), and what was on disk then."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, faulty) -> None:
         self.events: list[tuple[str, str, list[str]]] = []
-        commit, remove = LocalStore.commit, LocalStore._remove
-        log = self
-
-        def logged_commit(store, staging, final, metadata, index):
-            commit(store, staging, final, metadata, index)
-            log.events.append(("commit", final, complete(store.root)))
-
-        def logged_remove(store, name):
-            log.events.append(("remove", name, complete(store.root)))
-            remove(store, name)
-
-        monkeypatch.setattr(LocalStore, "commit", logged_commit)
-        monkeypatch.setattr(LocalStore, "_remove", logged_remove)
+        root = faulty.inner.root
+        faulty.hook("commit", after=lambda staging, final: self.events.append(("commit", final, complete(root))))
+        faulty.hook("remove", before=lambda name: self.events.append(("remove", name, complete(root))))
 
 
 def plant_foreign_entries(dirpath: Path, outside: Path) -> dict[str, Any]:
@@ -241,13 +234,14 @@ def plant_foreign_entries(dirpath: Path, outside: Path) -> dict[str, Any]:
 @pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
 @pytest.mark.parametrize("keep", [1, 2])
 def test_retention_deletes_only_after_a_newer_commit_and_only_its_own_snapshots(
-    tmp_path, monkeypatch, keep
+    tmp_path, faulty_local, keep
 ):
     dirpath, outside = tmp_path / "snapshots", tmp_path / "outside"
     planted = plant_foreign_entries(dirpath, outside)
-    log = RetentionLog(monkeypatch)
+    faulty, logged_dirpath = faulty_local(dirpath)
+    log = RetentionLog(faulty)
 
-    run(dirpath, 8, save_every_n_train_steps=2, keep_last_n_snapshots=keep)
+    run(logged_dirpath, 8, save_every_n_train_steps=2, keep_last_n_snapshots=keep)
 
     ours = ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_6", "epoch_0_step_8", "epoch_1_step_8"]
     assert [name for kind, name, _ in log.events if kind == "commit"] == ours
@@ -275,27 +269,58 @@ def test_retention_alias_keep_last_n_checkpoints(tmp_path):
     assert listing(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
 
 
+class Undeletable(Callback):
+    """After the saver: once snapshot ``name`` is written, the real disk refuses to delete a file
+    in it. As root the file is made immutable (``chattr +i``: EPERM), otherwise its directory is
+    made read-only (EACCES). ``allow()`` lifts the refusal."""
+
+    def __init__(self, saver: TorchSnapshotSaver, dirpath: Path, name: str) -> None:
+        self.saver, self.dirpath, self.snapshot = saver, dirpath, name
+        self.target: Path | None = None
+
+    def on_train_step_end(self, state, unit) -> None:
+        if self.target is None:
+            self.saver.snapshotter.wait()
+        if self.target is None and (self.dirpath / self.snapshot).is_dir():
+            batched = self.dirpath / self.snapshot / "batched"
+            if os.geteuid() == 0:
+                self.target = next(batched.iterdir())
+                subprocess.run(["chattr", "+i", str(self.target)], check=True)
+            else:
+                self.target = batched
+                batched.chmod(0o555)
+
+    def allow(self) -> None:
+        """Lift the refusal wherever the file now is (its snapshot may have been moved)."""
+        if self.target is None:
+            return
+        for path in self.dirpath.rglob(self.target.name):
+            if os.geteuid() == 0:
+                if path.is_file() and path.parent.name == "batched":
+                    subprocess.run(["chattr", "-i", str(path)], check=False)
+            elif path.is_dir():
+                path.chmod(0o755)
+
+
 @pytest.mark.filterwarnings("ignore::tnt_snapshot_plugin.errors.SnapshotsAheadWarning")  # a second, fresh run in the same dirpath is the scenario
-def test_failed_deletion_warns_and_training_goes_on(tmp_path, monkeypatch):
-    real_rmtree = shutil.rmtree
-    refused = []
-
-    def rmtree(path, *args, **kwargs):
-        if "epoch_0_step_1" in os.path.basename(path) and not refused:
-            refused.append(path)
-            raise PermissionError(errno.EPERM, "Operation not permitted", path)
-        real_rmtree(path, *args, **kwargs)
-
-    monkeypatch.setattr(storage.shutil, "rmtree", rmtree)
-    with pytest.warns(UserWarning, match=r"retention could not delete \S*epoch_0_step_1: .*Operation not permitted"):
-        unit, _ = run(tmp_path, 4, keep_last_n_snapshots=2, save_on_train_end=False)
-    assert unit.train_progress.num_steps_completed == 4
-    assert refused
-    # The snapshot was unpublished before its files were deleted: what is left is a staging
-    # directory, which restore never picks and the next run's train start removes.
-    assert complete(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
-    assert len(staging_dirs(tmp_path)) == 1
-    monkeypatch.setattr(storage.shutil, "rmtree", real_rmtree)
+def test_failed_deletion_warns_and_training_goes_on(tmp_path):
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1, keep_last_n_snapshots=2, save_on_train_end=False)
+    refuse = Undeletable(saver, tmp_path, "epoch_0_step_1")
+    unit = ToyUnit()
+    try:
+        with pytest.warns(
+            UserWarning,
+            match=r"retention could not delete \S*epoch_0_step_1: .*(Operation not permitted|Permission denied)",
+        ):
+            train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver, refuse])
+        assert unit.train_progress.num_steps_completed == 4
+        assert refuse.target is not None
+        # The snapshot was unpublished before its files were deleted: what is left is a staging
+        # directory, which restore never picks and the next run's train start removes.
+        assert complete(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+        assert len(staging_dirs(tmp_path)) == 1
+    finally:
+        refuse.allow()
     run(tmp_path, 1, save_every_n_train_steps=None, save_on_train_end=False)
     assert staging_dirs(tmp_path) == []
 
@@ -304,18 +329,18 @@ def test_failed_deletion_warns_and_training_goes_on(tmp_path, monkeypatch):
 # Failures while saving
 
 
-def fail_writes_of(name: str, monkeypatch, exc: Callable[[str], OSError]) -> list[str]:
-    """Make every file write of snapshot ``name`` raise ``exc(path)``; returns the paths refused."""
-    real = storage._write_durably
+def fail_writes_of(name: str, faulty, exc: Callable[[str], OSError]) -> list[str]:
+    """Make every file write of snapshot ``name`` (through ``faulty``) raise ``exc(path)``;
+    returns the paths refused."""
     refused: list[str] = []
 
-    def write(path, data):
-        if f"{name}." in path or f"/{name}/" in path:
+    def refuse(staging: str, rel: str) -> None:
+        if staging.startswith(f"{name}.") or staging == name or f".{name}." in staging:
+            path = os.path.join(faulty.child(staging), rel)
             refused.append(path)
             raise exc(path)
-        real(path, data)
 
-    monkeypatch.setattr(storage, "_write_durably", write)
+    faulty.hook("write_payload", before=refuse)
     return refused
 
 
@@ -323,8 +348,9 @@ def eio(path: str) -> OSError:
     return OSError(errno.EIO, "Input/output error (injected)", path)
 
 
-def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on(tmp_path, monkeypatch):
-    refused = fail_writes_of("epoch_0_step_3", monkeypatch, eio)
+def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on(tmp_path, faulty_local):
+    faulty, dirpath = faulty_local(tmp_path)
+    refused = fail_writes_of("epoch_0_step_3", faulty, eio)
     seen: dict[int, list[str]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -336,7 +362,7 @@ def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on
                 ]
                 caught.clear()
 
-        saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1, save_on_train_end=False)
+        saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=1, save_on_train_end=False)
         unit = ToyUnit()
         train(unit, StatefulLoader(make_data(24)), max_epochs=1, callbacks=[saver, Count()])
 
@@ -355,9 +381,10 @@ def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on
     assert staging_dirs(tmp_path) == []  # the failed write was removed
 
 
-def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(tmp_path, monkeypatch):
-    fail_writes_of("epoch_0_step_3", monkeypatch, eio)
-    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1, on_save_error="raise")
+def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(tmp_path, faulty_local):
+    faulty, dirpath = faulty_local(tmp_path)
+    fail_writes_of("epoch_0_step_3", faulty, eio)
+    saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=1, on_save_error="raise")
     record = Record()
     unit = ToyUnit()
     with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*Input/output error"):
@@ -370,28 +397,28 @@ def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(
     assert_bitwise_equal(weights(fresh), record.weights[2])
 
 
-def test_directory_removed_during_a_save_is_not_committed(tmp_path, monkeypatch):
+def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local):
     """Someone deletes dirpath while step 3's files are being written: step 3 must not commit."""
     dirpath = tmp_path / "snapshots"
-    real = storage._write_durably
+    faulty, hooked_dirpath = faulty_local(dirpath)
     removed = []
 
-    def write(path, data):
-        real(path, data)
-        if "epoch_0_step_3." in path and not path.endswith(storage.WRITER_FNAME) and not removed:
-            removed.append(path)
+    def remove_dirpath(staging: str, rel: str) -> None:
+        if not removed:
+            removed.append(os.path.join(faulty.child(staging), rel))
             # Moved away in one step, then deleted: a plain rmtree races with the other writer
             # threads' new files ("Directory not empty") and fails inside this hook instead.
             gone = tmp_path / "removed"
             os.rename(dirpath, gone)
             shutil.rmtree(gone)
 
-    monkeypatch.setattr(storage, "_write_durably", write)
+    # after a payload file of step 3 was written (its writer marker is written by begin)
+    faulty.hook("write_payload", after=remove_dirpath, match=lambda staging, rel: "epoch_0_step_3." in staging)
     with pytest.warns(
         SnapshotFailedWarning,
         match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.* bytes, \d+ were written \(was dirpath removed",
     ):
-        unit, record = run(dirpath, 5, save_on_train_end=False)
+        unit, record = run(hooked_dirpath, 5, save_on_train_end=False)
     assert removed and unit.train_progress.num_steps_completed == 5
     # Training went on; the snapshots after the removal are complete and intact.
     assert complete(dirpath) == ["epoch_0_step_4", "epoch_0_step_5"]
@@ -409,31 +436,29 @@ class SmallDisk:
     """A directory on a 2 MiB tmpfs that a test can fill up and free again.
 
     When this process may mount (root, as on the project's machines) the disk is real: ``fill``
-    writes a ballast file until the kernel answers ENOSPC. Otherwise ENOSPC is injected where the
-    plugin writes every snapshot file (``tnt_snapshot_plugin.storage._write_durably``).
+    writes a ballast file until the kernel answers ENOSPC. Otherwise the directory stays on the
+    ordinary disk and the saver writes to it through a FaultyStore (``dirpath`` is its
+    ``memory://`` name) whose every payload write raises ENOSPC while the disk is "full".
     """
 
-    def __init__(self, root: Path, monkeypatch) -> None:
+    def __init__(self, root: Path, faulty_local) -> None:
         self.path = root / "small_disk"
         self.path.mkdir()
+        self.snapshots = self.path / "snapshots"
         self.full = False
         mounted = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(self.path)], capture_output=True
         )
         self.real = mounted.returncode == 0
+        self.faulty = None
+        self.dirpath = str(self.snapshots)  # what the saver and restore are given
         if not self.real:
-            real = storage._write_durably
-
-            def write(path, data):
-                if self.full and path.startswith(str(self.path)):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-                real(path, data)
-
-            monkeypatch.setattr(storage, "_write_durably", write)
+            self.faulty, self.dirpath = faulty_local(self.snapshots)
 
     def fill(self) -> None:
         self.full = True
         if not self.real:
+            self.faulty.inject("write_payload", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), times=None)
             return
         fd = os.open(self.path / "ballast", os.O_WRONLY | os.O_CREAT)
         try:
@@ -446,10 +471,12 @@ class SmallDisk:
         finally:
             os.close(fd)
         with pytest.raises(OSError, match="No space left"):
-            storage._write_durably(str(self.path / "probe"), b"x")
+            fileio.write_durably(str(self.path / "probe"), b"x")
 
     def free(self) -> None:
         self.full = False
+        if self.faulty is not None:
+            self.faulty.clear()
         for name in ("ballast", "probe"):
             if (self.path / name).exists():
                 (self.path / name).unlink()
@@ -460,8 +487,8 @@ class SmallDisk:
 
 
 @pytest.fixture
-def small_disk(tmp_path, monkeypatch):
-    disk = SmallDisk(tmp_path, monkeypatch)
+def small_disk(tmp_path, faulty_local):
+    disk = SmallDisk(tmp_path, faulty_local)
     yield disk
     disk.close()
 
@@ -484,8 +511,8 @@ class DiskControl(Callback):
 
 
 def test_disk_full_warns_at_every_hook_until_a_snapshot_succeeds(small_disk):
-    dirpath = small_disk.path / "snapshots"
-    saver = TorchSnapshotSaver(str(dirpath), save_every_n_train_steps=1)
+    dirpath = small_disk.snapshots
+    saver = TorchSnapshotSaver(small_disk.dirpath, save_every_n_train_steps=1)
     by_step: dict[int, list[str]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -522,13 +549,13 @@ def test_disk_full_warns_at_every_hook_until_a_snapshot_succeeds(small_disk):
     assert staging_dirs(dirpath) == []
     # the snapshots from before the disk filled up are intact and restorable
     for step in (1, 2):
-        fresh, _ = restored_weights(dirpath / f"epoch_0_step_{step}", latest=False)
+        fresh, _ = restored_weights(f"{small_disk.dirpath}/epoch_0_step_{step}", latest=False)
         assert_bitwise_equal(weights(fresh), record.weights[step])
 
 
 def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(small_disk):
-    dirpath = small_disk.path / "snapshots"
-    saver = TorchSnapshotSaver(str(dirpath), save_every_n_train_steps=1, on_save_error="raise")
+    dirpath = small_disk.snapshots
+    saver = TorchSnapshotSaver(small_disk.dirpath, save_every_n_train_steps=1, on_save_error="raise")
     record = Record()
     unit = ToyUnit()
     with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*No space left on device"):

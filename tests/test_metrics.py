@@ -17,11 +17,10 @@ from pytorch_lightning.loggers import CSVLogger
 from torchtnt.framework.train import train
 from torchtnt.utils.loggers import InMemoryLogger
 
-from tnt_snapshot_plugin import storage
 from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as LightningSaver
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
-from tnt_snapshot_plugin.storage import INDEX_FNAME
+from tnt_snapshot_plugin.stores import INDEX_FNAME
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data
 
 pytestmark = pytest.mark.slow
@@ -42,24 +41,24 @@ def index_bytes(path) -> int:
 
 
 @pytest.fixture
-def slow_disk(monkeypatch):
-    """Each snapshot's packed file takes 0.3 s to write: longer than a toy training step, so every
+def slow_disk(faulty_local):
+    """``slow_disk(path) -> dirpath``: the real disk at ``path``, where each snapshot's packed file
+    takes 0.3 s longer to write (a FaultyStore hook): longer than a toy training step, so every
     snapshot due at a step end finds the previous one still being written."""
-    real = storage._write_durably
 
-    def write(path, data):
-        if "/batched/" in path:
-            time.sleep(0.3)
-        real(path, data)
+    def make(path) -> str:
+        faulty, dirpath = faulty_local(path)
+        faulty.hook("write_payload", before=lambda name, rel: time.sleep(0.3), match=lambda name, rel: rel.startswith("batched/"))
+        return dirpath
 
-    monkeypatch.setattr(storage, "_write_durably", write)
+    return make
 
 
 def test_torchtnt_metrics_go_to_the_metric_logger_and_logging(tmp_path, slow_disk, caplog):
     caplog.set_level(logging.DEBUG, logger="tnt_snapshot_plugin")
     metric_logger = InMemoryLogger()
     saver = TorchSnapshotSaver(
-        str(tmp_path / "run"), save_every_n_train_steps=1, save_on_train_end=False, metric_logger=metric_logger
+        slow_disk(tmp_path / "run"), save_every_n_train_steps=1, save_on_train_end=False, metric_logger=metric_logger
     )
     train(ToyUnit(), StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
 

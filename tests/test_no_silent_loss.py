@@ -30,14 +30,13 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
     hookimpl,
     retention,
-    storage,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.restoring import restore_from_latest
 from tnt_snapshot_plugin.snapshotter import Snapshotter
-from tnt_snapshot_plugin.storage import INDEX_FNAME, WRITER_FNAME, LocalStore
+from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, LocalStore, writers
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 TESTS = Path(__file__).resolve().parent
@@ -108,21 +107,21 @@ def test_a_writer_is_gone_only_when_provably_so():
     now = time.time()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    live_run = storage.new_run_id()
-    assert storage.writer_gone({"host": host, "pid": dead.pid, "run_id": "x", "started_at": now})
-    assert storage.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now}) is None
-    assert storage.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now - 2 * storage.STALE_AFTER_S})
-    assert storage.writer_gone({"host": host, "pid": os.getpid(), "run_id": live_run, "started_at": now}) is None
-    assert storage.writer_gone({"host": host, "pid": os.getpid(), "run_id": "ended0run", "started_at": now})
+    live_run = writers.new_run_id()
+    assert writers.writer_gone({"host": host, "pid": dead.pid, "run_id": "x", "started_at": now})
+    assert writers.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now}) is None
+    assert writers.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now - 2 * writers.STALE_AFTER_S})
+    assert writers.writer_gone({"host": host, "pid": os.getpid(), "run_id": live_run, "started_at": now}) is None
+    assert writers.writer_gone({"host": host, "pid": os.getpid(), "run_id": "ended0run", "started_at": now})
     # a live pid whose process started after the write began is not the writer (pid reuse)
     later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        assert storage.writer_gone({"host": host, "pid": later.pid, "run_id": "x", "started_at": now - 100})
-        assert storage.writer_gone({"host": host, "pid": later.pid, "run_id": "x", "started_at": now + 100}) is None
+        assert writers.writer_gone({"host": host, "pid": later.pid, "run_id": "x", "started_at": now - 100})
+        assert writers.writer_gone({"host": host, "pid": later.pid, "run_id": "x", "started_at": now + 100}) is None
     finally:
         later.kill()
         later.wait()
-    assert storage.writer_gone(None) is None
+    assert writers.writer_gone(None) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,7 +385,7 @@ def test_a_staging_directory_killed_before_its_marker_is_removed_only_if_its_nam
     empty directory: removed when its name carries the plugin's writer token of a dead process."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    token = storage.staging_token("0123456789ab", 1).replace(f"p{os.getpid()}n", f"p{dead.pid}n")
+    token = writers.staging_token("0123456789ab", 1).replace(f"p{os.getpid()}n", f"p{dead.pid}n")
     ours = tmp_path / f".tnt_staging.epoch_0_step_5.{token}"
     ours.mkdir()
     (ours / WRITER_FNAME).write_text("")  # killed while writing it
@@ -397,21 +396,18 @@ def test_a_staging_directory_killed_before_its_marker_is_removed_only_if_its_nam
     assert not_ours.is_dir()
 
 
-def test_a_failed_write_whose_marker_was_lost_is_still_removed_by_its_own_writer(tmp_path, monkeypatch):
+def test_a_failed_write_whose_marker_was_lost_is_still_removed_by_its_own_writer(tmp_path, faulty_local):
     """The saver removes its own failed staging directory by its run's name, even when the marker
     inside is gone (the directory was removed and recreated by a later file of the same write)."""
-    real = storage._write_durably
+    faulty, dirpath = faulty_local(tmp_path)
 
-    def write(path, data):
-        if "epoch_0_step_2." in path and not path.endswith(WRITER_FNAME):
-            real(path, data)  # a data file is there, the marker is not
-            staging = tmp_path / os.path.relpath(path, tmp_path).split(os.sep)[0]
-            (staging / WRITER_FNAME).unlink(missing_ok=True)
-            raise OSError(5, "Input/output error (injected)", path)
-        real(path, data)
+    def lose_marker(staging, rel):
+        # a data file is there, the marker is not
+        (tmp_path / staging / WRITER_FNAME).unlink(missing_ok=True)
+        raise OSError(5, "Input/output error (injected)", os.path.join(faulty.child(staging), rel))
 
-    monkeypatch.setattr(storage, "_write_durably", write)
+    faulty.hook("write_payload", after=lose_marker, match=lambda staging, rel: "epoch_0_step_2." in staging)
     with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_2 .*Input/output error"):
-        train_toy(tmp_path, ToyUnit(), 3, save_every_n_train_steps=1, save_on_train_end=False)
+        train_toy(dirpath, ToyUnit(), 3, save_every_n_train_steps=1, save_on_train_end=False)
     assert not [n for n in os.listdir(tmp_path) if is_staging_name(n)]
     assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_3"]

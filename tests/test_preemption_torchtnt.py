@@ -24,7 +24,7 @@ import torch
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.storage import LocalStore
+from tnt_snapshot_plugin.stores import LocalStore
 from toy import ToyUnit
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_torchtnt.py"

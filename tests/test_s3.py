@@ -33,10 +33,11 @@ from tnt_snapshot_plugin import (
     SnapshotFailedWarning,
     SnapshotNotFoundError,
 )
-from tnt_snapshot_plugin import storage as storage_mod
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.restoring import latest_snapshot
-from tnt_snapshot_plugin.storage import S3Store, open_store
+from tnt_snapshot_plugin.stores import WRITER_FNAME, open_store
+from tnt_snapshot_plugin.stores import s3 as s3_mod
+from tnt_snapshot_plugin.stores.s3 import S3Store
 from toy import (
     Holder,
     StatefulLoader,
@@ -270,7 +271,7 @@ def test_incomplete_snapshot_on_s3_is_ignored(options, run_url):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     marker = {"host": socket.gethostname(), "pid": dead.pid, "run_id": "gone", "started_at": time.time()}
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_9_step_99/{storage_mod.WRITER_FNAME}",
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_9_step_99/{WRITER_FNAME}",
                       Body=json.dumps(marker).encode())
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/epoch_7_step_70/partial", Body=b"no marker")
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/notes/readme.txt", Body=b"mine")
@@ -347,8 +348,8 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     assert events.index(("remove", "epoch_0_step_2")) > events.index(("commit", "epoch_1_step_5"))
 
     # Every upload of the next epoch fails: nothing is committed, so nothing is deleted.
-    real_client = storage_mod.s3_client
-    monkeypatch.setattr(storage_mod, "s3_client", lambda opts: _FailingPuts(real_client(opts)))
+    real_client = s3_mod.s3_client
+    monkeypatch.setattr(s3_mod, "s3_client", lambda opts: _FailingPuts(real_client(opts)))
     events.clear()
     saver = TorchSnapshotSaver(
         run_url, save_every_n_train_steps=2, keep_last_n_snapshots=1, storage_options=options
@@ -367,10 +368,10 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
 
 def test_s3_clients_are_shared_per_configuration(options):
     """Building a boto3 client costs ~0.2 s; stores and plugins share one per configuration."""
-    assert storage_mod.s3_client(options) is storage_mod.s3_client(dict(options))
+    assert s3_mod.s3_client(options) is s3_mod.s3_client(dict(options))
     other = dict(options, region_name="eu-west-1")
-    assert storage_mod.s3_client(other) is not storage_mod.s3_client(options)
-    assert storage_mod.s3_client(other).meta.region_name == "eu-west-1"
+    assert s3_mod.s3_client(other) is not s3_mod.s3_client(options)
+    assert s3_mod.s3_client(other).meta.region_name == "eu-west-1"
 
 
 def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
@@ -459,7 +460,7 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     client.put_object(Bucket=bucket, Key=meta_key, Body=json.dumps(meta).encode())
 
     requested: list[str] = []
-    shared = storage_mod.s3_client(options)
+    shared = s3_mod.s3_client(options)
 
     def record(params, **kwargs):
         requested.append(params.get("Key", ""))

@@ -34,7 +34,7 @@ from tnt_snapshot_plugin import (
     StorageUnavailableError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.storage import s3_error
+from tnt_snapshot_plugin.stores.s3 import s3_error
 from toy import StatefulLoader, ToyUnit, make_data, weights
 
 pytestmark = pytest.mark.slow

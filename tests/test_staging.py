@@ -1,9 +1,10 @@
 """Staging: a snapshot holds exactly the state of its step while training keeps mutating it, and
 the staging buffers are reused from one snapshot to the next.
 
-Real torchsnapshot writes to disk through the plugin's storage layer; the only thing a test
-controls is *when* the background write may proceed (it holds ``storage._write_durably`` until
-training has mutated the tensors), so the mutation provably happens while the write runs.
+The plugin's writer writes to the real disk through the real local store; the only thing a test
+controls is *when* the background write may proceed: the saver writes through a ``FaultyStore``
+around that store (a ``memory://`` dirpath) whose hook holds every payload write until training has
+mutated the tensors, so the mutation provably happens while the write runs.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import pytest
 import torch
 
-from tnt_snapshot_plugin import app_state, restore, storage
+from tnt_snapshot_plugin import app_state, restore
 from tnt_snapshot_plugin.app_state import Stager
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.snapshotter import Snapshotter
@@ -57,34 +57,33 @@ def snapshot_values(model: Model, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 class HeldWrites:
-    """Makes the background write wait in ``_write_durably`` until released."""
+    """Makes the background write wait in ``Store.write_payload`` until released."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, faulty) -> None:
         self.started = threading.Event()
         self.release = threading.Event()
-        real = storage._write_durably
 
-        def held(path: str, data: object) -> None:
+        def hold(name: str, rel: str) -> None:
             self.started.set()
             assert self.release.wait(30), "the test never released the write"
-            real(path, data)
 
-        monkeypatch.setattr(storage, "_write_durably", held)
+        faulty.hook("write_payload", before=hold)
 
 
-def make_snapshotter(tmp_path, pm, *, asynchronous: bool = True) -> Snapshotter:
+def make_snapshotter(dirpath, pm, *, asynchronous: bool = True) -> Snapshotter:
     config = SnapshotConfig.build(
         async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[]
     )
-    return Snapshotter(str(tmp_path / "snaps"), config, plugin_manager=pm)
+    return Snapshotter(str(dirpath), config, plugin_manager=pm)
 
 
-def test_async_snapshot_holds_its_step_while_training_mutates_the_tensors(tmp_path, pm, monkeypatch):
+def test_async_snapshot_holds_its_step_while_training_mutates_the_tensors(tmp_path, pm, faulty_local):
     model = Model(seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     train_step(model, optimizer)  # the optimizer has state (exp_avg, step) from now on
-    held = HeldWrites(monkeypatch)
-    snapshotter = make_snapshotter(tmp_path, pm)
+    faulty, dirpath = faulty_local(tmp_path / "snaps")
+    held = HeldWrites(faulty)
+    snapshotter = make_snapshotter(dirpath, pm)
     snapshotter.train_start(["model", "optimizer"])
 
     expected = {}
@@ -120,7 +119,7 @@ def test_sync_snapshot_holds_its_step(tmp_path, pm):
     model = Model(seed=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_step(model, optimizer)
-    snapshotter = make_snapshotter(tmp_path, pm, asynchronous=False)
+    snapshotter = make_snapshotter(tmp_path / "snaps", pm, asynchronous=False)
     snapshotter.train_start(["model", "optimizer"])
     want = snapshot_values(model, optimizer)
     assert snapshotter.save(0, 1, {"model": model, "optimizer": optimizer})
@@ -137,7 +136,7 @@ def test_snapshotter_reuses_one_staging_copy_across_snapshots(tmp_path, pm):
     model = Model(seed=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     train_step(model, optimizer)
-    snapshotter = make_snapshotter(tmp_path, pm)
+    snapshotter = make_snapshotter(tmp_path / "snaps", pm)
     snapshotter.train_start(["model", "optimizer"])
     stager = snapshotter._stager
     sizes = []

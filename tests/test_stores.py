@@ -8,18 +8,17 @@ import array
 import errno
 import json
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from tnt_snapshot_plugin import fileio, storage
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from tnt_snapshot_plugin.stores import (
     INDEX_FNAME,
     METADATA_FNAME,
-    WRITER_FNAME,
     AtomicRename,
     LocalStore,
     MetadataWrittenLast,
@@ -373,8 +372,6 @@ def test_fakes_are_reached_from_a_dirpath():
             register("stores-test-b", MemoryStore())
         with pytest.raises(ConfigError, match="storage_options"):
             open_store(dirpath, {"endpoint_url": "x"})
-        with pytest.raises(ConfigError, match="torchsnapshot cannot write"):
-            faulty.torchsnapshot_url("epoch_0_step_1")
         with pytest.raises(ConfigError, match="names no memory store"):
             open_store("memory://")
     finally:
@@ -384,22 +381,45 @@ def test_fakes_are_reached_from_a_dirpath():
     unregister("stores-test-a")
 
 
-def test_patching_the_old_storage_seam_still_reaches_the_stores(tmp_path, monkeypatch):
-    """Tests written before the split replace ``storage._write_durably``; the local store's
-    writes (and the torchsnapshot plugins') go through the replacement."""
-    seen: list[str] = []
-    real = storage._write_durably
+def test_hooks_run_around_chosen_operations_and_can_hold_a_write():
+    """``hook``: ``before`` runs on the calling thread and may block until the test releases it;
+    ``after`` runs once the operation has finished, also when it raised; ``match`` picks calls."""
+    faulty = FaultyStore(MemoryStore())
+    staging = begin(faulty, "epoch_0_step_1")
+    release, entered = threading.Event(), threading.Event()
+    log: list[tuple[str, str]] = []
 
-    def spy(path, data):
-        seen.append(os.path.basename(path))
-        real(path, data)
+    def hold(name: str, rel: str) -> None:
+        entered.set()
+        assert release.wait(30)
 
-    monkeypatch.setattr(storage, "_write_durably", spy)
-    assert fileio.write_durably is spy
-    write_snapshot(LocalStore(str(tmp_path)))
-    assert {WRITER_FNAME, "weight", "abc", INDEX_FNAME, METADATA_FNAME} <= set(seen)
-    monkeypatch.undo()
-    assert fileio.write_durably is real
+    faulty.hook("write_payload", before=hold, match=lambda name, rel: rel == "held")
+    hook = faulty.hook("write_payload", after=lambda name, rel: log.append(("after", rel)))
+    writer = threading.Thread(target=faulty.write_payload, args=(staging, "held", [b"h"]))
+    writer.start()
+    assert entered.wait(30)
+    assert not faulty.has_file(staging, "held") and log == []  # still held before the write
+    faulty.write_payload(staging, "free", [b"f"])  # other files are not held
+    assert log == [("after", "free")]
+    release.set()
+    writer.join(30)
+    assert faulty.read_file(staging, "held") == b"h" and log == [("after", "free"), ("after", "held")]
+
+    faulty.inject("write_payload", OSError(errno.EIO, "injected"))
+    with pytest.raises(OSError, match="injected"):
+        faulty.write_payload(staging, "c", [b"c"])
+    assert log[-1] == ("after", "c") and hook.seen == 3  # after ran although the write failed
+
+    faulty.hook("remove", before=lambda name: log.append(("remove", name)))
+    faulty.remove(staging)
+    assert log[-1] == ("remove", staging)
+    faulty.clear()
+    faulty.write_payload(begin(faulty, "epoch_0_step_2"), "d", [b"d"])
+    assert log[-1] == ("remove", staging)  # cleared: no hook runs any more
+    with pytest.raises(ValueError, match="unknown store operation"):
+        faulty.hook("frobnicate", before=print)
+    with pytest.raises(ValueError, match="needs before or after"):
+        faulty.hook("commit")
 
 
 def test_a_real_saver_runs_on_a_faulty_store_reached_by_its_dirpath(tmp_path):

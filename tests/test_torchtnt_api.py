@@ -20,7 +20,6 @@ from torchtnt.framework.fit import fit
 from torchtnt.framework.state import EntryPoint, PhaseState, State
 from torchtnt.framework.train import train
 
-import tnt_snapshot_plugin.storage as storage
 from tnt_snapshot_plugin import ConfigError, SnapshotCorruptError, StateMismatchError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
@@ -69,32 +68,32 @@ class BigUnit(ToyUnit):
         self.big = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(6))
 
 
-def _count_concurrent_writes(monkeypatch) -> dict:
-    original = storage._write_durably
+def _count_concurrent_writes(faulty) -> dict:
+    """Count the payload writes in flight at once (FaultyStore hooks around each write)."""
     lock = threading.Lock()
     seen = {"active": 0, "peak": 0, "env": set()}
 
-    def counting(path, data):
+    def enter(name, rel):
         with lock:
             seen["active"] += 1
             seen["peak"] = max(seen["peak"], seen["active"])
             seen["env"].add(os.environ.get("TORCHSNAPSHOT_MAX_PER_RANK_IO_CONCURRENCY_OVERRIDE"))
-        try:
-            time.sleep(0.2)  # writes overlap whenever the concurrency allows it
-            return original(path, data)
-        finally:
-            with lock:
-                seen["active"] -= 1
+        time.sleep(0.2)  # writes overlap whenever the concurrency allows it
 
-    monkeypatch.setattr(storage, "_write_durably", counting)
+    def leave(name, rel):
+        with lock:
+            seen["active"] -= 1
+
+    faulty.hook("write_payload", before=enter, after=leave)
     return seen
 
 
 @pytest.mark.parametrize("limit", [1, 6])
-def test_knob_options_max_per_rank_io_concurrency_limits_the_writes_in_flight(tmp_path, monkeypatch, limit):
-    seen = _count_concurrent_writes(monkeypatch)
+def test_knob_options_max_per_rank_io_concurrency_limits_the_writes_in_flight(tmp_path, faulty_local, limit):
+    faulty, dirpath = faulty_local(tmp_path)
+    seen = _count_concurrent_writes(faulty)
     saver = TorchSnapshotSaver(
-        str(tmp_path),
+        dirpath,
         save_every_n_epochs=1,
         knob_options=KnobOptions(max_per_rank_io_concurrency=limit, enable_storage_optimization=True),
     )

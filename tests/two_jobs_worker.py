@@ -3,7 +3,8 @@
 * ``plain``: trains ToyUnit for 4 steps, a snapshot every step, into DIRPATH.
 * ``hang``: the same, but the write of step 3's first data file blocks forever (after the writer
   marker went in), having written the pid to READY: a live job in the middle of a write, which
-  the test then SIGKILLs.
+  the test then SIGKILLs. The block is a FaultyStore hook around the real local store of DIRPATH,
+  registered in this process as ``memory://hang``.
 """
 
 from __future__ import annotations
@@ -14,25 +15,25 @@ import time
 
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import storage
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.stores import LocalStore
+from tnt_snapshot_plugin.stores.fakes import FaultyStore, register
 from toy import StatefulLoader, ToyUnit, make_data
 
 
 def main() -> None:
     mode, dirpath, ready = sys.argv[1:4]
     if mode == "hang":
-        real = storage._write_durably
 
-        def write(path: str, data: object) -> None:
-            if "epoch_0_step_3" in path and not path.endswith(storage.WRITER_FNAME):
-                with open(ready + ".tmp", "w") as f:
-                    f.write(str(os.getpid()))
-                os.rename(ready + ".tmp", ready)
-                time.sleep(3600)
-            real(path, data)
+        def hang(staging: str, rel: str) -> None:
+            with open(ready + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(ready + ".tmp", ready)
+            time.sleep(3600)
 
-        storage._write_durably = write
+        faulty = FaultyStore(LocalStore(dirpath))
+        faulty.hook("write_payload", before=hang, match=lambda staging, rel: "epoch_0_step_3" in staging)
+        dirpath = register("hang", faulty)
     saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=1, preemption_signals=[])
     train(ToyUnit(), StatefulLoader(make_data(4 * 4)), max_epochs=1, callbacks=[saver])
     print("trained", flush=True)

@@ -32,8 +32,9 @@ import torch  # noqa: E402
 from torchtnt.framework.callback import Callback  # noqa: E402
 from torchtnt.framework.train import train  # noqa: E402
 
-from tnt_snapshot_plugin import storage  # noqa: E402
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
+from tnt_snapshot_plugin.stores import LocalStore  # noqa: E402
+from tnt_snapshot_plugin.stores.fakes import FaultyStore, register  # noqa: E402
 from toy import StatefulLoader, ToyUnit, make_data  # noqa: E402
 
 
@@ -56,8 +57,9 @@ class SlowUnit(ToyUnit):
         super().train_step(state, data)
 
 
-# The slow disk: the files of snapshot K are written only once step K+1 has ended (or once the
-# saver announces the preemption snapshot), and each takes 0.05 s more. So whenever the saver's
+# The slow disk: the real directory DIRPATH behind a FaultyStore (registered in this process as
+# ``memory://slow``) whose hook holds the files of snapshot K until step K+1 has ended (or until
+# the saver announces the preemption snapshot), and makes each take 0.05 s more. So whenever the saver's
 # hook runs at the end of a step, the previous step's snapshot is certainly still being written.
 _step_ended: dict[int, threading.Event] = {}
 _preempting = threading.Event()
@@ -84,25 +86,26 @@ class ReleaseOnPreemption(logging.Handler):
             _preempting.set()
 
 
-def slow_disk() -> None:
-    real = storage._write_durably
+def slow_disk(dirpath: str) -> str:
+    """The dirpath the saver is given: ``dirpath`` on the slow disk."""
 
-    def write(path, data):
-        step = int(re.search(r"epoch_\d+_step_(\d+)", path).group(1))
+    def hold(staging: str, rel: str) -> None:
+        step = int(re.search(r"epoch_\d+_step_(\d+)", staging).group(1))
         gate = step_ended(step + 1)
         while not (gate.is_set() or _preempting.is_set()):
             gate.wait(0.01)
         time.sleep(0.05)
-        real(path, data)
 
-    storage._write_durably = write
+    faulty = FaultyStore(LocalStore(dirpath))
+    faulty.hook("write_payload", before=hold)
+    return register("slow", faulty)
 
 
 def main() -> None:
     dirpath, mode = sys.argv[1], sys.argv[2]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
     logging.getLogger("tnt_snapshot_plugin").addHandler(ReleaseOnPreemption())
-    slow_disk()
+    dirpath = slow_disk(dirpath)
     if mode == "chained":
 
         def previous_handler(signum, frame):

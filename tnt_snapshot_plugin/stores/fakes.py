@@ -5,7 +5,10 @@
   removal, verify, a dirpath lock, ``write_payload`` / ``read_into``).
 * :class:`FaultyStore`: wraps any store and fails chosen operations on demand
   (:meth:`FaultyStore.inject`): the Nth ``write_payload`` raises ``OSError(ENOSPC)``, ``commit``
-  raises, ``read_into`` comes back short or with a flipped byte, ...
+  raises, ``read_into`` comes back short or with a flipped byte, ... It also runs a test's own
+  code around chosen operations (:meth:`FaultyStore.hook`): hold the background write until the
+  test releases it, count the writes in flight, remove dirpath after a payload is written, log
+  what is on disk at each commit and deletion.
 
 Reaching them from a dirpath string (so real savers and restores can run on them): every
 ``memory://NAME`` dirpath names an entry of this process's registry. :func:`register` puts a
@@ -252,9 +255,22 @@ _OPS = frozenset(
 
 
 @dataclass
+class Hook:
+    """Code run around every call of ``op`` that ``match(*args)`` accepts (see
+    :meth:`FaultyStore.hook`); ``seen`` counts those calls."""
+
+    op: str
+    before: Optional[Callable[..., Any]] = None
+    after: Optional[Callable[..., Any]] = None
+    match: Optional[Callable[..., bool]] = None
+    seen: int = 0
+
+
+@dataclass
 class _Faults:
     lock: threading.Lock = field(default_factory=threading.Lock)
     rules: list[Fault] = field(default_factory=list)
+    hooks: list[Hook] = field(default_factory=list)
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
 
@@ -306,19 +322,60 @@ class FaultyStore(Store):
             self._faults.rules.append(fault)
         return fault
 
+    def hook(
+        self,
+        op: str,
+        *,
+        before: Optional[Callable[..., Any]] = None,
+        after: Optional[Callable[..., Any]] = None,
+        match: Optional[Callable[..., bool]] = None,
+    ) -> Hook:
+        """Run ``before(*args)`` before, and ``after(*args)`` after, every call of operation ``op``
+        that ``match(*args)`` accepts (all calls without ``match``). ``args`` are the call's
+        arguments as :attr:`calls` logs them (payload data left out).
+
+        ``before`` runs on the calling thread (the background writer's, for ``write_payload``)
+        before any injected fault is checked: it may block (e.g. on a ``threading.Event`` the test
+        sets) or raise, which fails the call as a fault would. ``after`` runs once the operation
+        has finished, whether it returned or raised (its own exception, if any, replaces the
+        operation's outcome). Removed by :meth:`clear`.
+        """
+        if op not in _OPS:
+            raise ValueError(f"unknown store operation {op!r}; expected one of {sorted(_OPS)}")
+        if before is None and after is None:
+            raise ValueError(f"hook({op!r}) needs before or after")
+        hook = Hook(op, before, after, match)
+        with self._faults.lock:
+            self._faults.hooks.append(hook)
+        return hook
+
     def clear(self) -> None:
-        """Remove every injected fault (the log stays)."""
+        """Remove every injected fault and hook (the log stays)."""
         with self._faults.lock:
             self._faults.rules.clear()
+            self._faults.hooks.clear()
 
-    def _enter(self, op: str, *args: Any) -> Optional[Fault]:
-        """Log the call; raise its fault's error, or return a read_into fault to apply after."""
+    def _call(self, op: str, args: tuple[Any, ...], run: Callable[[Optional[Fault]], Any]) -> Any:
+        """Log one operation, run its ``before`` hooks, raise its fault's error or ``run(fault)``
+        (a read_into fault is applied by ``run``), then its ``after`` hooks."""
         with self._faults.lock:
             self._faults.calls.append((op, args))
-            hit = next((f for f in self._faults.rules if f.op == op and f.applies(args)), None)
-        if hit is not None and hit.error is not None:
-            raise hit.error
-        return hit
+            hooks = [h for h in self._faults.hooks if h.op == op and (h.match is None or h.match(*args))]
+            for h in hooks:
+                h.seen += 1
+        try:
+            for h in hooks:
+                if h.before is not None:
+                    h.before(*args)
+            with self._faults.lock:
+                hit = next((f for f in self._faults.rules if f.op == op and f.applies(args)), None)
+            if hit is not None and hit.error is not None:
+                raise hit.error
+            return run(hit)
+        finally:
+            for h in hooks:
+                if h.after is not None:
+                    h.after(*args)
 
     # -- delegation ----------------------------------------------------------------------------
 
@@ -330,36 +387,31 @@ class FaultyStore(Store):
 
 
     def list_names(self) -> list[str]:
-        self._enter("list_names")
-        return self.inner.list_names()
+        return self._call("list_names", (), lambda _f: self.inner.list_names())
 
     def has_file(self, name: str, rel: str) -> bool:
-        self._enter("has_file", name, rel)
-        return self.inner.has_file(name, rel)
+        return self._call("has_file", (name, rel), lambda _f: self.inner.has_file(name, rel))
 
     def is_complete(self, name: str) -> bool:
         return self.inner.is_complete(name)
 
     def read_file(self, name: str, rel: str) -> bytes:
-        self._enter("read_file", name, rel)
-        return self.inner.read_file(name, rel)
+        return self._call("read_file", (name, rel), lambda _f: self.inner.read_file(name, rel))
 
     def file_size(self, name: str, rel: str) -> Optional[int]:
-        self._enter("file_size", name, rel)
-        return self.inner.file_size(name, rel)
+        return self._call("file_size", (name, rel), lambda _f: self.inner.file_size(name, rel))
 
     def check_writable(self) -> None:
-        self._enter("check_writable")
-        self.inner.check_writable()
+        self._call("check_writable", (), lambda _f: self.inner.check_writable())
 
     def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
-        self._enter("write_payload", name, rel)
-        self.inner.write_payload(name, rel, data)
+        self._call("write_payload", (name, rel), lambda _f: self.inner.write_payload(name, rel, data))
 
     def read_into(self, name: str, reads: Sequence[Read]) -> None:
-        fault = self._enter("read_into", name, [(rel, offset, dest.nbytes) for rel, offset, dest in reads])
-        self.inner.read_into(name, reads)
-        if fault is not None:
+        def run(fault: Optional[Fault]) -> None:
+            self.inner.read_into(name, reads)
+            if fault is None:
+                return
             for _rel, _offset, dest in reads:
                 if fault.short_by and dest.nbytes:
                     cut = max(0, dest.nbytes - fault.short_by)
@@ -367,35 +419,33 @@ class FaultyStore(Store):
                 if fault.flip and dest.nbytes:
                     dest[0] ^= 0xFF
 
+        self._call("read_into", (name, [(rel, offset, dest.nbytes) for rel, offset, dest in reads]), run)
+
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
-        self._enter("begin", staging)
-        self.inner.begin(staging, writer)
+        self._call("begin", (staging,), lambda _f: self.inner.begin(staging, writer))
 
     def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
-        self._enter("commit", staging, final)
-        self.protocol.commit(self, staging, final, metadata, index)
+        self._call(
+            "commit", (staging, final), lambda _f: self.protocol.commit(self, staging, final, metadata, index)
+        )
 
     def publish(self, staging: str, final: str) -> None:
-        self._enter("publish", staging, final)
-        self.inner.publish(staging, final)
+        self._call("publish", (staging, final), lambda _f: self.inner.publish(staging, final))
 
     def bare_staging_writer(self, name: str) -> Optional[dict[str, Any]]:
         return self.inner.bare_staging_writer(name)
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
-        self._enter("lock")
-        return self.inner.lock(holder)
+        return self._call("lock", (), lambda _f: self.inner.lock(holder))
 
     def remove(self, name: str) -> None:
-        self._enter("remove", name)
-        self.inner.remove(name)
+        self._call("remove", (name,), lambda _f: self.inner.remove(name))
 
     def _remove(self, name: str) -> None:
         self.inner._remove(name)
 
     def verify(self, name: str) -> Optional[str]:
-        self._enter("verify", name)
-        return self.inner.verify(name)
+        return self._call("verify", (name,), lambda _f: self.inner.verify(name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,6 +516,7 @@ def open_memory(dirpath: str) -> Store:
 __all__ = [
     "Fault",
     "FaultyStore",
+    "Hook",
     "MemoryStore",
     "clear_registry",
     "memory_store",
