@@ -253,7 +253,7 @@ class Snapshotter:
         if self._lock is None:
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
-            self._writer.last_seq = None  # the next commit lists the directory
+            self._writer.new_run()
         try:
             ahead = self.collectives.on_rank0(functools.partial(self._start_on_rank0, epoch, step))
         except OSError as exc:  # the storage is unreachable now (StorageUnavailableError is one)
@@ -472,7 +472,7 @@ class Snapshotter:
             # this run is over: what it left behind is a leftover now
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
-            self._writer.last_seq = None  # the next commit lists the directory
+            self._writer.new_run()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -622,8 +622,11 @@ class Snapshotter:
         warnings.warn(message, SnapshotFailedWarning, stacklevel=4)
 
     def _saved_by_this_run(self, name: str) -> bool:
-        """Whether this run committed snapshot ``name`` already (one read of its index). Another
-        run's snapshot of that name is replaced: it is not this run's state."""
+        """Whether this run committed snapshot ``name`` already, and it is still there (one read
+        of its index, only for a name this run committed: a snapshot's stall does no I/O for
+        this). Another run's snapshot of that name is replaced: it is not this run's state."""
+        if name not in self._writer.committed:
+            return False
         index = self._store.read_index(name)
         writer = index.get("writer") if index is not None else None
         return (

@@ -45,7 +45,8 @@ class SnapshotWriter:
     """Writes snapshots of one dirpath, one at a time, and commits them in order.
 
     ``last_seq``: the commit sequence number of this run's last snapshot (None until the first
-    commit of a run lists the directory); the saver resets it when its run starts.
+    commit of a run lists the directory); ``committed``: the names this run committed (rank 0).
+    The saver calls :meth:`new_run` when a run starts.
     """
 
     def __init__(self, store: Store, collectives: Collectives, config: SnapshotConfig, load_check: LoadCheck) -> None:
@@ -54,6 +55,12 @@ class SnapshotWriter:
         self.config = config
         self.load_check = load_check
         self.last_seq: Optional[int] = None
+        self.committed: set[str] = set()
+
+    def new_run(self) -> None:
+        """Forget the last run: its next commit lists the directory again."""
+        self.last_seq = None
+        self.committed = set()
 
     # -- one snapshot -----------------------------------------------------------------------
 
@@ -245,6 +252,7 @@ class SnapshotWriter:
                 job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
             raise
         self.last_seq = seq
+        self.committed.add(job.name.text)
         this = retention.Listed(
             job.name,
             seq=seq,
