@@ -5,12 +5,17 @@ snapshot's stall, the synchronous snapshot (the write itself, to durable) and th
     python benchmarks/profile_entries.py                       # 10,000 x 4 KiB, 3 rounds
     python benchmarks/profile_entries.py --count 2000 --top 40 --phases restore
     python benchmarks/profile_entries.py --dump /tmp/prof      # also save .prof files (snakeviz, pstats)
+    py-spy record --idle --threads -f raw -o sync.txt -- \\
+        python benchmarks/profile_entries.py --top 0 --phases sync --rounds 10
 
 Each phase runs once to warm up, then ``--rounds`` times under one ``cProfile.Profile`` (the
 calling thread only: the synchronous snapshot's payload files are written by the saver's I/O
 threads, whose time shows here as the wait in ``concurrent.futures``; ``--io-threads 1`` writes
 them on the calling thread, so that cProfile sees them). Printed: wall time per round, then the
 functions with the most own time and the most cumulative time, as a share of the phase's time.
+cProfile's cost per Python call inflates code that runs once per entry several times over (a
+0.9 us call measured 9 us): for shares, prefer a sampling profiler (py-spy, above; ``--top 0``
+times the phases without cProfile).
 """
 
 from __future__ import annotations
@@ -42,18 +47,27 @@ def make_model(count: int, numel: int, seed: int) -> torch.nn.Module:
     return model
 
 
-def profiled(label: str, fn: Callable[[], Any], rounds: int, top: int, dump: Any) -> None:
+def profiled(
+    label: str, fn: Callable[[], Any], rounds: int, top: int, dump: Any, before: Callable[[], Any] = lambda: None
+) -> None:
+    """Profile ``rounds`` calls of ``fn`` after one warm-up; ``before`` runs ahead of each, unprofiled."""
+    before()
     fn()  # warm-up
     prof = cProfile.Profile()
     walls = []
     for _ in range(rounds):
+        before()
         t = time.perf_counter()
-        prof.enable()
+        if top:
+            prof.enable()
         fn()
-        prof.disable()
+        if top:
+            prof.disable()
         walls.append(time.perf_counter() - t)
     total = sum(walls)
     print(f"\n===== {label}: " + ", ".join(f"{w * 1000:.1f} ms" for w in walls) + f" (rounds: {rounds})")
+    if not top or not rounds:
+        return
     for sort in ("tottime", "cumulative"):
         stats = pstats.Stats(prof, stream=io.StringIO())
         print(f"--- by {sort} (share of the phase's {total * 1000:.0f} ms over {rounds} rounds in brackets)")
@@ -71,7 +85,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--tensor-kib", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--top", type=int, default=25, help="functions listed (0: no cProfile, timing only)")
     parser.add_argument("--phases", nargs="*", default=list(PHASES), choices=PHASES)
     parser.add_argument("--io-threads", type=int, default=None, help="the saver's max_per_rank_io_concurrency")
     parser.add_argument("--dir", default=None)
@@ -102,26 +116,32 @@ def main() -> None:
         def saver(asynchronous: bool) -> Any:
             if asynchronous not in savers:
                 config = SnapshotConfig.build(
-                    async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[],
-                    keep_last_n_snapshots=1, **knobs,
+                    async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[], **knobs
                 )
                 s = savers[asynchronous] = Snapshotter(os.path.join(root, f"async{asynchronous}"), config)
                 s.train_start(["model"], 0, 0)
             return savers[asynchronous]
 
         def snapshot(asynchronous: bool) -> None:
-            s = saver(asynchronous)
-            s.wait()  # the previous write: not part of this stall
             step[0] += 1
-            s.save(0, step[0], lambda: {"model": model})
+            saver(asynchronous).save(0, step[0], lambda: {"model": model})
+
+        def settle(asynchronous: bool) -> None:
+            """Wait for the previous write and delete all but the newest snapshot, unprofiled (as
+            benchmarks/run.py does: no retention inside the measured snapshot)."""
+            s = saver(asynchronous)
+            s.wait()
+            for record in s.stats.committed[:-1]:
+                shutil.rmtree(record.path, ignore_errors=True)
 
         if "stall" in args.phases:
+            # the previous write is waited for outside the profile: not part of this stall
             profiled("stall (async snapshot: the training thread's part)", lambda: snapshot(True),
-                     args.rounds, args.top, args.dump)
+                     args.rounds, args.top, args.dump, before=lambda: settle(True))
             saver(True).wait()
         if "sync" in args.phases or "restore" in args.phases:
             profiled("sync (snapshot written and committed on the calling thread)", lambda: snapshot(False),
-                     args.rounds if "sync" in args.phases else 0, args.top, args.dump)
+                     args.rounds if "sync" in args.phases else 0, args.top, args.dump, before=lambda: settle(False))
         if "restore" in args.phases:
             path = saver(False).stats.committed[-1].path
 
