@@ -1,35 +1,53 @@
 #!/usr/bin/env python
 """What checksums cost: durable save and cold restore of one state, with and without them, in one
-process, interleaved (on, off, on, off, ...), medians. Also the time spent computing checksums
-inside each save (summed over every payload and I/O thread), as a ratio to that save's durable
-time, and the time to hash the whole state in memory against the restore time.
+process, interleaved (on, off, off, on, ...), medians.
 
-    python benchmarks/checksum_cost.py                  # 1 GiB (64 x 16 MiB), 3 reps
-    python benchmarks/checksum_cost.py --size-mib 64 --reps 5
-    python benchmarks/checksum_cost.py --count 10000 --tensor-kib 4   # many small tensors
+    python benchmarks/checksum_cost.py                     # 1 GiB (64 x 16 MiB) and 10,000 x 4 KiB
+    python benchmarks/checksum_cost.py --states 1GiB --reps 5
+    python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
 
-"off" is the same code with the checksum step replaced by nothing: the files are written in the
-same pieces without hashing them and without a record, and restore reads without a verifier. Restores are cold: the snapshot's pages are
-dropped from the page cache first (measure.evict), as in benchmarks/run.py.
+Where the checksums are computed: on the write side ``checksums.record_views``, called by
+``writer_job.SnapshotWriter._write_payloads`` once per payload file from the bytes in hand before
+they are written (and once for the metadata at commit); on the read side
+``checksums.Verifier.check``, called by the reader after each key's reads (``format.reader``).
+
+"off" is the same saver and the same restore with those two steps replaced, in this benchmark
+only: ``writer_job.record_views`` returns a record of no algorithm (nothing hashed; the files are
+written in the same pieces) and ``Verifier.from_index`` gives no verifier (nothing checked).
+"on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
+threads).
+
+Reported per state: durable and restore medians on and off; what checksums add to each (the
+difference of the medians, and the time inside the checksum calls) as a share of the time without
+them; the CPU time each adds. Snapshots are synchronous (the durable time is the write itself);
+restores are cold (the snapshot's pages dropped from the page cache first, as in run.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import evict, median  # noqa: E402
 
-from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, checksums, fileio, restore, storage  # noqa: E402
+MiB = 1024 * 1024
+
+#: label -> (tensor count, fp32 elements per tensor)
+STATES = {
+    "1GiB": (64, 4 * MiB),  # 64 x 16 MiB
+    "10k": (10_000, 1024),  # 10,000 x 4 KiB
+}
 
 
 def make_model(count: int, numel: int, seed: int) -> torch.nn.Module:
@@ -40,149 +58,58 @@ def make_model(count: int, numel: int, seed: int) -> torch.nn.Module:
     return model
 
 
-hash_seconds = [0.0]
+class _Timer:
+    """Wall seconds spent inside the checksum calls (summed over threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.write_s = 0.0
+        self.read_s = 0.0
+
+    def reset(self) -> None:
+        self.write_s = self.read_s = 0.0
 
 
 @contextlib.contextmanager
-def mode(on: bool) -> Iterator[None]:
-    real_record, real_from_index = checksums.record, checksums.Verifier.from_index
-    real_write, real_new_hasher = storage._write_and_sum, checksums.new_hasher
+def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
+    """The plugin with its checksum steps timed (on) or replaced by nothing (off)."""
+    from tnt_snapshot_plugin import checksums, writer_job
 
-    def timed_hasher() -> Any:
-        hasher = real_new_hasher()
-        update = hasher.update
-
-        def timed_update(data: Any) -> None:
-            started = time.perf_counter()
-            update(data)
-            hash_seconds[0] += time.perf_counter() - started
-
-        hasher.update = timed_update
-        return hasher
-
-    def timed_record(buf: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return real_record(buf)
-        finally:
-            hash_seconds[0] += time.perf_counter() - started
-
-    class NoHash:  # the same 1 MiB pieces as with checksums, nothing computed
-        fed = 0
-
-        def update(self, data: Any) -> None:
-            pass
-
-    def write_only(path: str, data: Any) -> None:
-        fileio.hashing.hasher = None if isinstance(data, storage.Gathered) else NoHash()
-        try:
-            storage._write_durably(path, data)
-        finally:
-            fileio.hashing.hasher = None
-
+    # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
+    assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"
+    real_record = writer_job.record_views
+    real_from_index = checksums.Verifier.__dict__["from_index"]
+    real_check = checksums.Verifier.check
     if on:
-        checksums.record = timed_record
-        checksums.new_hasher = timed_hasher
+        perf = time.perf_counter
+
+        def timed_record(views: Any) -> Any:
+            t = perf()
+            try:
+                return real_record(views)
+            finally:
+                elapsed = perf() - t
+                with timer.lock:
+                    timer.write_s += elapsed
+
+        def timed_check(self: Any, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
+            t = perf()
+            try:
+                real_check(self, rel, start, data, entry)
+            finally:
+                timer.read_s += perf() - t  # the reader checks on the restoring thread
+
+        writer_job.record_views = timed_record
+        checksums.Verifier.check = timed_check  # type: ignore[method-assign]
     else:
-        storage._write_and_sum = write_only
-        checksums.Verifier.from_index = classmethod(lambda cls, where, index: None)  # type: ignore[assignment]
+        writer_job.record_views = lambda views: {"algo": "none", "value": ""}
+        checksums.Verifier.from_index = classmethod(lambda cls, where, index_bytes: None)  # type: ignore[assignment]
     try:
         yield
     finally:
-        checksums.record = real_record
-        checksums.new_hasher = real_new_hasher
+        writer_job.record_views = real_record
         checksums.Verifier.from_index = real_from_index  # type: ignore[method-assign]
-        storage._write_and_sum = real_write
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--size-mib", type=int, default=1024)
-    parser.add_argument("--tensor-mib", type=int, default=16)
-    parser.add_argument("--count", type=int, default=None, help="this many tensors of --tensor-kib")
-    parser.add_argument("--tensor-kib", type=int, default=None)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.count is not None and args.tensor_kib is not None:
-        count, numel = args.count, args.tensor_kib * 1024 // 4
-        args.size_mib = count * args.tensor_kib // 1024
-        label = f"{count} x {args.tensor_kib} KiB"
-    else:
-        count = args.size_mib // args.tensor_mib
-        numel = args.tensor_mib * 1024 * 1024 // 4
-        label = f"{count} x {args.tensor_mib} MiB"
-
-    model = make_model(count, numel, 0)
-    target = make_model(count, numel, 1)
-    root = tempfile.mkdtemp(prefix="checksum_cost.", dir=args.dir)
-    results: dict[str, dict[str, list[float]]] = {
-        "on": {"durable": [], "restore": [], "hash": [], "save_cpu": [], "restore_cpu": []},
-        "off": {"durable": [], "restore": [], "hash": [], "save_cpu": [], "restore_cpu": []},
-    }
-    try:
-        for rep in range(args.reps + 1):  # the first round warms up
-            for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-                dirpath = os.path.join(root, f"{name}{rep}")
-                with mode(name == "on"):
-                    saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, save_on_train_end=False))
-                    saver.train_start(["model"], 0, 0)
-                    hash_seconds[0] = 0.0
-                    cpu = cpu_seconds()
-                    started = time.perf_counter()
-                    saver.save(0, 1, {"model": model})
-                    durable = time.perf_counter() - started
-                    save_cpu = cpu_seconds() - cpu
-                    hashed = hash_seconds[0]
-                    saver.train_end(0, 1, lambda intra_epoch: {})
-                    path = os.path.join(dirpath, "epoch_0_step_1")
-                    evict(path)
-                    cpu = cpu_seconds()
-                    started = time.perf_counter()
-                    restore(path, {"model": target})
-                    restored = time.perf_counter() - started
-                    restore_cpu = cpu_seconds() - cpu
-                for key, value in state_pairs(model, target):
-                    assert torch.equal(value, target.get_buffer(key))
-                if rep > 0:
-                    results[name]["durable"].append(durable)
-                    results[name]["restore"].append(restored)
-                    results[name]["hash"].append(hashed)
-                    results[name]["save_cpu"].append(save_cpu)
-                    results[name]["restore_cpu"].append(restore_cpu)
-                shutil.rmtree(dirpath)
-                print(f"rep {rep} {name}: durable {durable:.3f}s (hashing {hashed:.3f}s), restore {restored:.3f}s", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-    on, off = results["on"], results["off"]
-    gib = args.size_mib / 1024
-    print(f"\n{args.size_mib} MiB ({label}), medians of {args.reps}:")
-    print(f"  durable: on {median(on['durable']):.3f}s, off {median(off['durable']):.3f}s, "
-          f"ratio {median(on['durable']) / median(off['durable']):.3f}")
-    extra_save = median(on["save_cpu"]) - median(off["save_cpu"])
-    extra_restore = median(on["restore_cpu"]) - median(off["restore_cpu"])
-    print(f"  CPU time of the save (process, all threads): on {median(on['save_cpu']):.3f}s, "
-          f"off {median(off['save_cpu']):.3f}s: checksums add {extra_save:.3f}s = "
-          f"{extra_save / median(off['durable']):.1%} of durable")
-    print(f"  CPU time of the restore: on {median(on['restore_cpu']):.3f}s, off "
-          f"{median(off['restore_cpu']):.3f}s: verifying adds {extra_restore:.3f}s = "
-          f"{extra_restore / median(off['restore']):.1%} of restore")
-    print(f"  (wall time inside the hash calls of a save, summed over I/O threads, memory stalls "
-          f"included: {median(on['hash']):.3f}s)")
-    print(f"  restore (cold): on {median(on['restore']):.3f}s, off {median(off['restore']):.3f}s, "
-          f"ratio {median(on['restore']) / median(off['restore']):.3f}")
-    buf = torch.ones(args.size_mib * 1024 * 1024, dtype=torch.uint8)  # touched: no page faults timed
-    view = memoryview(buf.numpy())
-    import xxhash
-
-    started = time.perf_counter()
-    for lower in range(0, len(view), 2 * 1024 * 1024):
-        xxhash.xxh3_64(view[lower:lower + 2 * 1024 * 1024]).hexdigest()
-    hashing = time.perf_counter() - started
-    print(f"  xxh3_64 over the state in memory (2 MiB pieces): {hashing:.3f}s ({gib / hashing:.1f} GiB/s) = "
-          f"{hashing / median(off['restore']):.1%} of restore without checksums")
+        checksums.Verifier.check = real_check  # type: ignore[method-assign]
 
 
 def cpu_seconds() -> float:
@@ -190,8 +117,128 @@ def cpu_seconds() -> float:
     return usage.user + usage.system
 
 
-def state_pairs(model: torch.nn.Module, target: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_buffers()
+def checksum_cost(
+    model: torch.nn.Module, target: torch.nn.Module, reps: int, workdir: Optional[str] = None, log: Any = None
+) -> dict[str, Any]:
+    """Durable save of ``model`` and cold restore into ``target`` (same shapes), with and without
+    checksums, ``reps`` rounds after one warm-up round; medians and shares (see module doc)."""
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore
+
+    sources = list(model.state_dict().values())
+    targets = list(target.state_dict().values())
+    timer = _Timer()
+    root = tempfile.mkdtemp(prefix="checksum_cost.", dir=workdir)
+    keys = ("durable", "restore", "hash_write", "hash_read", "save_cpu", "restore_cpu")
+    samples: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in ("on", "off")}
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+                dirpath = os.path.join(root, f"{name}{rep}")
+                with checksums_mode(name == "on", timer):
+                    saver = Snapshotter(
+                        dirpath,
+                        SnapshotConfig.build(async_snapshot=False, save_on_train_end=False, preemption_signals=[]),
+                    )
+                    saver.train_start(["model"], 0, 0)
+                    timer.reset()
+                    cpu = cpu_seconds()
+                    started = time.perf_counter()
+                    saver.save(0, 1, {"model": model})
+                    durable = time.perf_counter() - started
+                    save_cpu = cpu_seconds() - cpu
+                    saver.train_end(0, 1, lambda intra_epoch: {})
+                    path = saver.stats.committed[-1].path
+                    with torch.no_grad():
+                        for t in targets:
+                            t.zero_()
+                    evict(path)
+                    cpu = cpu_seconds()
+                    started = time.perf_counter()
+                    restore(path, {"model": target})
+                    restored = time.perf_counter() - started
+                    restore_cpu = cpu_seconds() - cpu
+                if not all(torch.equal(a, b) for a, b in zip(sources, targets, strict=True)):
+                    raise AssertionError(f"checksums {name}: the restore gave back other values")
+                if rep > 0:
+                    s = samples[name]
+                    s["durable"].append(durable)
+                    s["restore"].append(restored)
+                    s["hash_write"].append(timer.write_s)
+                    s["hash_read"].append(timer.read_s)
+                    s["save_cpu"].append(save_cpu)
+                    s["restore_cpu"].append(restore_cpu)
+                shutil.rmtree(dirpath)
+                if log is not None:
+                    print(
+                        f"    checksums {name}: durable {durable:.3f}s (hashing {timer.write_s:.3f}s), "
+                        f"restore {restored:.3f}s (verifying {timer.read_s:.3f}s)",
+                        file=log, flush=True,
+                    )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    on = {k: median(v) for k, v in samples["on"].items()}
+    off = {k: median(v) for k, v in samples["off"].items()}
+    return {
+        "tensors": len(sources),
+        "state_bytes": sum(t.numel() * t.element_size() for t in sources),
+        "reps": reps,
+        "on": on,
+        "off": off,
+        # what checksums add, as a share of the time without them
+        "durable_added": (on["durable"] - off["durable"]) / off["durable"],
+        "restore_added": (on["restore"] - off["restore"]) / off["restore"],
+        # the time inside the checksum calls, as a share of the time with them (the write side's
+        # is summed over the I/O threads: an upper bound of what it adds to the wall time)
+        "durable_hashing": on["hash_write"] / on["durable"],
+        "restore_verifying": on["hash_read"] / on["restore"],
+        "save_cpu_added": (on["save_cpu"] - off["save_cpu"]) / off["durable"],
+        "restore_cpu_added": (on["restore_cpu"] - off["restore_cpu"]) / off["restore"],
+        "samples": samples,
+    }
+
+
+def describe(label: str, r: dict[str, Any]) -> str:
+    on, off = r["on"], r["off"]
+    return (
+        f"{label}, medians of {r['reps']}:\n"
+        f"  durable: on {on['durable']:.3f}s, off {off['durable']:.3f}s: checksums add "
+        f"{r['durable_added']:+.1%}; time inside record_views {on['hash_write']:.3f}s = "
+        f"{r['durable_hashing']:.1%} of durable; CPU time added {r['save_cpu_added']:+.1%} of durable\n"
+        f"  restore (cold): on {on['restore']:.3f}s, off {off['restore']:.3f}s: checksums add "
+        f"{r['restore_added']:+.1%}; time inside Verifier.check {on['hash_read']:.3f}s = "
+        f"{r['restore_verifying']:.1%} of restore; CPU time added {r['restore_cpu_added']:+.1%} of restore"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--states", nargs="*", default=list(STATES), choices=list(STATES))
+    parser.add_argument("--count", type=int, default=None, help="instead: this many tensors of --tensor-kib")
+    parser.add_argument("--tensor-kib", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    if args.count is not None and args.tensor_kib is not None:
+        states = {f"{args.count} x {args.tensor_kib} KiB": (args.count, args.tensor_kib * 256)}
+    else:
+        states = {k: STATES[k] for k in args.states}
+    results = {}
+    for label, (count, numel) in states.items():
+        print(f"{label}: {count} x {numel * 4 // 1024} KiB", flush=True)
+        model, target = make_model(count, numel, 0), make_model(count, numel, 1)
+        results[label] = checksum_cost(model, target, args.reps, args.dir, log=sys.stdout)
+        del model, target
+        print(describe(label, results[label]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torchtnt.framework.state import State
@@ -59,6 +59,40 @@ def one_run(root: str, mib: int) -> list[float]:
     return stalls
 
 
+def first_stall(mib: int, runs: int, workdir: Optional[str] = None, log: Any = None) -> dict[str, Any]:
+    """``runs`` runs with the staging buffers prepared at train start and ``runs`` without, each
+    in a fresh process, alternating; per variant the median first stall, the median ratio of the
+    first stall to the median of the later ones, and every run's stalls."""
+    root = tempfile.mkdtemp(prefix="first_stall.", dir=workdir)
+    variants = ("prepared", "not prepared")
+    stalls: dict[str, list[list[float]]] = {name: [] for name in variants}
+    try:
+        for run in range(runs):
+            for name in variants if run % 2 == 0 else variants[::-1]:
+                out = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--one", name, "--mib", str(mib), "--dir", root],
+                    check=True, capture_output=True, text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                ).stdout
+                these = json.loads(out.strip().splitlines()[-1])
+                stalls[name].append(these)
+                if log is not None:
+                    print(f"    run {run} {name}: stalls " + ", ".join(f"{s * 1000:.1f} ms" for s in these),
+                          file=log, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results: dict[str, Any] = {"mib": mib, "runs": runs}
+    for name in variants:
+        results[name] = {
+            "first_s": statistics.median(s[0] for s in stalls[name]),
+            "later_s": statistics.median(statistics.median(s[1:]) for s in stalls[name]),
+            "first_over_later": statistics.median(s[0] / statistics.median(s[1:]) for s in stalls[name]),
+            "first_over_second": statistics.median(s[0] / s[1] for s in stalls[name]),
+            "stalls": stalls[name],
+        }
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=128)
@@ -72,25 +106,12 @@ def main() -> None:
             Snapshotter.prepare = lambda self, app_state: None  # type: ignore[method-assign]
         print(json.dumps(one_run(args.dir, args.mib)))
         return
-    root = tempfile.mkdtemp(prefix="first_stall.", dir=args.dir)
-    ratios: dict[str, list[float]] = {"prepared": [], "not prepared": []}
-    firsts: dict[str, list[float]] = {"prepared": [], "not prepared": []}
-    try:
-        for run in range(args.runs):
-            for name in ("prepared", "not prepared") if run % 2 == 0 else ("not prepared", "prepared"):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--one", name, "--mib", str(args.mib), "--dir", root],
-                    check=True, capture_output=True, text=True,
-                ).stdout
-                stalls = json.loads(out.strip().splitlines()[-1])
-                print(f"run {run} {name}: stalls " + ", ".join(f"{s * 1000:.1f} ms" for s in stalls), flush=True)
-                ratios[name].append(stalls[0] / statistics.median(stalls[1:]))
-                firsts[name].append(stalls[0])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    results = first_stall(args.mib, args.runs, args.dir, log=sys.stdout)
     for name in ("prepared", "not prepared"):
-        print(f"{args.mib} MiB weights, {name}: first stall {statistics.median(firsts[name]) * 1000:.1f} ms, "
-              f"first / later = {statistics.median(ratios[name]):.2f} (median of {args.runs} runs)")
+        r = results[name]
+        print(f"{args.mib} MiB weights, {name}: first stall {r['first_s'] * 1000:.1f} ms, "
+              f"first / second = {r['first_over_second']:.2f}, first / later = {r['first_over_later']:.2f} "
+              f"(medians of {args.runs} runs)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ torch.distributed.checkpoint and Lightning, with the machine's own floors.
     python benchmarks/run.py                 # 64 MiB, 1 GiB and 10,000 x 4 KiB states
     python benchmarks/run.py --quick         # small states, one pass (< 1 minute)
     python benchmarks/run.py --out results.json --sizes 64MiB --reps 5
+    python benchmarks/run.py --sizes 10k --skip hooks loop first-stall   # one state only
 
 For each state size it measures, per method: the training stall per snapshot, the time until the
 snapshot is durable, the restore time into preallocated tensors (cold page cache) and the peak
@@ -40,12 +41,16 @@ GiB = 1024 * MiB
 
 @dataclass(frozen=True)
 class StateSpec:
-    """``count`` fp32 tensors of ``shape``."""
+    """``count`` fp32 tensors of ``shape``; ``profile``: the targets it is held to ("large"
+    tensors, or "small": many small entries, report.TARGETS_SMALL); ``checksums``: also measure
+    what checksums cost on it (checksum_cost.py)."""
 
     label: str
     count: int
     shape: tuple[int, ...]
     reps: int
+    profile: str = "large"
+    checksums: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +62,15 @@ class StateSpec:
 
 FULL = [
     StateSpec("64 MiB (16 x 4 MiB)", 16, (1024, 1024), reps=5),
-    StateSpec("1 GiB (64 x 16 MiB)", 64, (2048, 2048), reps=3),
-    StateSpec("10,000 x 4 KiB", 10_000, (1024,), reps=3),
+    StateSpec("1 GiB (64 x 16 MiB)", 64, (2048, 2048), reps=3, checksums=True),
+    StateSpec("10,000 x 4 KiB", 10_000, (1024,), reps=3, profile="small", checksums=True),
 ]
 QUICK = [
-    StateSpec("8 MiB (8 x 1 MiB)", 8, (512, 512), reps=2),
-    StateSpec("500 x 4 KiB", 500, (1024,), reps=2),
+    StateSpec("8 MiB (8 x 1 MiB)", 8, (512, 512), reps=2, checksums=True),
+    StateSpec("500 x 4 KiB", 500, (1024,), reps=2, profile="small", checksums=True),
 ]
+#: Parts of the run besides the per-size method tables (--skip leaves them out).
+EXTRAS = ("hooks", "loop", "checksums", "first-stall")
 
 
 def make_model(spec: StateSpec, seed: int) -> torch.nn.Module:
@@ -168,7 +175,9 @@ def _check_restore(model: torch.nn.Module, target: torch.nn.Module, first_value:
 # the run
 
 
-def run_size(spec: StateSpec, methods: list[Method], workdir: str, reps: int, log: Any) -> dict[str, Any]:
+def run_size(
+    spec: StateSpec, methods: list[Method], workdir: str, reps: int, log: Any, checksums: bool = True
+) -> dict[str, Any]:
     model = make_model(spec, seed=0)
     target = make_model(spec, seed=1)
     nbytes = spec.nbytes
@@ -226,8 +235,21 @@ def run_size(spec: StateSpec, methods: list[Method], workdir: str, reps: int, lo
             shutil.rmtree(os.path.join(workdir, f"m{i}"), ignore_errors=True)
     for row in rows:
         row["restore_s"] = median(row["restore_samples"]) if row["restore_samples"] else None
-    return {"label": spec.label, "tensors": spec.count, "shape": list(spec.shape),
-            "state_bytes": nbytes, "reps": reps, "floors": floors, "methods": rows}
+    size: dict[str, Any] = {
+        "label": spec.label, "tensors": spec.count, "shape": list(spec.shape), "profile": spec.profile,
+        "state_bytes": nbytes, "reps": reps, "floors": floors, "methods": rows,
+    }
+    if checksums and spec.checksums:
+        from checksum_cost import checksum_cost
+
+        # The same state, the plugin's synchronous saver with and without its checksum steps.
+        print(f"  checksum cost ({reps} rounds, interleaved) ...", file=log, flush=True)
+        try:
+            size["checksums"] = checksum_cost(model, target, reps, workdir, log)
+        except Exception as exc:
+            size["checksums_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  checksum cost: FAILED {size['checksums_error']}", file=log, flush=True)
+    return size
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -245,6 +267,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "threads make copies 10-100x slower whenever another process holds a core)",
     )
     parser.add_argument("--hook-calls", type=int, default=None, help="calls per hook-cost sample")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=EXTRAS,
+        help="leave out these parts: the warm-loop hook cost, the real-loop hook cost, the checksum "
+        "cost (per size), the first snapshot stall",
+    )
     args = parser.parse_args(argv)
 
     warnings.simplefilter("ignore")
@@ -252,14 +279,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(args.threads)
-    init_process_group()
 
     specs = QUICK if args.quick else FULL
     if args.sizes:
         def squash(text: str) -> str:
             return text.lower().replace(" ", "").replace(",", "")
 
-        specs = [s for s in specs if any(squash(k) in squash(s.label) for k in args.sizes)]
+        def key(text: str) -> str:  # "10k" -> "10000x": the 10,000 x 4 KiB state
+            text = squash(text)
+            return text[:-1] + "000x" if text[:-1].isdigit() and text.endswith("k") else text
+
+        specs = [s for s in specs if any(key(k) in squash(s.label) for k in args.sizes)]
     log = sys.stderr
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="tnt_bench_", dir=args.dir)
@@ -277,27 +307,69 @@ def main(argv: Optional[list[str]] = None) -> int:
         "memory_method": PeakRSS().method,
         "sizes": [],
     }
+    timings: dict[str, float] = {}
+    results["part_wall_s"] = timings
     try:
-        from hooks import hook_costs
+        if "hooks" not in args.skip:
+            from hooks import hook_costs
 
-        n = args.hook_calls or (20_000 if args.quick else 200_000)
-        print("## hook cost on a non-saving step", file=log, flush=True)
-        results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
-        from loop import loop_costs
+            t = time.perf_counter()
+            n = args.hook_calls or (20_000 if args.quick else 200_000)
+            print("## hook cost on a non-saving step", file=log, flush=True)
+            results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
+            timings["hooks"] = time.perf_counter() - t
+        if "loop" not in args.skip:
+            from loop import loop_costs
 
-        print("## hook cost on a non-saving step in real torchtnt loops", file=log, flush=True)
-        results["loop"] = (
-            loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
-            else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0)
-        )
+            t = time.perf_counter()
+            print("## hook cost on a non-saving step in real torchtnt loops", file=log, flush=True)
+            results["loop"] = (
+                loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
+                else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0)
+            )
+            timings["loop"] = time.perf_counter() - t
+        # The hook costs above run in one process without torch.distributed, as a single-process
+        # torchtnt run does. The methods need a process group (torchsnapshot's async_take on
+        # IPv4-only hosts): from here on every method runs in a single-process gloo group, and
+        # the real loop is measured once more in it (a saver under torch.distributed agrees on
+        # preemption with the other ranks at every step).
+        init_process_group()
+        if "loop" not in args.skip:
+            t = time.perf_counter()
+            print("## the same, under torch.distributed (a 1-rank gloo group)", file=log, flush=True)
+            results["loop_distributed"] = (
+                loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
+                else loop_costs(steps=100, rounds=3, work_mib=8, sleep_ms=20.0)
+            )
+            timings["loop (torch.distributed)"] = time.perf_counter() - t
         for spec in specs:
+            t = time.perf_counter()
             reps = args.reps or spec.reps
-            results["sizes"].append(run_size(spec, select(args.methods), workdir, reps, log))
+            results["sizes"].append(
+                run_size(spec, select(args.methods), workdir, reps, log, checksums="checksums" not in args.skip)
+            )
+            timings[spec.label] = time.perf_counter() - t
+        if "first-stall" not in args.skip:
+            from first_stall import first_stall
+
+            t = time.perf_counter()
+            mib, runs = (32, 1) if args.quick else (128, 3)
+            print(f"## first snapshot stall ({mib} MiB, {runs} run(s) each way, fresh processes)", file=log, flush=True)
+            try:
+                results["first_stall"] = first_stall(mib, runs, args.dir, log)
+            except Exception as exc:
+                results["first_stall_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  first stall: FAILED {results['first_stall_error']}", file=log, flush=True)
+            timings["first stall"] = time.perf_counter() - t
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - started
 
-    from report import markdown
+    from report import markdown, run_targets, size_targets
+
+    for size in results["sizes"]:
+        size["targets"] = size_targets(size)
+    results["targets"] = [t for size in results["sizes"] for t in size["targets"]] + run_targets(results)
 
     table = markdown(results)
     print(table)
@@ -309,6 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(table)
     print(f"\nraw numbers: {args.out}  (wall {results['wall_s']:.0f}s)", file=log)
+    print("wall per part: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), file=log)
     failed = [r["name"] for s in results["sizes"] for r in s["methods"] if "error" in r or not r.get("restore_ok", False)]
     if failed:
         print(f"FAILED or restored wrong data: {failed}", file=log)

@@ -75,13 +75,33 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
     }
     assert all(v["per_step_ns"] > 0 and v["samples"] == 80 for v in loop.values())
 
+    assert set(results["loop_distributed"]["candidates"]) == set(loop)
+    for size in results["sizes"]:  # the checksum cost, on and off, on each quick state
+        sums = size["checksums"]
+        assert sums["on"]["durable"] > 0 and sums["off"]["restore"] > 0
+        assert sums["on"]["hash_write"] > 0 and sums["off"]["hash_write"] == 0
+    first = results["first_stall"]
+    assert len(first["prepared"]["stalls"]) == len(first["not prepared"]["stalls"]) == 1
+    # every target, with its verdict, in the JSON: per size and for the whole run
+    targets = results["targets"]
+    assert [t for size in results["sizes"] for t in size["targets"]] == targets[: len(targets) - 4]
+    assert {t["scope"] for t in targets[-4:]} == {"hooks", "loop", "loop_distributed", "first stall"}
+    assert all(t["value"] is not None and t["met"] in (True, False, None) for t in targets), targets
+    small = [t["target"] for t in results["sizes"][1]["targets"]]
+    assert "async: stall / (state_dict() + 1.5x copy floor)" in small
+    assert "checksums: verifying time / restore time" in small
+
     table = table_file.read_text()
     assert table in proc.stdout  # printed too
-    for name in METHODS:
-        assert table.count(name) == 2, name  # one row per state size
+    rows = table.splitlines()
+    for name in METHODS:  # one row per state size
+        assert sum(r.startswith((f"| {name} |", f"| **{name}** |")) for r in rows) == 2, name
     for floor in ("copy into preallocated buffers", "disk sequential write + fsync", "disk cold sequential read"):
         assert table.count(floor) == 2, floor
     assert "×best peer" in table and "×floor" in table
-    assert "### Hook cost" in table and "### Targets (this plugin)" in table
+    assert "### Hook cost" in table and "### First snapshot stall" in table
+    for size in results["sizes"]:
+        assert f"targets at {size['label']}" in table
+    assert "targets measured once per run" in table and "targets met" in table
     # the scratch directory was cleaned up: no snapshot left behind
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md"}
