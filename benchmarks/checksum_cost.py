@@ -13,7 +13,7 @@ they are written (and once for the metadata at commit); on the read side
 
 "off" is the same saver and the same restore with those two steps replaced, in this benchmark
 only: ``writer_job.record_views`` returns a record of no algorithm (nothing hashed; the files are
-written in the same pieces) and ``Verifier.from_index`` gives no verifier (nothing checked).
+written in the same pieces) and restore then finds no record of its algorithm to check (nothing checked).
 "on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
 threads).
 
@@ -78,7 +78,6 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
     assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"
     real_record = writer_job.record_views
-    real_from_index = checksums.Verifier.__dict__["from_index"]
     real_check = checksums.Verifier.check
     if on:
         perf = time.perf_counter
@@ -103,12 +102,10 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
         checksums.Verifier.check = timed_check  # type: ignore[method-assign]
     else:
         writer_job.record_views = lambda views: {"algo": "none", "value": ""}
-        checksums.Verifier.from_index = classmethod(lambda cls, where, index_bytes: None)  # type: ignore[assignment]
     try:
         yield
     finally:
         writer_job.record_views = real_record
-        checksums.Verifier.from_index = real_from_index  # type: ignore[method-assign]
         checksums.Verifier.check = real_check  # type: ignore[method-assign]
 
 

@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -255,9 +254,9 @@ def verifier_for(root: Path) -> checksums.Verifier:
         if rel in ranges:
             spans = sorted(ranges[rel])
             assert spans[0][0] == 0 and spans[-1][1] == len(data)
-            records[rel] = checksums.record(types.SimpleNamespace(views=[data[a:b] for a, b in spans]))
+            records[rel] = checksums.record_views([memoryview(data)[a:b] for a, b in spans])
         else:
-            records[rel] = checksums.record(data)
+            records[rel] = checksums.record_views([memoryview(data)])
         sizes[rel] = len(data)
     return checksums.Verifier(str(root), records, sizes)
 

@@ -2,9 +2,10 @@
 
 The index ``.tnt_snapshot_index.json`` holds, under ``checksums``, one record per payload file
 (``{"algo": "xxh3_64", "value": HEX}``, the whole file's digest, as ``tnt-snapshot verify``
-checks it). A file of several small tensors packed end to end (``storage.Gathered``) also gets
-``"ranges": [[start, end, HEX], ...]``, one per tensor: torchsnapshot and the direct reader read
-such tensors by byte range, and each range is verified on its own.
+checks it), computed by the writer (``writer_job``) from the buffers in hand just before each
+file is written. A file of several small tensors packed end to end also gets
+``"ranges": [[start, end, HEX], ...]``, one per tensor: the reader reads such tensors by byte
+range, and each range is verified on its own.
 
 xxh3_64 (the ``xxhash`` package) was measured against google-crc32c on the project's machine
 (benchmarks/checksum_speed.py): 17-19 GB/s on 64 MiB, 49 GB/s on 1 MiB and 23 GB/s on 4 KiB
@@ -19,7 +20,6 @@ ones, torchtnt's) are read unchecked.
 from __future__ import annotations
 
 import bisect
-import json
 import threading
 from typing import Any, Optional
 
@@ -37,39 +37,6 @@ def _bytes_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class _Hasher:
-    """A streaming xxh3_64 that counts the bytes it was fed."""
-
-    __slots__ = ("_h", "fed", "update")
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-        self.fed = 0
-        self.update = self._h.update
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()  # type: ignore[no-any-return]
-
-
-def new_hasher() -> _Hasher:
-    return _Hasher()
-
-
-def record(buf: Any) -> dict[str, Any]:
-    """The checksum record of a file written from ``buf`` (a buffer, or a ``storage.Gathered``)."""
-    views = getattr(buf, "views", None)
-    if views is None:
-        return {"algo": ALGO, "value": _digest(_bytes_view(buf))}
-    whole = xxhash.xxh3_64()
-    ranges = []
-    offset = 0
-    for view in views:
-        whole.update(view)
-        ranges.append([offset, offset + view.nbytes, _digest(view)])
-        offset += view.nbytes
-    return {"algo": ALGO, "value": whole.hexdigest(), "ranges": ranges}
-
-
 def record_views(views: list[memoryview]) -> dict[str, Any]:
     """The checksum record of a file written as ``views`` end to end: the whole file's digest,
     and one per view when there are several (tensors packed into one file are read, and
@@ -85,9 +52,6 @@ def record_views(views: list[memoryview]) -> dict[str, Any]:
         ranges.append([offset, offset + view.nbytes, _digest(view)])
         offset += view.nbytes
     return {"algo": ALGO, "value": whole.hexdigest(), "ranges": ranges}
-
-
-_last: dict[tuple[str, int, str], Optional["Verifier"]] = {}
 
 
 class Verifier:
@@ -116,35 +80,6 @@ class Verifier:
                     exact[rel, r[0], r[1]] = r[2]
         #: bytes verified by this verifier (tests and benchmarks read it)
         self.verified_bytes = 0
-
-    @classmethod
-    def from_index(cls, where: str, index_bytes: Optional[bytes]) -> Optional["Verifier"]:
-        """The verifier of the snapshot whose index is ``index_bytes``; None when it records no
-        checksums (or there is no index: a snapshot torchtnt wrote)."""
-        if index_bytes is None:
-            return None
-        # One restore opens the snapshot twice (its metadata, then its entries): the verifier of
-        # the last index seen is reused when the index is the same, byte for byte.
-        key = (where, len(index_bytes), _digest(index_bytes))
-        cached = _last.get(key, False)
-        if cached is not False:
-            return cached  # type: ignore[no-any-return, return-value]
-        verifier = cls._parse(where, index_bytes)
-        _last.clear()
-        _last[key] = verifier
-        return verifier
-
-    @classmethod
-    def _parse(cls, where: str, index_bytes: bytes) -> Optional["Verifier"]:
-        try:
-            index = json.loads(index_bytes)
-        except ValueError as exc:
-            raise SnapshotCorruptError(f"the index of {where} is unreadable ({exc}): the snapshot is damaged") from exc
-        records = index.get("checksums") if isinstance(index, dict) else None
-        if not isinstance(records, dict) or not records:
-            return None
-        sizes = index.get("files")
-        return cls(where, records, sizes if isinstance(sizes, dict) else {})
 
     def check(self, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
         """Verify ``data``, the bytes of file ``rel`` from offset ``start``.
@@ -188,22 +123,6 @@ class Verifier:
                 self._records[rel] = (size, value, [r[0] for r in ranges], ranges)
             return self._records[rel]
 
-    def streaming(self, rel: str, start: int, nbytes: int) -> Optional[tuple[Any, str]]:
-        """(hasher, expected) to check bytes ``start:start+nbytes`` of ``rel`` piece by piece,
-        when they are exactly one recorded payload (the whole file or a packed tensor)."""
-        found = self._records.get(rel)
-        if found is None:
-            return None
-        expected = self._exact.get((rel, start, start + nbytes))
-        if expected is None and start == 0 and found[0] is None:
-            expected = found[1]  # the whole file, its size not recorded
-        return None if expected is None else (xxhash.xxh3_64(), expected)
-
-    def finish(self, rel: str, start: int, nbytes: int, hasher: Any, expected: str, entry: Optional[str] = None) -> None:
-        if hasher.hexdigest() != expected:
-            self._fail(rel, start, start + nbytes, entry)
-        self.verified_bytes += nbytes
-
     def _fail(self, rel: str, start: int, end: int, entry: Optional[str]) -> None:
         what = f" (entry {entry})" if entry else ""
         raise SnapshotCorruptError(
@@ -213,4 +132,4 @@ class Verifier:
         )
 
 
-__all__ = ["ALGO", "Verifier", "record", "record_views"]
+__all__ = ["ALGO", "Verifier", "record_views"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import mmap
 import os
 import posixpath
-import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
@@ -29,9 +28,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 # fdatasync 0.22-0.54 GB/s; with the writeback started after each write 0.45-0.58 GB/s.
 WRITE_SLICE = 8 * 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2
-#: A hasher on :data:`hashing` is fed a plain buffer in pieces of this size, each just before it
-#: is written (while still in the CPU's cache).
-HASH_PIECE = 1024 * 1024
 #: The most buffers one ``writev`` takes (Linux's IOV_MAX).
 IOV_MAX = 1024
 #: Reads at least this large map the file instead of copying it into a new buffer.
@@ -39,12 +35,6 @@ MAP_BYTES = 1024 * 1024
 #: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
-#: :func:`preadv_into` with a verifier reads and hashes in pieces of this size.
-VERIFY_PIECE_BYTES = 2 * 1024 * 1024
-
-#: Per thread: ``hashing.hasher`` (set by a caller around :func:`write_durably`, else None) is
-#: fed every byte of a plain buffer as it is written, and counts them in ``hasher.fed``.
-hashing = threading.local()
 
 
 def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
@@ -109,9 +99,8 @@ def write_durably(path: str, data: Any) -> None:
     """Write ``data`` to the new file ``path``, durably: fdatasync'd on return.
 
     ``data``: one buffer; or several, end to end - a list or tuple of buffers, or an object whose
-    ``views`` attribute is a list of flat byte views (``storage.Gathered``) - written with
-    ``writev`` (:func:`write_gathered`). Missing parent directories are created. A hasher set on
-    :data:`hashing` by the caller is fed a single buffer as it is written.
+    ``views`` attribute is a list of flat byte views - written with ``writev``
+    (:func:`write_gathered`). Missing parent directories are created.
 
     Every snapshot file on local disk is written through this function; the stores look it up
     on this module at each call.
@@ -129,20 +118,12 @@ def write_durably(path: str, data: Any) -> None:
             return
         view = memoryview(data).cast("B")
         total = view.nbytes
-        hasher = getattr(hashing, "hasher", None)
-        piece = HASH_PIECE if hasher is not None else WRITE_SLICE
         offset = 0
         while offset < total:
             start = offset
             end = min(total, offset + WRITE_SLICE)
             while offset < end:
-                upper = min(end, offset + piece)
-                if hasher is not None:
-                    # hashed just before the kernel copies it: read from memory once, for both
-                    hasher.update(view[offset:upper])
-                    hasher.fed += upper - offset
-                while offset < upper:
-                    offset += os.write(fd, view[offset:upper])
+                offset += os.write(fd, view[offset:end])
             if _sync_file_range is not None and total > WRITE_SLICE:
                 _sync_file_range(fd, start, offset - start, _SYNC_FILE_RANGE_WRITE)
         os.fdatasync(fd)
@@ -208,20 +189,17 @@ def preadv_into(
     reads: Iterable[tuple[Any, ...]],
     *,
     error: type[Exception],
-    verifier: Any = None,
 ) -> int:
     """Fill each buffer from ``root/file`` at its offset; return the bytes read.
 
-    ``reads``: ``(file, offset, buffer)`` or ``(file, offset, buffer, entry name)``; each buffer a
-    writable flat byte view. Reads go file by file in offset order (sequential on disk); the kernel
+    ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Reads go file by file in offset order (sequential on disk); the kernel
     is told ahead of time which ranges follow (``POSIX_FADV_WILLNEED``, up to
     :data:`READ_AHEAD_BYTES` ahead). A file outside ``root`` (symlinks resolved) or ending before
     a buffer is full raises ``error`` naming it; a missing file raises FileNotFoundError.
-    ``verifier`` (a ``checksums.Verifier``): each buffer's bytes are checked as they are read.
     """
-    by_file: dict[str, list[tuple[int, memoryview, Optional[str]]]] = {}
-    for location, offset, buf, *name in reads:
-        by_file.setdefault(location, []).append((offset, buf, name[0] if name else None))
+    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    for location, offset, buf in reads:
+        by_file.setdefault(location, []).append((offset, buf))
     for location in by_file:
         if not is_inside(root, location):
             raise error(
@@ -247,30 +225,18 @@ def preadv_into(
             if location not in fds:
                 fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
             fd = fds[location]
-            for offset, buf, entry in items:
+            for offset, buf in items:
                 got = 0
                 size = buf.nbytes
-                stream = (
-                    verifier.streaming(location, offset, size)
-                    if verifier is not None and size > VERIFY_PIECE_BYTES
-                    else None
-                )
-                piece = VERIFY_PIECE_BYTES if stream is not None else size
                 while got < size:
-                    n = os.preadv(fd, [buf[got:got + piece]], offset + got)
+                    n = os.preadv(fd, [buf[got:]], offset + got)
                     if n == 0:
                         raise error(
                             f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
                             f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
                             "is truncated"
                         )
-                    if stream is not None:
-                        stream[0].update(buf[got:got + n])
                     got += n
-                if stream is not None:
-                    verifier.finish(location, offset, size, *stream, entry=entry)
-                elif verifier is not None:
-                    verifier.check(location, offset, buf, entry=entry)
                 total += size
                 announced -= size
             os.close(fds.pop(location))
@@ -281,15 +247,12 @@ def preadv_into(
 
 
 __all__ = [
-    "HASH_PIECE",
     "IOV_MAX",
     "MAP_BYTES",
     "READ_AHEAD_BYTES",
-    "VERIFY_PIECE_BYTES",
     "WRITE_SLICE",
     "byte_views",
     "fsync_dir",
-    "hashing",
     "is_inside",
     "map_range",
     "preadv_into",

@@ -494,19 +494,22 @@ def reading_io(store: Store, name: str, path: str) -> tuple[Any, Any, Any]:
         index: Optional[bytes] = store.read_file(name, INDEX_FNAME)
     except FileNotFoundError:
         index = None
-    sizes: dict[str, Any] = {}
+    parsed: Any = None
     if index is not None:
         try:
-            listed = json.loads(index).get("files")
-        except (ValueError, AttributeError):
-            listed = None  # the verifier says what is wrong with it
-        sizes = listed if isinstance(listed, dict) else {}
+            parsed = json.loads(index)
+        except ValueError as exc:
+            raise SnapshotCorruptError(f"the index of {path} is unreadable ({exc}): the snapshot is damaged") from exc
+    listed = parsed.get("files") if isinstance(parsed, dict) else None
+    sizes: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    records = parsed.get("checksums") if isinstance(parsed, dict) else None
+    verifier = Verifier(path, records, sizes) if isinstance(records, dict) and records else None
 
     def file_size(rel: str) -> Optional[int]:
         size = sizes.get(rel)
         return size if isinstance(size, int) else store.file_size(name, rel)
 
-    return functools.partial(store.read_into, name), file_size, Verifier.from_index(path, index)
+    return functools.partial(store.read_into, name), file_size, verifier
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:

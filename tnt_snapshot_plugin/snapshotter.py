@@ -484,6 +484,7 @@ class Snapshotter:
         self._prepare_again = None
         if self._pending is None:
             self._stager = Stager()
+            self._writer.close()
 
     def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
         assert self._preemption is not None

@@ -56,6 +56,14 @@ class SnapshotWriter:
         self.load_check = load_check
         self.last_seq: Optional[int] = None
         self.committed: set[str] = set()
+        #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def close(self) -> None:
+        """Let the I/O threads go (training is over); a later snapshot starts them again."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def new_run(self) -> None:
         """Forget the last run: its next commit lists the directory again."""
@@ -182,8 +190,9 @@ class SnapshotWriter:
         if len(payloads) <= 1 or threads <= 1:
             results = [one(p) for p in payloads]
         else:
-            with ThreadPoolExecutor(max_workers=min(threads, len(payloads)), thread_name_prefix="tnt-snapshot-io") as pool:
-                results = list(pool.map(one, payloads))
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
+            results = list(self._pool.map(one, payloads))
         for rel, size, checksum in results:
             sizes[rel] = size
             sums[rel] = checksum

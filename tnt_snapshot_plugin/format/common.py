@@ -7,6 +7,8 @@ torchsnapshot encodes them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 from urllib.parse import unquote
 
@@ -71,3 +73,15 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return memoryview(array).cast("B")
     array = tensor.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array)
+
+
+def memory_of(tensor: torch.Tensor) -> memoryview:
+    """A flat, writable unsigned-byte view of a contiguous CPU tensor's memory, zero-copy, about
+    1.5 us (``byte_view`` takes 3). It does not keep the tensor alive: the caller must."""
+    array = _byte_array_type(tensor.numel() * tensor.element_size()).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")  # ctypes says "<B", which memoryview slices cannot take
+
+
+@functools.lru_cache(maxsize=4096)
+def _byte_array_type(nbytes: int) -> Any:
+    return ctypes.c_ubyte * nbytes

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
 from ..loading import load_object, refusal
-from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, byte_view, decode, encode
+from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, decode, encode, memory_of
 
 Read = tuple[str, int, memoryview]
 ReadInto = Callable[[list[Read]], None]
@@ -341,7 +341,8 @@ class _Plan:
         """Read a raw tensor entry straight into ``dst`` (contiguous, CPU, its dtype and shape)."""
         rel = self.location(entry, path)
         start, _ = self.span(entry, path, rel, dst.numel() * dst.element_size())
-        self.read(rel, start, byte_view(dst), path)
+        if dst.numel():
+            self.read(rel, start, memory_of(dst), path)  # dst (the target's) outlives the read
 
     def payload(self, path: str, entry: dict) -> Callable[[], torch.Tensor]:
         """Read a tensor entry into new memory; returns what gives the tensor once read."""

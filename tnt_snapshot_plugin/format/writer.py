@@ -32,9 +32,7 @@ Stock torchsnapshot restores what it writes. The choices, where the format leave
 from __future__ import annotations
 
 import base64
-import ctypes
 import fnmatch
-import functools
 import hashlib
 import heapq
 import io
@@ -49,15 +47,8 @@ from typing import Any, Optional
 
 import torch
 
-from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
-from tnt_snapshot_plugin.format.common import (
-    DTYPE_NAMES,
-    FORMAT_VERSION,
-    RAW,
-    RAW_DTYPES,
-    TORCH_SAVE,
-    encode,
-)
+from ..errors import ConfigError, SnapshotError
+from .common import DTYPE_NAMES, FORMAT_VERSION, RAW, RAW_DTYPES, TORCH_SAVE, encode, memory_of
 
 #: What a replicated object is assumed to cost when spreading replicated writes over the ranks
 #: (its size is only known once it is serialized, and every rank must agree without serializing).
@@ -413,22 +404,10 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[Optional[torch.Tensor], memoryv
     if tensor.dtype in RAW_DTYPES and tensor.numel():
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        return tensor, _memory_of(tensor)
+        return tensor, memory_of(tensor)
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()  # torch.save writes a view's whole storage; save only the view
     return None, memoryview(_torch_save(tensor))
-
-
-def _memory_of(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU contiguous tensor's memory, zero-copy. It does not keep the
-    tensor alive (``Payload.keep`` does): ``common.byte_view`` does, at three times the cost,
-    which is most of a plan's time for many small tensors."""
-    return memoryview(_byte_array_type(tensor.numel() * tensor.element_size()).from_address(tensor.data_ptr()))
-
-
-@functools.lru_cache(maxsize=4096)
-def _byte_array_type(nbytes: int) -> Any:
-    return ctypes.c_ubyte * nbytes
 
 
 def _torch_save(value: Any) -> bytes:
@@ -532,4 +511,6 @@ def metadata_bytes(manifest: Mapping[str, dict], world_size: int) -> bytes:
     surrogate pairs that ``json.dumps`` writes for characters beyond the BMP (emoji)."""
     document = {"version": FORMAT_VERSION, "world_size": world_size, "manifest": manifest}
     text = json.dumps(document, ensure_ascii=False)
+    if text.isascii():  # nothing for YAML to choke on (the common case: one pass less)
+        return text.encode()
     return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()

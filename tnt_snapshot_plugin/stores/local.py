@@ -96,6 +96,8 @@ class LocalStore(Store):
     def __init__(self, dirpath: str) -> None:
         self.url = dirpath
         self.root = os.path.abspath(dirpath)
+        #: directories of the snapshot being written whose real path was checked (write_payload)
+        self._inside_dirs: set[str] = set()
 
     def child(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -146,8 +148,14 @@ class LocalStore(Store):
     def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
         self._check_rel(name, rel, SnapshotWriteError)
         path = os.path.join(self.root, name, rel)
-        if not fileio.is_inside(os.path.join(self.root, name), rel):
-            raise SnapshotWriteError(f"refusing to write {path}: it resolves outside {self.child(name)}")
+        parent = os.path.dirname(path)
+        # Symlinks resolved, once per directory of the staging tree (many payloads share one).
+        if parent not in self._inside_dirs:
+            snapshot = os.path.realpath(os.path.join(self.root, name))
+            real = os.path.realpath(parent)
+            if real != snapshot and not real.startswith(snapshot + os.sep):
+                raise SnapshotWriteError(f"refusing to write {path}: it resolves outside {self.child(name)}")
+            self._inside_dirs.add(parent)
         # looked up on fileio at each call: the one place every local snapshot file is written
         fileio.write_durably(path, data[0] if len(data) == 1 else list(data))
 
@@ -163,6 +171,7 @@ class LocalStore(Store):
             ) from exc
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
+        self._inside_dirs = set()
         path = os.path.join(self.root, staging)
         os.makedirs(path)  # dirpath too, if someone removed it meanwhile
         try:

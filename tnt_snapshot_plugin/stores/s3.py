@@ -168,24 +168,20 @@ def fetch_ranges(
     error: type[Exception],
     chunk_bytes: int = FETCH_CHUNK_BYTES,
     workers: int = FETCH_WORKERS,
-    verifier: Any = None,
 ) -> int:
     """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
 
-    ``reads``: ``(file, offset, buffer)`` or ``(file, offset, buffer, entry name)``. Each file's
+    ``reads``: ``(file, offset, buffer)``. Each file's
     buffers are covered by ranged reads of at most ``chunk_bytes`` (the small tensors packed into
     one file come in one read), ``workers`` at a time, and copied into the buffers. A range that
-    comes back short raises ``error`` naming the file. Returns the bytes fetched. ``verifier``
-    (a ``checksums.Verifier``): each buffer is checked once its bytes are in.
+    comes back short raises ``error`` naming the file. Returns the bytes fetched.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    names: dict[tuple[str, int], Optional[str]] = {}
-    for location, offset, buf, *name in reads:
+    for location, offset, buf in reads:
         if buf.nbytes:
             by_file.setdefault(location, []).append((offset, buf))
-            names[location, offset] = name[0] if name else None
     jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
     for location, items in sorted(by_file.items()):
         items.sort(key=lambda item: item[0])
@@ -213,12 +209,7 @@ def fetch_ranges(
     if not jobs:
         return 0
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="tnt-snapshot-fetch") as pool:
-        fetched = sum(pool.map(one, jobs))
-    if verifier is not None:
-        for location, items in by_file.items():
-            for offset, buf in items:
-                verifier.check(location, offset, buf, entry=names[location, offset])
-    return fetched
+        return sum(pool.map(one, jobs))
 
 
 class S3Lease(DirLock):
