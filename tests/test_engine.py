@@ -140,3 +140,30 @@ def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_
     fileio.write_durably(str(path), [memoryview(p) for p in parts])
     assert path.read_bytes() == b"".join(parts)
     assert max(calls) == 1024 and len(calls) == 6  # halves and the rest, three times
+
+
+def test_packed_reads_take_one_preadv_per_run_and_survive_short_reads(tmp_path, monkeypatch):
+    """Tensors packed end to end are read with one ``preadv`` per run of adjacent ranges (at
+    most IOV_MAX buffers), straight into their targets; the kernel may return less than asked."""
+    parts = [bytes([i % 251]) * (1 + i % 37) for i in range(3000)]
+    (tmp_path / "f").write_bytes(b"".join(parts))
+    bufs = [memoryview(bytearray(len(p))) for p in parts]
+    reads, offset = [], 0
+    for buf in bufs:
+        reads.append(("f", offset, buf))
+        offset += buf.nbytes
+    real_preadv = os.preadv
+    calls = []
+
+    def short_preadv(fd, buffers, at):
+        calls.append(len(buffers))
+        assert len(buffers) <= 1024
+        if len(calls) % 2:
+            first = memoryview(buffers[0])
+            return real_preadv(fd, [first[: max(1, first.nbytes // 2)]], at)
+        return real_preadv(fd, buffers, at)
+
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    fileio.preadv_into(str(tmp_path), reversed(reads), error=SnapshotCorruptError)
+    assert b"".join(bytes(b) for b in bufs) == b"".join(parts)
+    assert len(calls) == 6 and max(calls) == 1024  # three runs, each a short read and the rest

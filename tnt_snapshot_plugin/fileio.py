@@ -19,7 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import posixpath
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
 # to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
@@ -184,6 +184,43 @@ def read_range(path: str, byte_range: Optional[tuple[int, int]]) -> bytes:
         os.close(fd)
 
 
+def _runs(items: list[tuple[int, memoryview]]) -> Iterator[tuple[int, list[memoryview]]]:
+    """Sorted ``(offset, buffer)`` reads grouped into runs of adjacent byte ranges (the tensors
+    packed end to end in one file), at most IOV_MAX buffers each: one ``preadv`` call a run."""
+    start = end = -1
+    run: list[memoryview] = []
+    for offset, buf in items:
+        if not buf.nbytes:
+            continue
+        if run and (offset != end or len(run) == IOV_MAX):
+            yield start, run
+            run = []
+        if not run:
+            start = end = offset
+        run.append(buf)
+        end += buf.nbytes
+    if run:
+        yield start, run
+
+
+def _read_run(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill ``bufs`` from ``fd`` at ``offset`` (``preadv``, again after a short read); the bytes
+    read, or ``-(bytes read) - 1`` if the file ends first."""
+    got = 0
+    first = 0  # bufs[first:] are not full yet; bufs[first] may have its first bytes already
+    while first < len(bufs):
+        n = os.preadv(fd, bufs[first:], offset + got)
+        if n == 0:
+            return -got - 1
+        got += n
+        while first < len(bufs) and n >= bufs[first].nbytes:  # the buffers filled
+            n -= bufs[first].nbytes
+            first += 1
+        if n:  # one filled in part: read the rest into its remainder
+            bufs = [*bufs[:first], bufs[first][n:], *bufs[first + 1:]]
+    return got
+
+
 def preadv_into(
     root: str,
     reads: Iterable[tuple[Any, ...]],
@@ -225,18 +262,15 @@ def preadv_into(
             if location not in fds:
                 fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
             fd = fds[location]
-            for offset, buf in items:
-                got = 0
-                size = buf.nbytes
-                while got < size:
-                    n = os.preadv(fd, [buf[got:]], offset + got)
-                    if n == 0:
-                        raise error(
-                            f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
-                            f"end of an entry it holds (bytes {offset}-{offset + size}): the file "
-                            "is truncated"
-                        )
-                    got += n
+            for offset, bufs in _runs(items):
+                size = _read_run(fd, bufs, offset)
+                if size < 0:
+                    got = -size - 1
+                    raise error(
+                        f"{os.path.join(root, location)} ends at byte {offset + got}, before the "
+                        f"end of the entries it holds (bytes {offset}-"
+                        f"{offset + sum(b.nbytes for b in bufs)}): the file is truncated"
+                    )
                 total += size
                 announced -= size
             os.close(fds.pop(location))
