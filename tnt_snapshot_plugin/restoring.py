@@ -135,6 +135,7 @@ def restore(
     # not match, unreadable metadata) is then raised on every rank instead of leaving the others
     # waiting in a collective for the timeout.
     error: Optional[SnapshotError] = None
+    currents: dict[str, Any] = {}  # the modules' state dicts, asked for by the checks
     try:
         sources = [
             (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
@@ -191,7 +192,7 @@ def restore(
         for key in missing:
             warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=3)
         if strict:
-            _check_modules(path, load, manifest)
+            currents = _check_modules(path, load, manifest)
         sinks: dict[str, Value] = {}
         if rest is not None:
             sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
@@ -215,7 +216,7 @@ def restore(
         for key in order:
             target = load[key]
             try:
-                current = target.state_dict()
+                current = currents.pop(key) if key in currents else target.state_dict()
             except Exception as exc:
                 if not _is_users(target):
                     raise
@@ -712,16 +713,18 @@ def _global_shape(entry: Any) -> Optional[list[int]]:
     ]
 
 
-def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> None:
+def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Raise StateMismatchError unless every module of ``load`` has the snapshot's tensors, of
+    the snapshot's shapes; the modules' state dicts (read into next, not asked for twice)."""
     import torch
 
     problems: list[str] = []
+    currents: dict[str, Any] = {}
     for key, obj in load.items():
         if not isinstance(obj, torch.nn.Module):
             continue
-        expected = {
-            name: t for name, t in obj.state_dict().items() if isinstance(t, torch.Tensor)
-        }
+        current = currents[key] = obj.state_dict()
+        expected = {name: t for name, t in current.items() if isinstance(t, torch.Tensor)}
         saved = {
             entry_path[len(key) + 1:]: shape
             for entry_path, entry in manifest.items()
@@ -744,3 +747,4 @@ def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, An
         raise StateMismatchError(
             f"cannot restore {path}: the modules do not match the snapshot: " + "; ".join(problems)
         )
+    return currents
