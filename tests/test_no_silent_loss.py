@@ -242,7 +242,7 @@ def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_pa
     try:
         _wait_for(ready, live)  # the live job is in the middle of writing step 3
         staging = [n for n in os.listdir(dirpath) if is_staging_name(n) and n != foreign.name]
-        assert len(staging) == 1
+        assert len(staging) == 1, os.listdir(dirpath)
         marker = json.loads((dirpath / staging[0] / WRITER_FNAME).read_text())
         assert marker["pid"] == live.pid and f"p{live.pid}n" in staging[0]
 

@@ -162,7 +162,9 @@ def test_outage_mid_run_warns_and_training_goes_on(proxy, options, few_retries):
     assert any("epoch_0_step_4" in m or "epoch_0_step_6" in m for m in failed)
     committed = [r.step for r in saver.snapshotter.stats.committed]
     assert 2 in committed and 10 in committed  # before the outage, and after it ended
-    assert 6 not in committed
+    # Step 4's write ran out of retries inside the outage; step 6's, started inside it, may
+    # finish once the endpoint is back (its retries span the end of the outage).
+    assert 4 not in committed
     assert saver.snapshotter.stats.failures >= 1
 
     fresh = ToyUnit(seed=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from torchtnt.framework.train import train
@@ -25,10 +26,14 @@ def main() -> None:
     mode, dirpath, ready = sys.argv[1:4]
     if mode == "hang":
 
+        announced = threading.Lock()
+
         def hang(staging: str, rel: str) -> None:
-            with open(ready + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.rename(ready + ".tmp", ready)
+            # Several I/O threads may get here at once: the first one announces it.
+            if announced.acquire(blocking=False):
+                with open(ready + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename(ready + ".tmp", ready)
             time.sleep(3600)
 
         faulty = FaultyStore(LocalStore(dirpath))
