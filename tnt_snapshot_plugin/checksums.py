@@ -37,6 +37,11 @@ def _bytes_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def new_hasher() -> Any:
+    """A streaming hasher of the checksum algorithm (``update(buf)``, ``hexdigest()``)."""
+    return xxhash.xxh3_64()
+
+
 def record_views(views: list[memoryview]) -> dict[str, Any]:
     """The checksum record of a file written as ``views`` end to end: the whole file's digest,
     and one per view when there are several (tensors packed into one file are read, and
@@ -132,4 +137,4 @@ class Verifier:
         )
 
 
-__all__ = ["ALGO", "Verifier", "record_views"]
+__all__ = ["ALGO", "Verifier", "new_hasher", "record_views"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from ..naming import SnapshotName, is_staging_name
@@ -181,11 +181,15 @@ class Store:
     def check_writable(self) -> None:
         raise NotImplementedError
 
-    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+    def write_payload(
+        self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
+    ) -> None:
         """Write the concatenation of ``data`` as file ``rel`` of child ``name`` (a staging
         directory, or the final name on object stores), durable when this returns. Parent
         directories are created; thread-safe across different ``rel``. A ``rel`` that escapes
-        the snapshot (absolute, ``..``) raises SnapshotWriteError."""
+        the snapshot (absolute, ``..``) raises SnapshotWriteError. ``feed``: given every byte
+        written, in order (a checksum computed on the way); on local disk piece by piece just
+        before each piece is written, while it is in the CPU's cache."""
         raise NotImplementedError
 
     def read_into(self, name: str, reads: Sequence[Read]) -> None:

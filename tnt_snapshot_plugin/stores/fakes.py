@@ -134,9 +134,15 @@ class MemoryStore(Store):
             if self._path:
                 self._make_dirs(self._path)
 
-    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+    def write_payload(
+        self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
+    ) -> None:
         self._check_rel(name, rel, SnapshotWriteError)
-        body = b"".join(byte_views(data))
+        views = byte_views(data)
+        if feed is not None:
+            for view in views:
+                feed(view)
+        body = b"".join(views)
         with self._tree.lock:
             path = self._file(name, rel)
             self._make_dirs(path.rsplit("/", 1)[0])
@@ -404,8 +410,10 @@ class FaultyStore(Store):
     def check_writable(self) -> None:
         self._call("check_writable", (), lambda _f: self.inner.check_writable())
 
-    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
-        self._call("write_payload", (name, rel), lambda _f: self.inner.write_payload(name, rel, data))
+    def write_payload(
+        self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
+    ) -> None:
+        self._call("write_payload", (name, rel), lambda _f: self.inner.write_payload(name, rel, data, feed))
 
     def read_into(self, name: str, reads: Sequence[Read]) -> None:
         def run(fault: Optional[Fault]) -> None:

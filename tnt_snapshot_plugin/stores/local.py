@@ -14,7 +14,7 @@ import os
 import shutil
 import socket
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .. import fileio
 from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
@@ -145,7 +145,9 @@ class LocalStore(Store):
                 "pass a directory this process can create files in"
             ) from exc
 
-    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+    def write_payload(
+        self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
+    ) -> None:
         self._check_rel(name, rel, SnapshotWriteError)
         path = os.path.join(self.root, name, rel)
         parent = os.path.dirname(path)
@@ -157,7 +159,7 @@ class LocalStore(Store):
                 raise SnapshotWriteError(f"refusing to write {path}: it resolves outside {self.child(name)}")
             self._inside_dirs.add(parent)
         # looked up on fileio at each call: the one place every local snapshot file is written
-        fileio.write_durably(path, data[0] if len(data) == 1 else list(data))
+        fileio.write_durably(path, data[0] if len(data) == 1 else list(data), feed=feed)
 
     def read_into(self, name: str, reads: Sequence[Read]) -> None:
         self._check_reads(name, reads)

@@ -346,10 +346,15 @@ class S3Store(Store):
                 "the bucket name and storage_options (endpoint_url, credentials)"
             ) from exc
 
-    def write_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> None:
+    def write_payload(
+        self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
+    ) -> None:
         self._check_rel(name, rel, SnapshotWriteError)
         key = self._key(name, rel)
         views = byte_views(data)
+        if feed is not None:
+            for view in views:
+                feed(view)
         total = sum(v.nbytes for v in views)
         with s3_errors(f"s3://{self.bucket}/{key}"):
             if total <= self.multipart_bytes:
