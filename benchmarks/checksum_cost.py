@@ -6,14 +6,14 @@ process, interleaved (on, off, off, on, ...), medians.
     python benchmarks/checksum_cost.py --states 1GiB --reps 5
     python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
 
-Where the checksums are computed: on the write side ``checksums.record_views``, called by
-``writer_job.SnapshotWriter._write_payloads`` once per payload file from the bytes in hand before
-they are written (and once for the metadata at commit); on the read side
+Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payloads``,
+a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
+of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
 ``checksums.Verifier.check``, called by the reader after each key's reads (``format.reader``).
 
 "off" is the same saver and the same restore with those two steps replaced, in this benchmark
-only: ``writer_job.record_views`` returns a record of no algorithm (nothing hashed; the files are
-written in the same pieces) and restore then finds no record of its algorithm to check (nothing checked).
+only: ``writer_job.record_views`` returns a record of no algorithm and ``writer_job.new_hasher`` a
+hasher that hashes nothing (the files are written in the same pieces), and restore then finds no record of its algorithm to check (nothing checked).
 "on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
 threads).
 
@@ -77,7 +77,9 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
 
     # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
     assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"
+    assert callable(getattr(writer_job, "new_hasher", None)), "writer_job.new_hasher is gone"
     real_record = writer_job.record_views
+    real_new_hasher = writer_job.new_hasher
     real_check = checksums.Verifier.check
     if on:
         perf = time.perf_counter
@@ -98,14 +100,41 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
             finally:
                 timer.read_s += perf() - t  # the reader checks on the restoring thread
 
+        class TimedHasher:
+            """The hasher a one-payload file is fed to as it is written, timed."""
+
+            def __init__(self) -> None:
+                self._h = real_new_hasher()
+
+            def update(self, piece: Any) -> None:
+                t = perf()
+                self._h.update(piece)
+                elapsed = perf() - t
+                with timer.lock:
+                    timer.write_s += elapsed
+
+            def record(self) -> Any:
+                return self._h.record()
+
         writer_job.record_views = timed_record
+        writer_job.new_hasher = TimedHasher
         checksums.Verifier.check = timed_check  # type: ignore[method-assign]
     else:
+
+        class NoHash:
+            def update(self, piece: Any) -> None:
+                pass
+
+            def record(self) -> Any:
+                return {"algo": "none", "value": ""}
+
         writer_job.record_views = lambda views: {"algo": "none", "value": ""}
+        writer_job.new_hasher = NoHash
     try:
         yield
     finally:
         writer_job.record_views = real_record
+        writer_job.new_hasher = real_new_hasher
         checksums.Verifier.check = real_check  # type: ignore[method-assign]
 
 

@@ -37,9 +37,22 @@ def _bytes_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def new_hasher() -> Any:
-    """A streaming hasher of the checksum algorithm (``update(buf)``, ``hexdigest()``)."""
-    return xxhash.xxh3_64()
+class Streaming:
+    """A file's checksum computed piece by piece as it is written: ``update(piece)`` for every
+    piece in order, then ``record()``."""
+
+    __slots__ = ("_h", "update")
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.update = self._h.update
+
+    def record(self) -> dict[str, Any]:
+        return {"algo": ALGO, "value": self._h.hexdigest()}
+
+
+def new_hasher() -> Streaming:
+    return Streaming()
 
 
 def record_views(views: list[memoryview]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from . import retention
-from .checksums import ALGO, new_hasher, record_views
+from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
 from .distributed import Collectives, raise_if_any_failed
 from .errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
@@ -190,7 +190,7 @@ class SnapshotWriter:
                     f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
                 ) from exc
             if hasher is not None:
-                checksum = {"algo": ALGO, "value": hasher.hexdigest()}
+                checksum = hasher.record()
             return payload.rel, sum(v.nbytes for v in payload.views), checksum
 
         sizes: dict[str, int] = {}
