@@ -81,7 +81,7 @@ _NOT_ASKED = "<not asked>"
 
 
 class TorchSnapshotSaver(OnExceptionCheckpoint):
-    """Snapshot a Lightning run's whole training state with torchsnapshot; resume it exactly.
+    """Snapshot a Lightning run's whole training state in torchsnapshot's format; resume it exactly.
 
     Use it when a run must survive crashes and preemption without losing more than a few steps,
     and without stalling training while a checkpoint is written. Snapshots are written to
@@ -886,7 +886,7 @@ class _Each:
     """A Stateful over a list of Statefuls (the optimizers, the LR schedulers).
 
     A count that does not match the snapshot loads none of them and is reported after the
-    restore (raising inside torchsnapshot's restore would leak its event loop).
+    restore (so that every rank makes the same calls, and the restore fails as a whole).
     """
 
     def __init__(self, what: str, objects: Sequence[Any]) -> None:

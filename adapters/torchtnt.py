@@ -45,7 +45,7 @@ _restored_rng: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKe
 
 
 class TorchSnapshotSaver(Callback):
-    """Periodically snapshot a torchtnt unit's whole training state with torchsnapshot.
+    """Periodically snapshot a torchtnt unit's whole training state, in torchsnapshot's format.
 
     The snapshot holds the unit's tracked modules, optimizers, LR schedulers, progress (train and,
     under ``fit()``, eval) and other stateful attributes, the RNG state (torch CPU and CUDA,

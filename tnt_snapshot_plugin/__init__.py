@@ -1,9 +1,9 @@
-"""tnt_snapshot_plugin: crash-safe, asynchronous torchsnapshot checkpoints for torchtnt and Lightning.
+"""tnt_snapshot_plugin: crash-safe, asynchronous checkpoints in torchsnapshot's format for torchtnt and Lightning.
 
 The core (this package) is framework-neutral: it never imports torchtnt or Lightning. The adapters
 live in :mod:`tnt_snapshot_plugin.adapters.torchtnt` and :mod:`tnt_snapshot_plugin.adapters.lightning`.
 
-Importing this package is cheap: torch and torchsnapshot load only when a saver or restore runs.
+Importing this package is cheap: torch loads only when a saver or restore runs; torchsnapshot never.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class Verifier:
 
     def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:
         """The record of ``rel`` with its packed ranges sorted (built at the first read of a
-        range that is not exactly one payload: torchsnapshot's batched reads)."""
+        range that is not exactly one payload: reads of several packed tensors at once)."""
         with self._raw_lock:  # another thread reading meanwhile waits for the whole index
             raw = self._raw.pop(rel, None)
             if raw is not None:

@@ -12,8 +12,8 @@ command refused or failed to act (``prune``); 2 bad input (an unknown option, a 
 what the command needs). Errors are one line on stderr.
 
 ``ls``, ``inspect`` and ``verify`` read the snapshots' metadata as JSON (YAML for older
-torchsnapshot versions) and never import torch; ``diff`` and ``export`` load tensors with
-torchsnapshot's public API.
+torchsnapshot versions) and never import torch; ``diff`` and ``export`` load entries with the
+plugin's reader (``format/reader.py``).
 """
 
 from __future__ import annotations

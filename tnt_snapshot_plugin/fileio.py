@@ -254,7 +254,7 @@ def preadv_into(
         if not is_inside(root, location):
             raise error(
                 f"the manifest of {root} names the file {location!r}, outside the snapshot: "
-                "the snapshot is damaged or was not written by torchsnapshot"
+                "the snapshot is damaged"
             )
     plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
 

@@ -131,9 +131,9 @@ def restore(
     _require_complete(store, name, path, coll)
 
     # Every check before loading runs on every rank, and the ranks agree on the outcome before
-    # anyone enters torchsnapshot's restore collectives: a rank-local problem (a module that does
-    # not match, unreadable metadata) is then raised on every rank instead of leaving the others
-    # waiting in a collective for the timeout.
+    # anyone reads or loads (a module's load_state_dict may run collectives, FSDP's do): a
+    # rank-local problem (a module that does not match, unreadable metadata) is then raised on
+    # every rank instead of leaving the others waiting in a collective for the timeout.
     error: Optional[SnapshotError] = None
     currents: dict[str, Any] = {}  # the modules' state dicts, asked for by the checks
     try:

@@ -539,8 +539,7 @@ class Snapshotter:
         name = self._name(epoch, step, eval_step, None)
         self.wait(warn_busy=True)
         self._last_name = progress
-        # Rank 0 also picks the staging name: torchsnapshot takes rank 0's path anyway, and
-        # warns on every other rank whose path differs.
+        # Rank 0 also picks the staging name, which every rank then writes into.
         self._writes += 1
         token = staging_token(self._run_id, self._writes)
 
