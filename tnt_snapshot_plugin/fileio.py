@@ -4,11 +4,10 @@
   end (``writev``, never copied together), asks the kernel to start writing back every
   :data:`WRITE_SLICE` bytes (``sync_file_range``, Linux), and ``fdatasync``s before it returns.
   :func:`fsync_dir` makes a rename or a new name durable.
-* Reads: :func:`read_range` (``pread``), :func:`map_range` (a read-only mapping of a large range),
-  and :func:`preadv_into` (bytes straight into caller-owned buffers, file by file in offset order,
-  with the kernel told ahead which ranges follow).
-* Path checks: :func:`is_inside` (a local path, symlinks resolved) and :func:`relative_inside` (a
-  relative path as written, for object keys): a file named by a manifest never escapes its snapshot.
+* Reads: :func:`preadv_into` (bytes straight into caller-owned buffers, file by file in offset
+  order, one ``preadv`` per run of adjacent ranges, with the kernel told ahead which ranges follow).
+* Path check: :func:`is_inside` (a local path, symlinks resolved): a file named by a manifest
+  never escapes its snapshot.
 
 Nothing here knows about snapshots, manifests or stores; errors are the OS's, except that
 :func:`preadv_into` raises the error class it is given for a short file or an escaping path.
@@ -16,9 +15,7 @@ Nothing here knows about snapshots, manifests or stores; errors are the OS's, ex
 
 from __future__ import annotations
 
-import mmap
 import os
-import posixpath
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
@@ -33,8 +30,6 @@ FEED_PIECE = 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2
 #: The most buffers one ``writev`` takes (Linux's IOV_MAX).
 IOV_MAX = 1024
-#: Reads at least this large map the file instead of copying it into a new buffer.
-MAP_BYTES = 1024 * 1024
 #: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
@@ -53,12 +48,6 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
 
 
 _sync_file_range = _load_sync_file_range()
-
-
-def relative_inside(rel: str) -> bool:
-    """Whether the relative path ``rel`` stays below its root, read as written (object keys)."""
-    norm = posixpath.normpath(rel)
-    return not (rel.startswith("/") or norm == ".." or norm.startswith("../"))
 
 
 def is_inside(root: str, rel: str) -> bool:
@@ -149,50 +138,6 @@ def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def map_range(path: str, byte_range: Optional[tuple[int, int]]) -> Optional[memoryview]:
-    """A read-only view of ``byte_range`` (default: all) of ``path``, up to its end; None if that
-    is smaller than :data:`MAP_BYTES` (read it instead). As with any mapping, a file *truncated*
-    while the view is used would fault; deleting it is harmless."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        start, end = (0, size) if byte_range is None else byte_range
-        end = min(end, size)
-        if end - start < MAP_BYTES:
-            return None
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
-    finally:
-        os.close(fd)
-    if hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_WILLNEED)  # start reading all of it now, in the background
-    return memoryview(mapping)[start - base:]
-
-
-def read_range(path: str, byte_range: Optional[tuple[int, int]]) -> bytes:
-    """Bytes ``byte_range`` (default: all) of ``path``, fewer if the file ends first."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if byte_range is None:
-            start, size = 0, os.fstat(fd).st_size
-        else:
-            start, size = byte_range[0], byte_range[1] - byte_range[0]
-        data = os.pread(fd, size, start)
-        if len(data) == size or not data:
-            return data
-        parts = [data]  # a short read: keep reading until the end of the range or the file
-        got = len(data)
-        while got < size:
-            more = os.pread(fd, size - got, start + got)
-            if not more:
-                break
-            parts.append(more)
-            got += len(more)
-        return b"".join(parts)
     finally:
         os.close(fd)
 
@@ -295,16 +240,12 @@ def preadv_into(
 
 __all__ = [
     "IOV_MAX",
-    "MAP_BYTES",
     "READ_AHEAD_BYTES",
     "WRITE_SLICE",
     "byte_views",
     "fsync_dir",
     "is_inside",
-    "map_range",
     "preadv_into",
-    "read_range",
-    "relative_inside",
     "write_durably",
     "write_gathered",
 ]
