@@ -34,7 +34,8 @@ class PreemptionHandler:
         #: the signal received; the saver's hot path reads it (in one process, poll() is this flag)
         self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
-        self._flag = AgreedFlag(collectives) if collectives.distributed else None
+        # a group of one rank has no one to agree with: its poll is the flag, as in one process
+        self._flag = AgreedFlag(collectives) if collectives.world_size > 1 else None
         #: whether the ranks must agree on it (poll() then runs a collective)
         self.distributed = self._flag is not None
 

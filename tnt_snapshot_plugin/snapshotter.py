@@ -287,11 +287,11 @@ class Snapshotter:
             self._wall = WallClock(
                 self.config.save_every_n_seconds,
                 is_rank0=self.collectives.rank == 0,
-                delayed=self._flag_coll.distributed,
+                delayed=self._flag_coll.world_size > 1,
                 clock=self._clock,
             )
             self._wall.restart()
-            if self._flag_coll.distributed and self._preemption is None:
+            if self._flag_coll.world_size > 1 and self._preemption is None:
                 self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
 
     def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
@@ -492,7 +492,7 @@ class Snapshotter:
         self.save(epoch, step, functools.partial(collect, True), event="preemption")
         self.wait()
         preemption, self._preemption = self._preemption, None
-        if self._wall is not None and self._flag_coll is not None and self._flag_coll.distributed:
+        if self._wall is not None and self._flag_coll is not None and self._flag_coll.world_size > 1:
             # Training may go on (a handler that returns): the time cadence's votes need an
             # agreement of their own now; its first poll comes after the handler's is drained.
             self._wall_flag = AgreedFlag(self._flag_coll)

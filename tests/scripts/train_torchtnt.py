@@ -5,7 +5,9 @@ Usage: ``train_torchtnt.py DIRPATH MODE`` with MODE one of
 * ``default``: the saver watches SIGTERM; SIGTERM's disposition before it was the default one;
 * ``chained``: a Python SIGTERM handler is installed before training; it prints a line and then
   exits by SIGTERM itself;
-* ``usr1``: the saver watches SIGUSR1 instead (``preemption_signals=[SIGUSR1]``).
+* ``usr1``: the saver watches SIGUSR1 instead (``preemption_signals=[SIGUSR1]``);
+* ``world-of-one``: as ``default``, under torch.distributed initialised with one process (as
+  ``torchrun --nproc-per-node=1`` runs it).
 
 The unit snapshots after every step, asynchronously, on a slow disk (see ``slow_disk``), so a
 snapshot is always still being written when the next step ends. Each step
@@ -114,6 +116,10 @@ def main() -> None:
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, previous_handler)
+    if mode == "world-of-one":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     signals = [signal.SIGUSR1] if mode == "usr1" else [signal.SIGTERM]
     saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=1, preemption_signals=signals)
     unit = SlowUnit()
