@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .cadence import PREEMPTED
 from .distributed import AgreedFlag, Collectives
@@ -29,8 +29,16 @@ _installed: dict[int, list["PreemptionHandler"]] = {}
 
 
 class PreemptionHandler:
-    def __init__(self, signals: tuple[signal.Signals, ...], collectives: Collectives) -> None:
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...],
+        collectives: Collectives,
+        on_signal: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """``on_signal()``: called (on the main thread, as Python runs signal handlers) when a
+        watched signal first arrives, after :attr:`received` is set."""
         self._signals = signals
+        self._on_signal = on_signal
         #: the signal received; the saver's hot path reads it (in one process, poll() is this flag)
         self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
@@ -71,6 +79,8 @@ class PreemptionHandler:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is None:
             self.received = signum
+            if self._on_signal is not None:
+                self._on_signal()
 
     def poll(self, vote: int = 0) -> int:
         """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);

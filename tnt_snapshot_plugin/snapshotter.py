@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar, Union
 
 import pluggy
 
@@ -126,8 +126,40 @@ class SnapshotStats:
     busy_wait_s: float = 0.0
 
 
+T = TypeVar("T")
+
+#: The step gate when no step cadence is set: no step count reaches it.
+_NEVER = 1 << 62
+
+
+class _GateInput(Generic[T]):
+    """An attribute of :class:`Snapshotter` that its step gate depends on: each assignment
+    recomputes ``Snapshotter.step_gate``. There is no ``__get__`` at run time, so reads come
+    straight from the instance dict, as for a plain attribute."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __set__(self, obj: "Snapshotter", value: T) -> None:
+        obj.__dict__[self._name] = value
+        obj._regate()
+
+    if TYPE_CHECKING:  # what a read returns, for the type checker only
+
+        def __get__(self, obj: "Snapshotter", objtype: Optional[type] = None) -> T: ...
+
+
 class Snapshotter:
     """Cadence, naming, async bookkeeping, commit and retention for one snapshot directory."""
+
+    # What makes a step end more than a cadence check (see step_gate): the snapshot being
+    # written and the last failure (reaped or reported at the next hook), prepare()'s second pass
+    # (at the run's first step that does not snapshot), the wall-clock cadence, the signal handler.
+    _pending: _GateInput[Optional["_Job"]] = _GateInput()
+    _failure: _GateInput[Optional[str]] = _GateInput()
+    _prepare_again: _GateInput[Optional[Callable[[], Mapping[str, Any]]]] = _GateInput()
+    _wall: _GateInput[Optional[WallClock]] = _GateInput()
+    _preemption: _GateInput[Optional[PreemptionHandler]] = _GateInput()
 
     def __init__(
         self,
@@ -161,6 +193,18 @@ class Snapshotter:
         """
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
+        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        self._every_n_steps = config.save_every_n_train_steps
+        #: Steps whose count is not a multiple of this need no step_end() call: nothing is pending
+        #: or failed, no buffers to prepare, no wall clock, no plugin asking, no signal to watch
+        #: or agree on, and the step cadence is not due. Otherwise 1 (every step). The adapters
+        #: read it before calling step_end(); it is recomputed whenever one of its inputs is
+        #: assigned (_GateInput), or a watched signal arrives.
+        self.step_gate = 1
+        self.__dict__.update(
+            _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
+        )
+        self._regate()
         self._process_group = process_group
         self._never_replicated = tuple(never_replicated)
         self._on_preempted = on_preempted
@@ -176,20 +220,12 @@ class Snapshotter:
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
-        #: prepare()'s second pass, at the first step of the run that does not snapshot
-        self._prepare_again: Optional[Callable[[], Mapping[str, Any]]] = None
         self._load_check = LoadCheck(weights_only=weights_only)
-        self._pending: Optional[_Job] = None
-        self._failure: Optional[str] = None
         self._last_name: Optional[str] = None
-        self._preemption: Optional[PreemptionHandler] = None
-        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
-        self._every_n_steps = config.save_every_n_train_steps
         self._every_n_epochs = config.save_every_n_epochs
-        # The wall-clock cadence (cadence.py), made at train start; its votes ride on the
+        # The wall-clock cadence (cadence.py, _wall), made at train start; its votes ride on the
         # preemption agreement, or on an agreement of their own when preemption is off.
         self._clock = clock
-        self._wall: Optional[WallClock] = None
         self._wall_flag: Optional[AgreedFlag] = None
         self.stats = SnapshotStats()
         self._busy_warned = False
@@ -280,7 +316,9 @@ class Snapshotter:
             )
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
-            self._preemption = PreemptionHandler(self.config.preemption_signals, self._flag_coll)
+            self._preemption = PreemptionHandler(
+                self.config.preemption_signals, self._flag_coll, on_signal=self._regate
+            )
             self._preemption.install()
         if self.config.save_every_n_seconds is not None:
             assert self._flag_coll is not None
@@ -368,23 +406,26 @@ class Snapshotter:
 
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
-    def step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        # The hot path. A training loop runs it cold (the step's own work has evicted it from
-        # the CPU caches), so the common step, which has nothing to do, reads a few attributes
-        # and returns: nothing pending or failed, staging buffers prepared, no wall clock, no
-        # plugin asking, in one process no signal received, and the step cadence not due.
+    def _regate(self) -> None:
+        """Recompute :attr:`step_gate` from its inputs."""
         preemption = self._preemption
-        if (
+        quiet = (
             self._pending is None
             and self._failure is None
             and self._prepare_again is None
             and self._wall is None
             and not self._ask_should
             and (preemption is None or (preemption.received is None and not preemption.distributed))
-        ):
-            n = self._every_n_steps
-            if n is None or step % n != 0:
-                return
+        )
+        n = self._every_n_steps
+        self.step_gate = (_NEVER if n is None else n) if quiet else 1
+
+    def step_end(self, epoch: int, step: int, collect: Collect) -> None:
+        # The hot path. A training loop runs it cold (the step's own work has evicted it from
+        # the CPU caches), so the common step, which has nothing to do, reads one attribute and
+        # returns (step_gate; the adapters check it before calling).
+        if step % self.step_gate:
+            return
         self._step_end(epoch, step, collect)
 
     def _step_end(self, epoch: int, step: int, collect: Collect) -> None:

@@ -1,0 +1,156 @@
+"""The step gate: a step that has nothing to do costs the adapter one modulo, and nothing is missed.
+
+``Snapshotter.step_gate`` is the step cadence while nothing else needs a look at step end, and 1
+(every step) while something does: a snapshot being written, the last failure, prepare()'s second
+pass, the wall-clock cadence, a plugin asking, a signal to agree on or received. These tests drive
+a real Snapshotter (and a real torchtnt ``train``) and check that the gate opens for each of them,
+and that what it opens for happens at the step it should.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+
+from tnt_snapshot_plugin import hookimpl
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.errors import SnapshotFailedWarning
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.stores import LocalStore
+
+
+def committed(dirpath) -> list[str]:
+    return [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+
+
+def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
+    """Run step ends as the adapters do (the gate first); the steps that reached step_end()."""
+    reached = []
+    for step in steps:
+        if step % snap.step_gate:
+            continue
+        reached.append(step)
+        snap.step_end(0, step, lambda intra: state)
+    return reached
+
+
+def test_the_gate_is_the_step_cadence_when_nothing_else_needs_a_look(tmp_path):
+    snap = Snapshotter(
+        str(tmp_path),
+        SnapshotConfig.build(save_every_n_train_steps=3, async_snapshot=False, preemption_signals=[]),
+    )
+    snap.train_start(["model"])
+    state = {"model": torch.nn.Linear(2, 2)}
+    assert snap.step_gate == 3
+    assert gated_steps(snap, range(1, 8), state) == [3, 6]
+    assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_6"]
+
+    no_cadence = Snapshotter(
+        str(tmp_path / "none"),
+        SnapshotConfig.build(save_every_n_epochs=1, async_snapshot=False, preemption_signals=[]),
+    )
+    no_cadence.train_start(["model"])
+    assert gated_steps(no_cadence, range(1, 1000), state) == []
+
+
+def test_the_gate_opens_while_a_snapshot_is_pending_and_after_a_failure(tmp_path, faulty_local):
+    faulty, dirpath = faulty_local(tmp_path)
+    snap = Snapshotter(
+        dirpath, SnapshotConfig.build(save_every_n_train_steps=3, async_snapshot=True, preemption_signals=[])
+    )
+    state = {"model": torch.nn.Linear(2, 2)}
+    snap.train_start(["model"])
+    assert gated_steps(snap, [1, 2, 3], state) == [3]
+    assert snap.step_gate == 1  # step 3's snapshot is being written: a step end reaps it
+    snap.wait()
+    assert snap.step_gate == 3 and committed(tmp_path) == ["epoch_0_step_3"]
+
+    faulty.inject("write_payload", OSError(28, "No space left on device"))
+    assert gated_steps(snap, [4, 5, 6], state) == [6]
+    with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_6"):
+        snap.wait()
+    assert snap.step_gate == 1  # the failure is reported again at step ends until a snapshot succeeds
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SnapshotFailedWarning)
+        assert gated_steps(snap, [7, 8, 9], state) == [7, 8, 9]
+    snap.wait()
+    assert snap.step_gate == 3
+    assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_9"]
+    snap.train_end(0, 9, lambda intra: state)
+
+
+def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_asking(tmp_path, pm):
+    state = {"model": torch.nn.Linear(2, 2)}
+    snap = Snapshotter(
+        str(tmp_path / "prepare"),
+        SnapshotConfig.build(save_every_n_train_steps=5, async_snapshot=True, preemption_signals=[]),
+    )
+    snap.train_start(["model"])
+    snap.prepare(lambda: state)
+    assert snap.step_gate == 1
+    assert gated_steps(snap, [1, 2], state) == [1]  # the second pass ran at step 1
+    assert snap.step_gate == 5
+    snap.train_end(0, 2, lambda intra: state)
+
+    timed = Snapshotter(
+        str(tmp_path / "timed"),
+        SnapshotConfig.build(save_every_n_seconds=3600, save_every_n_train_steps=5, preemption_signals=[]),
+    )
+    timed.train_start(["model"])
+    assert timed.step_gate == 1  # every step end looks at the clock
+    timed.train_end(0, 0, lambda intra: state)
+
+    class EveryOddStep:
+        @hookimpl
+        def tnt_snapshot_plugin_should_snapshot(self, event, epoch, step, default):
+            return step % 2 == 1
+
+    pm.register(EveryOddStep())
+    asked = Snapshotter(
+        str(tmp_path / "asked"),
+        SnapshotConfig.build(save_every_n_train_steps=100, async_snapshot=False, preemption_signals=[]),
+        plugin_manager=pm,
+    )
+    asked.train_start(["model"])
+    assert asked.step_gate == 1
+    assert gated_steps(asked, range(1, 5), state) == [1, 2, 3, 4]
+    assert committed(tmp_path / "asked") == ["epoch_0_step_1", "epoch_0_step_3"]
+
+
+def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
+    """Cadence 100 steps (the gate is 100); SIGUSR1 during step 4: the snapshot is of step 4."""
+    from torchtnt.framework.callback import Callback
+    from torchtnt.framework.train import train
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+    from toy import StatefulLoader, ToyUnit, make_data
+
+    handled = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: handled.append(signum))
+    gates = []
+
+    class SignalAtStep4(Callback):
+        def on_train_step_end(self, state, unit) -> None:  # runs before the saver's hook
+            gates.append(saver._snapshotter.step_gate)
+            if unit.train_progress.num_steps_completed == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                gates.append(saver._snapshotter.step_gate)
+
+    try:
+        saver = TorchSnapshotSaver(
+            str(tmp_path), save_every_n_train_steps=100, save_on_train_end=False,
+            preemption_signals=[signal.SIGUSR1],
+        )
+        train(ToyUnit(), StatefulLoader(make_data(4 * 8)), max_epochs=1, callbacks=[SignalAtStep4(), saver])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    # open at step 1 for prepare()'s second pass (asynchronous by default), then the cadence,
+    # and open again as soon as the signal came
+    assert gates[:5] == [1, 100, 100, 100, 1]
+    assert committed(tmp_path) == ["epoch_0_step_4"]
+    assert handled == [signal.SIGUSR1]  # handed on to the handler installed before the saver's
+    assert gates[5:] == [100] * (len(gates) - 5)  # training went on; the saver stopped watching
