@@ -156,7 +156,7 @@ def read_resharded(snapdir: str, rank: int, record: dict) -> None:
         meta = parse_metadata(f.read(), snapdir)
     calls: list[int] = []
 
-    def read_into(reads: list) -> None:
+    def read_into(reads: list, done=None) -> None:
         calls.append(len(reads))
         for rel, offset, view in reads:
             fd = os.open(os.path.join(snapdir, rel), os.O_RDONLY)

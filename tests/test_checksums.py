@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import warnings
 from pathlib import Path
 
@@ -260,3 +261,38 @@ def test_after_a_fallback_an_optional_entry_the_older_snapshot_lacks_is_put_back
     assert_identical(model.state, model_state(1))
     assert loader.state == {"position": torch.tensor(0)}
     assert any("loader is not in" in str(w.message) and "put back" in str(w.message) for w in caught)
+
+
+def test_large_reads_are_verified_on_the_reading_threads_as_each_file_lands(tmp_path, monkeypatch):
+    """Files read a few at once (fileio.READ_THREADS) are verified by the thread that read them,
+    right after each preadv; a flipped byte in any of them still names its file and entry."""
+    from tnt_snapshot_plugin import checksums, fileio
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(fileio.PARALLEL_READ_MIN_BYTES // 4, generator=g) for i in range(4)}
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["model"], 0, 0)
+    saver.save(0, 1, {"model": Holder(state)})
+    saver.train_end(0, 1, lambda intra_epoch: {})
+    snapshot = tmp_path / "epoch_0_step_1"
+
+    checked: dict[str, str] = {}
+    real_check = checksums.Verifier.check
+
+    def spy(self, rel, start, data, entry=None):
+        checked[rel] = threading.current_thread().name
+        return real_check(self, rel, start, data, entry)
+
+    monkeypatch.setattr(checksums.Verifier, "check", spy)
+    target = Holder({k: torch.zeros_like(v) for k, v in state.items()})
+    restore(str(snapshot), {"model": target})
+    assert all(torch.equal(target.state[k], v) for k, v in state.items())
+    files = {payload(snapshot, f"0/model/t{i}")[0].relative_to(snapshot).as_posix() for i in range(4)}
+    assert files <= set(checked)
+    assert all(checked[f].startswith("tnt-snapshot-read") for f in files), checked
+
+    file, start, _end = payload(snapshot, "0/model/t3")
+    flip(file, start + 1000)
+    with pytest.raises(SnapshotCorruptError) as info:
+        restore(str(snapshot), {"model": Holder({k: torch.zeros_like(v) for k, v in state.items()})})
+    assert str(file.relative_to(snapshot)) in str(info.value) and "model/t3" in str(info.value)

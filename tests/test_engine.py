@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import json
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -167,3 +169,64 @@ def test_packed_reads_take_one_preadv_per_run_and_survive_short_reads(tmp_path, 
     fileio.preadv_into(str(tmp_path), reversed(reads), error=SnapshotCorruptError)
     assert b"".join(bytes(b) for b in bufs) == b"".join(parts)
     assert len(calls) == 6 and max(calls) == 1024  # three runs, each a short read and the rest
+
+
+def test_many_files_are_read_a_few_at_once_and_each_buffer_is_reported_done_once(tmp_path):
+    """``preadv_into`` reads up to READ_THREADS files at once (each in offset order) and calls
+    ``done`` on the reading thread with the buffers each ``preadv`` filled: every index once,
+    its bytes already in place."""
+    files = {f"f{i}": bytes([i]) * (3 * fileio.PARALLEL_READ_MIN_BYTES // 8 + i) for i in range(12)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    reads = []
+    for name, data in files.items():  # each file in two adjacent halves: one run, one preadv
+        half = len(data) // 2
+        reads += [(name, 0, memoryview(bytearray(half))), (name, half, memoryview(bytearray(len(data) - half)))]
+    seen: list[int] = []
+    threads = set()
+
+    def done(indices):
+        name = threading.current_thread().name
+        if name not in threads:
+            threads.add(name)
+            time.sleep(0.05)  # holds this thread: the other files go to the other threads
+        for i in indices:
+            name, offset, buf = reads[i]
+            assert bytes(buf) == files[name][offset:offset + buf.nbytes]
+        seen.extend(indices)
+
+    total = fileio.preadv_into(str(tmp_path), reads, error=SnapshotCorruptError, done=done)
+    assert total == sum(map(len, files.values()))
+    assert sorted(seen) == list(range(len(reads)))
+    assert len(threads) == fileio.READ_THREADS and all(t.startswith("tnt-snapshot-read") for t in threads)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_failed_read_or_done_stops_the_other_reads_and_raises(tmp_path, threads):
+    size = fileio.PARALLEL_READ_MIN_BYTES
+    for i in range(8):
+        (tmp_path / f"f{i}").write_bytes(bytes([i + 1]) * size)
+    (tmp_path / "f0").write_bytes(bytes(size - 1))  # truncated: read first
+
+    def reads():
+        return [(f"f{i}", 0, memoryview(bytearray(size))) for i in range(8)]
+
+    with pytest.raises(SnapshotCorruptError, match=r"f0 ends at byte \d+, before the end"):
+        fileio.preadv_into(str(tmp_path), reads(), error=SnapshotCorruptError, threads=threads)
+
+    class Mismatch(Exception):
+        pass
+
+    calls = []
+
+    def done(indices):
+        calls.append(indices)
+        raise Mismatch(indices)
+
+    (tmp_path / "f0").write_bytes(bytes([1]) * size)
+    got = reads()
+    with pytest.raises(Mismatch):
+        fileio.preadv_into(str(tmp_path), got, error=SnapshotCorruptError, done=done, threads=threads)
+    # each reading thread stopped at its first done(): the files after those were never read
+    assert 1 <= len(calls) <= threads
+    assert sum(1 for _f, _o, buf in got if buf[0]) <= threads

@@ -73,7 +73,8 @@ def record_views(views: list[memoryview]) -> dict[str, Any]:
 
 
 class Verifier:
-    """Checks bytes read from one snapshot against its index's checksum records."""
+    """Checks bytes read from one snapshot against its index's checksum records (from any
+    number of threads at once)."""
 
     def __init__(self, where: str, records: dict[str, Any], sizes: dict[str, Any]) -> None:
         self.where = where
@@ -98,6 +99,11 @@ class Verifier:
                     exact[rel, r[0], r[1]] = r[2]
         #: bytes verified by this verifier (tests and benchmarks read it)
         self.verified_bytes = 0
+        self._count_lock = threading.Lock()  # the stores' reading threads verify at once
+
+    def _count(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.verified_bytes += nbytes
 
     def check(self, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
         """Verify ``data``, the bytes of file ``rel`` from offset ``start``.
@@ -114,20 +120,20 @@ class Verifier:
         if expected is not None:  # a whole file or one packed tensor
             if _digest(view) != expected:
                 self._fail(rel, start, end, entry)
-            self.verified_bytes += view.nbytes
+            self._count(view.nbytes)
             return
         size, value, starts, ranges = self._indexed(rel)
         if start == 0 and (size is None or end == size):
             if _digest(view) != value:
                 self._fail(rel, 0, end, entry)
-            self.verified_bytes += view.nbytes
+            self._count(view.nbytes)
             return
         i = bisect.bisect_left(starts, start)
         while i < len(ranges) and ranges[i][1] <= end:
             lower, upper, expected = ranges[i]
             if _digest(view[lower - start:upper - start]) != expected:
                 self._fail(rel, lower, upper, entry)
-            self.verified_bytes += upper - lower
+            self._count(upper - lower)
             i += 1
 
     def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:

@@ -4,8 +4,9 @@
   end (``writev``, never copied together), asks the kernel to start writing back every
   :data:`WRITE_SLICE` bytes (``sync_file_range``, Linux), and ``fdatasync``s before it returns.
   :func:`fsync_dir` makes a rename or a new name durable.
-* Reads: :func:`preadv_into` (bytes straight into caller-owned buffers, file by file in offset
-  order, one ``preadv`` per run of adjacent ranges, with the kernel told ahead which ranges follow).
+* Reads: :func:`preadv_into` (bytes straight into caller-owned buffers, each file in offset
+  order, one ``preadv`` per run of adjacent ranges, a few files at once, with the kernel told
+  ahead which ranges follow).
 * Path check: :func:`is_inside` (a local path, symlinks resolved): a file named by a manifest
   never escapes its snapshot.
 
@@ -16,6 +17,7 @@ Nothing here knows about snapshots, manifests or stores; errors are the OS's, ex
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
@@ -33,6 +35,12 @@ IOV_MAX = 1024
 #: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
+#: :func:`preadv_into` reads up to this many files at once. Measured on the project's machine
+#: (64 files of 16 MiB from a cold page cache, 8 rounds): one file at a time 0.63-2.3 s (median
+#: 1.43 s), two at a time 0.56-1.12 s (0.62 s), four 0.54-0.85 s (0.57 s); mmap and copy 0.75 s.
+READ_THREADS = 4
+#: ... and only when there are at least this many bytes per reading thread.
+PARALLEL_READ_MIN_BYTES = 8 * 1024 * 1024
 
 
 def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
@@ -142,23 +150,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _runs(items: list[tuple[int, memoryview]]) -> Iterator[tuple[int, list[memoryview]]]:
-    """Sorted ``(offset, buffer)`` reads grouped into runs of adjacent byte ranges (the tensors
-    packed end to end in one file), at most IOV_MAX buffers each: one ``preadv`` call a run."""
+def _runs(items: list[tuple[int, memoryview, int]]) -> Iterator[tuple[int, list[memoryview], list[int]]]:
+    """Sorted ``(offset, buffer, index)`` reads grouped into runs of adjacent byte ranges (the
+    tensors packed end to end in one file), at most IOV_MAX buffers each: one ``preadv`` call a
+    run. Yields ``(offset, buffers, indices)``; an empty buffer's index rides with a run."""
     start = end = -1
     run: list[memoryview] = []
-    for offset, buf in items:
+    indices: list[int] = []
+    for offset, buf, index in items:
+        if buf.nbytes and run and (offset != end or len(run) == IOV_MAX):
+            yield start, run, indices
+            run, indices = [], []
+        indices.append(index)
         if not buf.nbytes:
             continue
-        if run and (offset != end or len(run) == IOV_MAX):
-            yield start, run
-            run = []
         if not run:
             start = end = offset
         run.append(buf)
         end += buf.nbytes
-    if run:
-        yield start, run
+    if indices:
+        yield start, run, indices
 
 
 def _read_run(fd: int, bufs: list[memoryview], offset: int) -> int:
@@ -184,17 +195,26 @@ def preadv_into(
     reads: Iterable[tuple[Any, ...]],
     *,
     error: type[Exception],
+    done: Optional[Callable[[list[int]], None]] = None,
+    threads: int = READ_THREADS,
 ) -> int:
     """Fill each buffer from ``root/file`` at its offset; return the bytes read.
 
-    ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Reads go file by file in offset order (sequential on disk); the kernel
-    is told ahead of time which ranges follow (``POSIX_FADV_WILLNEED``, up to
-    :data:`READ_AHEAD_BYTES` ahead). A file outside ``root`` (symlinks resolved) or ending before
-    a buffer is full raises ``error`` naming it; a missing file raises FileNotFoundError.
+    ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Each file is
+    read in offset order, one ``preadv`` per run of adjacent ranges, and up to ``threads`` files
+    at once (:data:`READ_THREADS`; fewer when there are fewer files or little to read). Each
+    reading thread tells the kernel ahead of time which of its ranges follow
+    (``POSIX_FADV_WILLNEED``, its share of :data:`READ_AHEAD_BYTES`), so the disk keeps reading
+    while ``done(indices)`` runs: called on the reading thread after each ``preadv`` with the
+    indices (in ``reads``) of the buffers it filled, every index once; an exception it raises
+    stops the reading. A file outside ``root`` (symlinks resolved) or ending before a buffer is
+    full raises ``error`` naming it; a missing file raises FileNotFoundError.
     """
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    for location, offset, buf in reads:
-        by_file.setdefault(location, []).append((offset, buf))
+    by_file: dict[str, list[tuple[int, memoryview, int]]] = {}
+    nbytes = 0
+    for index, (location, offset, buf) in enumerate(reads):
+        by_file.setdefault(location, []).append((offset, buf, index))
+        nbytes += buf.nbytes
     for location in by_file:
         if not is_inside(root, location):
             raise error(
@@ -202,7 +222,47 @@ def preadv_into(
                 "the snapshot is damaged"
             )
     plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
+    k = min(threads, len(plan), max(1, nbytes // PARALLEL_READ_MIN_BYTES))
+    if k <= 1:
+        return _read_files(root, plan, error, done, READ_AHEAD_BYTES, None)
+    stop: list[bool] = []  # set by a reader that failed: the others stop at their next run
+    pool = _read_pool()
+    futures = [
+        pool.submit(_read_files, root, plan[j::k], error, done, READ_AHEAD_BYTES // k, stop)
+        for j in range(k)
+    ]
+    failed = [e for e in (f.exception() for f in futures) if e is not None]
+    if failed:
+        raise failed[0]
+    return sum(f.result() for f in futures)
 
+
+_pool: Optional[tuple[int, Any]] = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> Any:
+    """The reading threads, started at the first parallel read of the process (starting them
+    for each read costs about 1 ms a thread on the project's machine); a forked child starts
+    its own."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tnt-snapshot-read"))
+        return _pool[1]
+
+
+def _read_files(
+    root: str,
+    plan: list[tuple[str, list[tuple[int, memoryview, int]]]],
+    error: type[Exception],
+    done: Optional[Callable[[list[int]], None]],
+    read_ahead: int,
+    stop: Optional[list[bool]],
+) -> int:
+    """Read ``plan``'s files one after the other (see preadv_into); the bytes read."""
     fds: dict[str, int] = {}
     advise = getattr(os, "posix_fadvise", None)
     ahead = 0  # index in plan of the next file not announced yet
@@ -210,7 +270,7 @@ def preadv_into(
     total = 0
     try:
         for i, (location, items) in enumerate(plan):
-            while advise is not None and ahead < len(plan) and (ahead <= i or announced < READ_AHEAD_BYTES):
+            while advise is not None and ahead < len(plan) and (ahead <= i or announced < read_ahead):
                 loc, its = plan[ahead]
                 fd = fds[loc] = os.open(os.path.join(root, loc), os.O_RDONLY | os.O_CLOEXEC)
                 first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
@@ -220,7 +280,9 @@ def preadv_into(
             if location not in fds:
                 fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
             fd = fds[location]
-            for offset, bufs in _runs(items):
+            for offset, bufs, indices in _runs(items):
+                if stop:
+                    return total
                 size = _read_run(fd, bufs, offset)
                 if size < 0:
                     got = -size - 1
@@ -231,7 +293,13 @@ def preadv_into(
                     )
                 total += size
                 announced -= size
+                if done is not None:
+                    done(indices)
             os.close(fds.pop(location))
+    except BaseException:
+        if stop is not None:
+            stop.append(True)
+        raise
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -42,7 +42,8 @@ from ..loading import load_object, refusal
 from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, decode, encode, memory_of
 
 Read = tuple[str, int, memoryview]
-ReadInto = Callable[[list[Read]], None]
+#: ``read_into(reads, done=None)``: fills every read (``Store.read_into`` of one snapshot)
+ReadInto = Callable[..., None]
 FileSize = Callable[[str], Optional[int]]
 
 CONTAINER_TYPES = frozenset({"dict", "OrderedDict", "list"})
@@ -558,18 +559,21 @@ class _Plan:
 
     def run(self, read_into: ReadInto, verifier: Any) -> None:
         if self.reads:
+            verify = None if verifier is None else _Verify(verifier, self.reads, self.names)
             try:
-                read_into(self.reads)
+                if verify is None:
+                    read_into(self.reads)
+                else:
+                    read_into(self.reads, done=verify)
+                    verify(range(len(self.reads)))  # what the store did not report done
+            except _Mismatch as mismatch:
+                raise mismatch.error from None
             except SnapshotCorruptError as exc:
                 raise SnapshotCorruptError(f"{exc} (reading {self.entries_of(exc)})") from exc
             except (SnapshotError, ConnectionError):
                 raise
             except OSError as exc:
                 raise _corrupt(f"snapshot file {exc.filename!r}", f"{exc.strerror or exc} (reading {self.entries_of(exc)})") from exc
-        if verifier is not None:
-            check, names = verifier.check, self.names
-            for i, (rel, offset, view) in enumerate(self.reads):
-                check(rel, offset, view, entry=names[i])
         with torch.no_grad():
             for step in self.after:
                 step()
@@ -582,6 +586,37 @@ class _Plan:
             return f"the entries of {self.what!r}"
         more = f" and {len(named) - 3} more" if len(named) > 3 else ""
         return "entry " + ", ".join(repr(n) for n in named[:3]) + more
+
+
+class _Mismatch(Exception):
+    """A checksum mismatch found while the store was still reading (see _Verify)."""
+
+    def __init__(self, error: SnapshotCorruptError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Verify:
+    """``read_into``'s ``done``: verifies each read as the store reports it filled, while its
+    bytes are still in the CPU caches and the kernel reads ahead; each read once."""
+
+    __slots__ = ("_check", "_reads", "_names", "_left")
+
+    def __init__(self, verifier: Any, reads: list[Read], names: list[str]) -> None:
+        self._check = verifier.check
+        self._reads, self._names = reads, names
+        self._left = bytearray(b"\x01") * len(reads)
+
+    def __call__(self, indices: Any) -> None:
+        left, reads, names, check = self._left, self._reads, self._names, self._check
+        for i in indices:
+            if left[i]:
+                left[i] = 0
+                rel, offset, view = reads[i]
+                try:
+                    check(rel, offset, view, entry=names[i])
+                except SnapshotCorruptError as exc:
+                    raise _Mismatch(exc) from exc
 
 
 def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:

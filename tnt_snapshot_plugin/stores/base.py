@@ -47,6 +47,8 @@ LEASE_FNAME = ".tnt_snapshot.lease.json"
 Buffer = Union[bytes, bytearray, memoryview]
 #: One read of :meth:`Store.read_into`: (file relative to the snapshot, offset, writable byte view).
 Read = tuple[str, int, memoryview]
+#: ``done(indices)``: the reads of those indices are filled (see :meth:`Store.read_into`)
+Done = Callable[[list[int]], None]
 
 
 def escapes(rel: str) -> bool:
@@ -192,10 +194,17 @@ class Store:
         before each piece is written, while it is in the CPU's cache."""
         raise NotImplementedError
 
-    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
         """Fill each ``dest`` of ``reads`` (``(rel, offset, dest)``, ``dest`` a writable byte view)
         with bytes ``[offset, offset + len(dest))`` of file ``rel`` of child ``name``. A missing or
-        short file, or a ``rel`` outside the snapshot, raises SnapshotCorruptError naming it."""
+        short file, or a ``rel`` outside the snapshot, raises SnapshotCorruptError naming it.
+
+        ``done(indices)``, if given, is called with the indices (in ``reads``) of the ``dest``s
+        filled so far, every index once, before this returns; a store that reads in pieces calls
+        it as each piece lands (on the thread that read it: calls may come from several threads
+        at once, never twice for one index), so the caller can check those bytes while they are
+        hot in the CPU caches and the rest is still coming. An exception it raises stops the
+        reading and propagates."""
         raise NotImplementedError
 
     def publish(self, staging: str, final: str) -> None:

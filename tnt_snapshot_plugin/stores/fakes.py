@@ -43,6 +43,7 @@ from .base import (
     Buffer,
     CommitProtocol,
     DirLock,
+    Done,
     MetadataWrittenLast,
     Read,
     Store,
@@ -148,9 +149,9 @@ class MemoryStore(Store):
             self._make_dirs(path.rsplit("/", 1)[0])
             self._tree.files[path] = body
 
-    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
         self._check_reads(name, reads)
-        for rel, offset, dest in reads:
+        for index, (rel, offset, dest) in enumerate(reads):
             data = self._tree.files.get(self._file(name, rel))
             if data is None:
                 raise SnapshotCorruptError(
@@ -163,6 +164,8 @@ class MemoryStore(Store):
                     f"holds (bytes {offset}-{offset + size}): the file is truncated"
                 )
             dest[:] = data[offset:offset + size]
+            if done is not None:
+                done([index])
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         with self._tree.lock:
@@ -415,17 +418,18 @@ class FaultyStore(Store):
     ) -> None:
         self._call("write_payload", (name, rel), lambda _f: self.inner.write_payload(name, rel, data, feed))
 
-    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
         def run(fault: Optional[Fault]) -> None:
             self.inner.read_into(name, reads)
-            if fault is None:
-                return
-            for _rel, _offset, dest in reads:
-                if fault.short_by and dest.nbytes:
-                    cut = max(0, dest.nbytes - fault.short_by)
-                    dest[cut:] = bytes(dest.nbytes - cut)
-                if fault.flip and dest.nbytes:
-                    dest[0] ^= 0xFF
+            if fault is not None:
+                for _rel, _offset, dest in reads:
+                    if fault.short_by and dest.nbytes:
+                        cut = max(0, dest.nbytes - fault.short_by)
+                        dest[cut:] = bytes(dest.nbytes - cut)
+                    if fault.flip and dest.nbytes:
+                        dest[0] ^= 0xFF
+            if done is not None:  # the bytes as the fault left them
+                done(list(range(len(reads))))
 
         self._call("read_into", (name, [(rel, offset, dest.nbytes) for rel, offset, dest in reads]), run)
 

@@ -26,6 +26,7 @@ from .base import (
     AtomicRename,
     Buffer,
     DirLock,
+    Done,
     Read,
     Store,
 )
@@ -161,11 +162,11 @@ class LocalStore(Store):
         # looked up on fileio at each call: the one place every local snapshot file is written
         fileio.write_durably(path, data[0] if len(data) == 1 else list(data), feed=feed)
 
-    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
         self._check_reads(name, reads)
         root = os.path.join(self.root, name)
         try:
-            fileio.preadv_into(root, reads, error=SnapshotCorruptError)
+            fileio.preadv_into(root, reads, error=SnapshotCorruptError, done=done)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise SnapshotCorruptError(
                 f"{exc.filename or root}: a file the snapshot names cannot be read "

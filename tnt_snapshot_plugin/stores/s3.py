@@ -31,6 +31,7 @@ from .base import (
     WRITER_FNAME,
     Buffer,
     DirLock,
+    Done,
     MetadataWrittenLast,
     Read,
     Store,
@@ -415,13 +416,15 @@ class S3Store(Store):
                 return b""
             raise
 
-    def read_into(self, name: str, reads: Sequence[Read]) -> None:
+    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
         self._check_reads(name, reads)
         fetch_ranges(
             lambda rel, start, end: self._fetch(name, rel, start, end),
             reads,
             error=SnapshotCorruptError,
         )
+        if done is not None:  # the ranged reads land in any order, on worker threads
+            done(list(range(len(reads))))
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self.client.put_object(
