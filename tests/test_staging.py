@@ -207,6 +207,23 @@ def test_a_changed_tensor_gets_a_new_buffer_the_others_keep_theirs():
     assert stager.nbytes == sum(v.numel() * v.element_size() for v in state.values())
 
 
+def test_a_dict_whose_type_or_tensor_layout_changed_is_staged_anew():
+    """The staged dict is handed out again only while its type, keys, tensor types, shapes,
+    dtypes and layouts are unchanged."""
+    holder = Holder({"a": torch.arange(9.0).reshape(3, 3)})
+    stager = Stager()
+    first = stager.stage({"h": holder})["h"].state_dict()
+    assert stager.stage({"h": holder})["h"].state_dict() is first  # unchanged: the same staged dict
+
+    holder.state = OrderedDict(a=torch.arange(9.0).reshape(3, 3))
+    staged = stager.stage({"h": holder})["h"].state_dict()
+    assert type(staged) is OrderedDict and torch.equal(staged["a"], holder.state["a"])
+
+    holder.state = OrderedDict(a=torch.eye(3).to_sparse())  # same shape and dtype, sparse now
+    staged = stager.stage({"h": holder})["h"].state_dict()
+    assert staged["a"].layout == torch.sparse_coo and torch.equal(staged["a"].to_dense(), torch.eye(3))
+
+
 def test_nested_containers_views_and_non_tensor_values_are_copied_exactly():
     base = torch.arange(12.0).reshape(3, 4)
     sparse = torch.eye(3).to_sparse()

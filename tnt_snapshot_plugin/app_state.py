@@ -183,7 +183,9 @@ class Value:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 #: The staging-buffer path component of a sharded tensor's local shards.
 _SHARD = "<local shard>"
-_STAGED_SPEC = attrgetter("shape", "dtype", "layout")
+# What a staging buffer must still match, each compared as one list per dict, in C (three
+# single-attribute passes cost less than one pass building a tuple per tensor).
+_SHAPE, _DTYPE, _LAYOUT = attrgetter("shape"), attrgetter("dtype"), attrgetter("layout")
 
 
 def sharded_kind(obj: Any) -> Optional[str]:
@@ -220,16 +222,20 @@ def _plain_tensor(obj: Any) -> bool:
 
 
 class _Layout:
-    """A dict staged last time whose values were all plain tensors: its keys, their buffers."""
+    """A dict staged last time whose values were all plain tensors: its keys, their buffers,
+    and the staged dict itself (``staged``: the same keys and buffers, handed out again)."""
 
-    __slots__ = ("keys", "specs", "types", "buffers", "on_device", "any_on_device")
+    __slots__ = ("keys", "shapes", "dtypes", "layouts", "types", "buffers", "on_device", "any_on_device", "staged")
 
-    def __init__(self, keys: tuple[Any, ...], values: list[torch.Tensor], buffers: list[torch.Tensor],
+    def __init__(self, keys: tuple[Any, ...], values: list[torch.Tensor], staged: dict[Any, torch.Tensor],
                  on_device: list[bool]) -> None:
         self.keys = keys
-        self.specs = list(map(_STAGED_SPEC, values))
+        self.shapes = list(map(_SHAPE, values))
+        self.dtypes = list(map(_DTYPE, values))
+        self.layouts = list(map(_LAYOUT, values))
         self.types = list(map(type, values))
-        self.buffers = buffers
+        self.staged = staged
+        self.buffers = list(staged.values())
         self.on_device = on_device
         self.any_on_device = any(on_device)
 
@@ -385,23 +391,25 @@ class Stager:
             out[k] = self._copy(v, where + (k,))
         values = list(obj.values())
         if values and type(obj) in (dict, OrderedDict) and all(map(_plain_tensor, values)):
-            buffers = list(out.values())
-            self._layouts[where] = _Layout(
-                tuple(obj), values, buffers, [self._on_device(v) for v in values]
-            )
+            self._layouts[where] = _Layout(tuple(obj), values, out, [self._on_device(v) for v in values])
             self._used_layouts.add(where)
         return out
 
     def _reuse(self, obj: dict[Any, Any], where: tuple[Any, ...], layout: _Layout) -> Optional[dict[Any, Any]]:
-        """``obj`` staged into ``layout``'s buffers, or None if its keys or tensors changed."""
-        if type(obj) not in (dict, OrderedDict):
+        """``obj`` staged into ``layout``'s buffers, or None if its type, keys or tensors changed."""
+        if type(obj) is not type(layout.staged):
             return None
         keys = tuple(obj)
         if keys != layout.keys:
             return None
         values = list(obj.values())
         # Compared as whole lists, in C: the same tensor types, shapes, dtypes and layouts.
-        if list(map(type, values)) != layout.types or list(map(_STAGED_SPEC, values)) != layout.specs:
+        if (
+            list(map(type, values)) != layout.types
+            or list(map(_SHAPE, values)) != layout.shapes
+            or list(map(_DTYPE, values)) != layout.dtypes
+            or list(map(_LAYOUT, values)) != layout.layouts
+        ):
             return None
         if layout.any_on_device:
             for buf, src, on_device in zip(layout.buffers, values, layout.on_device, strict=True):
@@ -410,7 +418,9 @@ class Stager:
             self._dst.extend(layout.buffers)
             self._src.extend(values)
         self._used_layouts.add(where)
-        return type(obj)(zip(keys, layout.buffers, strict=True))
+        # The dict staged last time: the same type, keys and buffers (nothing downstream
+        # mutates a staged state, and the previous snapshot's write is over).
+        return layout.staged
 
 
 def _can_pin() -> bool:
