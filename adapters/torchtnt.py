@@ -88,7 +88,7 @@ class TorchSnapshotSaver(Callback):
         storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
             ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``).
         knob_options: torchtnt's ``KnobOptions``: ``max_per_rank_io_concurrency`` caps the file
-            writes one rank has in flight; ``enable_storage_optimization`` is ignored, as torchtnt
+            writes one rank has in flight (and, at restore, reads); ``enable_storage_optimization`` is ignored, as torchtnt
             0.2.4 ignores it (a no-op reserved for future use there).
         save_on_train_end: take a final snapshot when training ends (unless already saved).
         on_save_error: ``"warn"`` (default: training goes on, every hook warns until a snapshot
@@ -332,8 +332,7 @@ class TorchSnapshotSaver(Callback):
 
         torchtnt 0.2.4's signature: ``restore_options=RestoreOptions(restore_train_progress,
         restore_eval_progress, restore_optimizers, restore_lr_schedulers, strict)`` says what to
-        load; ``knob_options`` is accepted for torchtnt's API (restores read each key's files in
-        one pass, so ``max_per_rank_io_concurrency`` has nothing to cap).
+        load; ``knob_options.max_per_rank_io_concurrency`` caps the files read at once (default 4).
         The same switches may be passed as keyword arguments (a keyword that contradicts
         ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
         Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).

@@ -114,6 +114,34 @@ def test_knob_options_max_per_rank_io_concurrency_limits_the_writes_in_flight(tm
     assert torch.equal(fresh.big[5].weight, unit.big[5].weight)
 
 
+@pytest.mark.parametrize("limit", [1, None])
+def test_knob_options_max_per_rank_io_concurrency_limits_the_files_a_restore_reads_at_once(tmp_path, monkeypatch, limit):
+    unit = BigUnit()
+    train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[TorchSnapshotSaver(str(tmp_path))])
+    lock = threading.Lock()
+    seen = {"active": 0, "peak": 0}
+    real_preadv = os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        with lock:
+            seen["active"] += 1
+            seen["peak"] = max(seen["peak"], seen["active"])
+        try:
+            time.sleep(0.05)  # reads overlap whenever the concurrency allows it
+            return real_preadv(fd, buffers, offset)
+        finally:
+            with lock:
+                seen["active"] -= 1
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    fresh = BigUnit()
+    knobs = None if limit is None else KnobOptions(max_per_rank_io_concurrency=limit)
+    TorchSnapshotSaver.restore(str(tmp_path / "epoch_1_step_2"), fresh, knob_options=knobs)
+    assert_bitwise_equal(weights(fresh), weights(unit))
+    # six 4 MiB files: one at a time, or (default) a few at once
+    assert seen["peak"] == 1 if limit == 1 else seen["peak"] > 1
+
+
 def test_knob_options_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="max_per_rank_io_concurrency"):
         TorchSnapshotSaver(str(tmp_path), knob_options=KnobOptions(max_per_rank_io_concurrency=0))

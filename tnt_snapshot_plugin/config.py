@@ -78,9 +78,8 @@ def _signals(name: str, value: Any) -> tuple[signal.Signals, ...]:
 class Knobs:
     """Tuning of the snapshot writer and reader (torchtnt's ``KnobOptions`` maps onto it).
 
-    ``max_per_rank_io_concurrency``: how many files one rank writes at once (None: 4). Restores
-    do not use it: a rank reads each key's files in one pass on local disk, and with up to 4
-    ranged GETs at once on S3.
+    ``max_per_rank_io_concurrency``: how many files one rank writes at once, and at restore
+    reads at once (local files, or ranged GETs on S3); None: 4.
     ``enable_storage_optimization``: accepted and ignored, as torchtnt 0.2.4 itself ignores it
     (its ``KnobOptions`` calls it "a no-op and for future use"); the files are torchsnapshot's
     format, uncompressed.

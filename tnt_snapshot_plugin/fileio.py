@@ -39,6 +39,8 @@ READ_AHEAD_BYTES = 256 * 1024 * 1024
 #: (64 files of 16 MiB from a cold page cache, 8 rounds): one file at a time 0.63-2.3 s (median
 #: 1.43 s), two at a time 0.56-1.12 s (0.62 s), four 0.54-0.85 s (0.57 s); mmap and copy 0.75 s.
 READ_THREADS = 4
+#: The most files :func:`preadv_into` reads at once, whatever ``threads`` asks.
+MAX_READ_THREADS = 32
 #: ... and only when there are at least this many bytes per reading thread.
 PARALLEL_READ_MIN_BYTES = 8 * 1024 * 1024
 
@@ -202,7 +204,8 @@ def preadv_into(
 
     ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Each file is
     read in offset order, one ``preadv`` per run of adjacent ranges, and up to ``threads`` files
-    at once (:data:`READ_THREADS`; fewer when there are fewer files or little to read). Each
+    at once (at most :data:`MAX_READ_THREADS`; fewer when there are fewer files or little to
+    read). Each
     reading thread tells the kernel ahead of time which of its ranges follow
     (``POSIX_FADV_WILLNEED``, its share of :data:`READ_AHEAD_BYTES`), so the disk keeps reading
     while ``done(indices)`` runs: called on the reading thread after each ``preadv`` with the
@@ -222,7 +225,7 @@ def preadv_into(
                 "the snapshot is damaged"
             )
     plan = [(loc, sorted(items, key=lambda item: item[0])) for loc, items in sorted(by_file.items())]
-    k = min(threads, len(plan), max(1, nbytes // PARALLEL_READ_MIN_BYTES))
+    k = min(threads, MAX_READ_THREADS, len(plan), max(1, nbytes // PARALLEL_READ_MIN_BYTES))
     if k <= 1:
         return _read_files(root, plan, error, done, READ_AHEAD_BYTES, None)
     stop: list[bool] = []  # set by a reader that failed: the others stop at their next run
@@ -250,7 +253,8 @@ def _read_pool() -> Any:
         if _pool is None or _pool[0] != os.getpid():
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tnt-snapshot-read"))
+            # threads start on demand: only as many as the busiest read has asked for
+            _pool = (os.getpid(), ThreadPoolExecutor(MAX_READ_THREADS, thread_name_prefix="tnt-snapshot-read"))
         return _pool[1]
 
 

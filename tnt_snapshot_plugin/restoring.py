@@ -119,8 +119,9 @@ def restore(
     that does not fit ``app_state`` raises StateMismatchError; an exception raised by an entry's
     own ``state_dict()``/``load_state_dict()`` propagates as it is (torch's own classes: as a
     StateMismatchError naming the entry); only a failure to read or decode the snapshot's files
-    raises SnapshotCorruptError. ``io_concurrency``: accepted for torchtnt's ``KnobOptions`` and not used (see
-    ``config.Knobs``: a rank reads each key's files in one pass).
+    raises SnapshotCorruptError. ``io_concurrency``: how many files (object-store ranges) a rank
+    reads at once (torchtnt's ``KnobOptions.max_per_rank_io_concurrency``; None: the store's
+    default, 4).
     """
     coll = collectives or Collectives(None)
     started = time.perf_counter()
@@ -161,7 +162,7 @@ def restore(
             raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
-        read_into, file_size, verifier = reading_io(store, name, path)
+        read_into, file_size, verifier = reading_io(store, name, path, io_concurrency)
         if not manifest:
             raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
         present = fmt.saved_keys(manifest)
@@ -481,8 +482,9 @@ def _nn_module() -> Any:
     return torch.nn.Module
 
 
-def reading_io(store: Store, name: str, path: str) -> tuple[Any, Any, Any]:
-    """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``.
+def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = None) -> tuple[Any, Any, Any]:
+    """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``;
+    ``read_into`` reads up to ``concurrency`` files at once (None: the store's default).
 
     File sizes come from the plugin's index where it has one (one read), else from the store
     (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
@@ -510,7 +512,7 @@ def reading_io(store: Store, name: str, path: str) -> tuple[Any, Any, Any]:
         size = sizes.get(rel)
         return size if isinstance(size, int) else store.file_size(name, rel)
 
-    return functools.partial(store.read_into, name), file_size, verifier
+    return functools.partial(store.read_into, name, concurrency=concurrency), file_size, verifier
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:

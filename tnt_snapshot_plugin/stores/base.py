@@ -194,7 +194,9 @@ class Store:
         before each piece is written, while it is in the CPU's cache."""
         raise NotImplementedError
 
-    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
         """Fill each ``dest`` of ``reads`` (``(rel, offset, dest)``, ``dest`` a writable byte view)
         with bytes ``[offset, offset + len(dest))`` of file ``rel`` of child ``name``. A missing or
         short file, or a ``rel`` outside the snapshot, raises SnapshotCorruptError naming it.
@@ -204,7 +206,8 @@ class Store:
         it as each piece lands (on the thread that read it: calls may come from several threads
         at once, never twice for one index), so the caller can check those bytes while they are
         hot in the CPU caches and the rest is still coming. An exception it raises stops the
-        reading and propagates."""
+        reading and propagates. ``concurrency``: at most this many reads in flight at once (None:
+        the store's default; ``max_per_rank_io_concurrency``)."""
         raise NotImplementedError
 
     def publish(self, staging: str, final: str) -> None:

@@ -149,7 +149,9 @@ class MemoryStore(Store):
             self._make_dirs(path.rsplit("/", 1)[0])
             self._tree.files[path] = body
 
-    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
         self._check_reads(name, reads)
         for index, (rel, offset, dest) in enumerate(reads):
             data = self._tree.files.get(self._file(name, rel))
@@ -418,9 +420,11 @@ class FaultyStore(Store):
     ) -> None:
         self._call("write_payload", (name, rel), lambda _f: self.inner.write_payload(name, rel, data, feed))
 
-    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
         def run(fault: Optional[Fault]) -> None:
-            self.inner.read_into(name, reads)
+            self.inner.read_into(name, reads, concurrency=concurrency)
             if fault is not None:
                 for _rel, _offset, dest in reads:
                     if fault.short_by and dest.nbytes:

@@ -162,11 +162,15 @@ class LocalStore(Store):
         # looked up on fileio at each call: the one place every local snapshot file is written
         fileio.write_durably(path, data[0] if len(data) == 1 else list(data), feed=feed)
 
-    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
         self._check_reads(name, reads)
         root = os.path.join(self.root, name)
         try:
-            fileio.preadv_into(root, reads, error=SnapshotCorruptError, done=done)
+            fileio.preadv_into(
+                root, reads, error=SnapshotCorruptError, done=done, threads=concurrency or fileio.READ_THREADS
+            )
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise SnapshotCorruptError(
                 f"{exc.filename or root}: a file the snapshot names cannot be read "

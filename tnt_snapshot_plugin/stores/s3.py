@@ -416,12 +416,15 @@ class S3Store(Store):
                 return b""
             raise
 
-    def read_into(self, name: str, reads: Sequence[Read], done: Optional[Done] = None) -> None:
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
         self._check_reads(name, reads)
         fetch_ranges(
             lambda rel, start, end: self._fetch(name, rel, start, end),
             reads,
             error=SnapshotCorruptError,
+            workers=concurrency or FETCH_WORKERS,
         )
         if done is not None:  # the ranged reads land in any order, on worker threads
             done(list(range(len(reads))))
