@@ -9,13 +9,15 @@ process, interleaved (on, off, off, on, ...), medians.
 Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payloads``,
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
 of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
-``checksums.Verifier.check``, called by the reader after each key's reads (``format.reader``).
+``checksums.Verifier.check``, called as each read lands (``format.reader`` through the store's
+``read_into(..., done=)``): on local disk on the reading threads, several at once, overlapping
+the other files' reads.
 
 "off" is the same saver and the same restore with those two steps replaced, in this benchmark
 only: ``writer_job.record_views`` returns a record of no algorithm and ``writer_job.new_hasher`` a
 hasher that hashes nothing (the files are written in the same pieces), and restore then finds no record of its algorithm to check (nothing checked).
 "on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
-threads).
+and reading threads: CPU spent, not time added, when they overlap other threads' I/O).
 
 Reported per state: durable and restore medians on and off; what checksums add to each (the
 difference of the medians, and the time inside the checksum calls) as a share of the time without

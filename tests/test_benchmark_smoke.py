@@ -89,7 +89,7 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
     assert all(t["value"] is not None and t["met"] in (True, False, None) for t in targets), targets
     small = [t["target"] for t in results["sizes"][1]["targets"]]
     assert "async: stall / (state_dict() + 1.5x copy floor)" in small
-    assert "checksums: verifying time / restore time" in small
+    assert "checksums: added restore time / restore without" in small
 
     table = table_file.read_text()
     assert table in proc.stdout  # printed too
