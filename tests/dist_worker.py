@@ -218,6 +218,63 @@ def scenario_ddp(rank: int, out: str, record: dict[str, Any]) -> None:
     record["resumed_weights"] = weights_digest(resumed)
     record["torchsnapshot_warnings"] = torchsnapshot_warnings.messages
     wall_clock_phase(rank, out, record)
+    agreement_phase(rank, out, record)
+
+
+def agreement_phase(rank: int, out: str, record: dict[str, Any]) -> None:
+    """The preemption agreement runs every few steps, as many as rank 0's step time says.
+
+    Rank 0's (fake) clock reads 1/16 s more at each step, so it asks for an agreement every
+    AGREE_EVERY_S / (1/16 s) = 4 steps once it has measured a step (the first agreements come at
+    steps 1, 2 and 3). Rank 1 alone receives SIGUSR1 during step 10: its vote goes into the
+    agreement of step 11, whose answer every rank reads at step 15, and both snapshot step 15.
+    """
+    import signal
+
+    from tnt_snapshot_plugin import distributed
+    from tnt_snapshot_plugin.config import SnapshotConfig
+    from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+    assert distributed.AGREE_EVERY_S == 0.25
+    now = [0.0]
+    polls: list[int] = []
+    real_poll = distributed.AgreedFlag.poll
+
+    def counted(self: Any, local: int, step: int) -> int:
+        polls.append(step)
+        return real_poll(self, local, step)
+
+    distributed.AgreedFlag.poll = counted  # type: ignore[method-assign]
+    preempted: list[int] = []
+    step = 0
+    config = SnapshotConfig.build(
+        save_every_n_train_steps=1000,
+        async_snapshot=False,
+        save_on_train_end=False,
+        preemption_signals=[signal.SIGUSR1],
+        collective_timeout_s=30,
+    )
+    snapshotter = Snapshotter(
+        os.path.join(out, "agreement"), config, clock=lambda: now[0], on_preempted=lambda signum: preempted.append(step)
+    )
+    model = torch.nn.Linear(2, 2)
+    try:
+        snapshotter.train_start(["model"])
+        for step in range(1, 40):
+            now[0] += 1 / 16
+            if rank == 1 and step == 10:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            snapshotter.step_end(0, step, lambda intra_epoch: {"model": model})
+            if preempted:
+                break
+        snapshotter.train_end(0, step, lambda intra_epoch: {"model": model})
+    finally:
+        distributed.AgreedFlag.poll = real_poll  # type: ignore[method-assign]
+    record["agreement"] = {
+        "polls": polls,
+        "preempted_at": preempted,
+        "committed": [r.step for r in snapshotter.stats.committed],
+    }
 
 
 def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:
@@ -315,7 +372,9 @@ def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
     # 3. Rank 1 fails outside the write (its state_dict raises) and leaves training while rank 0
     #    goes on: rank 0 must fail within the collective timeout, with a typed error.
     crash_dir = os.path.join(out, "crash")
-    unit = ToyUnit(seed=0)
+    # Rank 0's steps take 0.3 s, over AGREE_EVERY_S: its ranks agree on preemption at every step,
+    # and the first agreement rank 1 misses fails after the timeout.
+    unit = ToyUnit(seed=0) if rank == 1 else SlowUnit(seed=0)
     if rank == 1:
         unit.broken = BrokenState()
     saver = TorchSnapshotSaver(
@@ -343,6 +402,12 @@ def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
 
 
 CRASH_TIMEOUT_S = 5
+
+
+class SlowUnit(ToyUnit):
+    def train_step(self, state: Any, data: Any) -> None:
+        time.sleep(0.3)
+        super().train_step(state, data)
 
 
 class BrokenState:

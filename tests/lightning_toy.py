@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -38,7 +39,9 @@ class ToyModule(pl.LightningModule):
         seed: int = 0,
         fail_at_step: Optional[int] = None,
         preempt_at_step: Optional[int] = None,
+        step_s: float = 0.0,
     ) -> None:
+        """``step_s``: each training step sleeps this long first."""
         super().__init__()
         torch.manual_seed(seed)
         self.net = torch.nn.Sequential(
@@ -46,6 +49,7 @@ class ToyModule(pl.LightningModule):
         )
         self.fail_at_step = fail_at_step
         self.preempt_at_step = preempt_at_step
+        self.step_s = step_s
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         step = self.trainer.global_step
@@ -53,6 +57,8 @@ class ToyModule(pl.LightningModule):
             raise RuntimeError(f"injected failure at step {step}")
         if self.preempt_at_step is not None and step == self.preempt_at_step:
             os.kill(os.getpid(), signal.SIGTERM)  # the saver's handler only sets a flag
+        if self.step_s:
+            time.sleep(self.step_s)
         x, y = batch
         noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         return torch.nn.functional.mse_loss(self.net(x), y) + noise
@@ -277,8 +283,10 @@ def _ddp(out: str, preempt: bool) -> None:
         saver = TorchSnapshotSaver(snaps, save_every_n_train_steps=2)
         with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "started": True}, f)
-        # only rank 0 receives the signal; the ranks agree on the step to stop at
-        trainer([saver]).fit(ToyModule(seed=0, preempt_at_step=3 if rank == 0 else None), loader())
+        # Only rank 0 receives the signal; the ranks agree on the step to stop at. Steps of 0.3 s
+        # (over distributed.AGREE_EVERY_S): the ranks agree at every step, the answer one step later.
+        module = ToyModule(seed=0, preempt_at_step=3 if rank == 0 else None, step_s=0.3)
+        trainer([saver]).fit(module, loader())
         raise AssertionError("fit returned after SIGTERM")
 
     # 1. the reference: uninterrupted, no saver

@@ -255,6 +255,14 @@ def test_wall_clock_cadence_follows_rank0_and_every_rank_snapshots_the_same_step
     assert [record["wall_clock_steps"] for record in ddp] == [[4, 8], [4, 8]]
 
 
+def test_the_ranks_agree_on_preemption_every_few_steps_and_stop_at_the_same_step(ddp):
+    """(dist_worker.agreement_phase) the agreement runs every 4 steps at 1/16 s a step (a
+    quarter second of training), not every step; a signal on rank 1 alone during step 10 stops
+    both ranks at step 15 with a snapshot of it."""
+    for record in ddp:
+        assert record["agreement"] == {"polls": [1, 2, 3, 7, 11, 15], "preempted_at": [15], "committed": [15]}
+
+
 def test_only_rank0_holds_the_dirpath_lock(ddp):
     """Under torch.distributed only rank 0 takes the dirpath lock for the run (the ranks are one
     job); it is let go when training ends."""

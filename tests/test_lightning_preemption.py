@@ -58,7 +58,8 @@ def test_sigterm_snapshots_at_the_batch_end_exits_and_resumes_bitwise(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_on_one_ddp_rank_stops_both_at_the_same_step(tmp_path):
-    # Rank 0 alone receives SIGTERM during the 4th batch; the ranks agree one step later.
+    # Rank 0 alone receives SIGTERM during the 4th batch; with steps of 0.3 s the ranks agree at
+    # every step, and stop one step later (tests/test_distributed.py: every few steps).
     assert run_script("ddp-preempt", tmp_path, ranks=2) == [EXIT_SIGTERM, EXIT_SIGTERM], logs(tmp_path)
     assert snapshot_names(tmp_path / "snaps") == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5"]
     assert sorted(p.name for p in (tmp_path / "snaps" / "epoch_0_step_5").iterdir() if p.is_dir()) == [

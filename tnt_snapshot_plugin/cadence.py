@@ -1,11 +1,12 @@
 """The wall-clock cadence: snapshot when ``save_every_n_seconds`` of training have passed.
 
 Every rank must snapshot at the same step, so rank 0's clock decides. Under torch.distributed the
-ranks learn rank 0's decision through the per-step agreement they already run for preemption
-(:class:`~tnt_snapshot_plugin.distributed.AgreedFlag`: a non-blocking all-reduce whose answer
-arrives one step later), so the time cadence adds no collective of its own and never waits on one.
-Each step every rank casts a vote (:meth:`WallClock.vote`), the agreement combines the votes with
-MAX, and every rank reads the combined answer (:meth:`WallClock.due`)::
+ranks learn rank 0's decision through the agreement they already run for preemption
+(:class:`~tnt_snapshot_plugin.distributed.AgreedFlag`: a non-blocking all-reduce every few steps,
+whose answer the next one reads), so the time cadence adds no collective of its own and never
+waits on one. At each agreement every rank casts a vote (:meth:`WallClock.vote`; in one process:
+at every step), the agreement combines the votes with MAX, and every rank reads the combined
+answer (:meth:`WallClock.due`)::
 
     0: go on         1: rank 0's interval has elapsed: snapshot         2: preemption: stop
 
@@ -16,7 +17,7 @@ The rules, on every rank alike:
   after it: the interval is training time between snapshots, never shorter than a snapshot's stall.
 * It is checked at train step ends only (as Lightning's ``train_time_interval``), never at epoch
   ends. In one process the snapshot is taken at the step whose end finds the interval elapsed;
-  under torch.distributed, at the next step (the agreement's delay), on every rank.
+  under torch.distributed, at the next agreement (the agreement's delay), on every rank.
 * A request that another snapshot has overtaken (taken between rank 0's vote and the agreed
   answer, e.g. by the epoch cadence) is dropped: the clock restarted with that snapshot.
 """
@@ -44,7 +45,7 @@ class WallClock:
         delayed: bool,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``delayed``: the agreed answer to a vote arrives at the next step (torch.distributed)."""
+        """``delayed``: the agreed answer to a vote arrives at the next agreement (torch.distributed)."""
         self.every_s = every_s
         self._is_rank0 = is_rank0
         self._delayed = delayed
@@ -62,7 +63,7 @@ class WallClock:
         self._snapshots += 1
 
     def vote(self) -> int:
-        """This step's vote: TIME_DUE on rank 0 once its interval has elapsed (once per interval)."""
+        """This agreement's vote: TIME_DUE on rank 0 once its interval has elapsed (once per interval)."""
         if self._delayed:
             self._at_previous_vote = self._at_vote
             self._at_vote = self._snapshots

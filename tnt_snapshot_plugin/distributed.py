@@ -8,7 +8,7 @@ others waiting forever. Without an initialised process group every method is a l
 
 One group serves one thread at a time: gloo pairs up the collectives of a group in the order each
 rank issues them, so two threads of one rank sharing a group can issue theirs in different orders
-on different ranks and deadlock (or exchange the wrong data). The per-step agreement that runs on
+on different ranks and deadlock (or exchange the wrong data). The preemption agreement that runs on
 the training thread while a snapshot is being written (:class:`AgreedFlag`) therefore gets a group
 of its own (the Snapshotter creates it next to the writer's).
 
@@ -18,7 +18,9 @@ A collective that times out or loses a peer raises :class:`DistributedError` say
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import time
 from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
@@ -192,42 +194,78 @@ class Collectives:
         return cast(T, value)
 
 
-class AgreedFlag:
-    """A per-step "any rank raised this flag?" agreement that costs no wait on the hot path.
+#: How much training time passes between two agreements of :class:`AgreedFlag`, at most about:
+#: rank 0 sets the number of steps between them from its step time. Starting a gloo all-reduce
+#: costs about 0.4 ms on the project's machine; once per step that was 0.4 ms a step.
+AGREE_EVERY_S = 0.25
+#: ... and never more steps than this between two agreements.
+AGREE_MAX_STEPS = 1000
 
-    Each call starts a non-blocking MAX all-reduce of this rank's flag and returns the result of
-    the previous call's reduction, which has long completed by then. All ranks call it once per
-    step, so all ranks see a raised flag at the same step, one step after it was raised.
+
+class AgreedFlag:
+    """An "any rank raised this flag?" agreement (MAX over the ranks' values) that costs no
+    wait on the hot path, and no collective on most steps.
+
+    The ranks agree at chosen steps, the same on every rank: the first step it is asked about,
+    then every ``interval`` steps, where ``interval`` is rank 0's choice (about
+    :data:`AGREE_EVERY_S` of training at rank 0's step time, at most :data:`AGREE_MAX_STEPS`),
+    which rides on the agreement itself. At each agreement step (:meth:`due`) every rank calls
+    :meth:`poll`: it starts a non-blocking MAX all-reduce of this rank's value and returns the
+    previous agreement's result, which has long completed by then. So every rank sees a raised
+    flag at the same step, one to two intervals after it was raised.
 
     It runs on the training thread while snapshots are written on a background thread, so
-    ``collectives`` must be a group no other thread uses.
+    ``collectives`` must be a group no other thread uses. ``clock``: rank 0's time source for its
+    step time (the saver's clock; tests pass a fake one).
     """
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: Collectives, clock: Callable[[], float] = time.monotonic) -> None:
         self._coll = collectives
+        self._clock = clock
         self._work: Optional[Any] = None
-        self._value = torch.zeros(1, dtype=torch.int32)
+        self._value = torch.zeros(2, dtype=torch.int64)
+        self._next_step: Optional[int] = None  # None: agree at the first step asked about
+        self._last: Optional[tuple[int, float]] = None  # rank 0: (step, time) of its last poll
 
-    def poll(self, local: int) -> int:
-        """The MAX over the ranks of the ``local`` values given at the previous call (0 at the
-        first); without a process group, or in a group of one rank, ``local`` itself at once (a
-        gloo all-reduce costs about 0.4 ms to start on the project's machine: one rank has no
-        one to agree with). A bool works as 0/1."""
+    def due(self, step: int) -> bool:
+        """Whether the ranks agree at ``step`` (then every rank must call :meth:`poll`)."""
+        return self._next_step is None or step >= self._next_step
+
+    def poll(self, local: int, step: int) -> int:
+        """The MAX over the ranks of the ``local`` values given at the previous agreement (0 at
+        the first); without a process group, or in a group of one rank, ``local`` itself at once
+        (one rank has no one to agree with). A bool works as 0/1. Call it at the steps
+        :meth:`due` names, on every rank."""
         if self._coll.group is None or self._coll.world_size == 1:
             return int(local)
-        agreed = 0
+        agreed, interval = 0, 1
         work, self._work = self._work, None
         if work is not None:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise self._coll.failed("all_reduce (per-step preemption agreement)", exc) from exc
-            agreed = int(self._value.item())
-        self._value = torch.tensor([int(local)], dtype=torch.int32)
+                raise self._coll.failed("all_reduce (preemption and time-cadence agreement)", exc) from exc
+            agreed, interval = int(self._value[0]), max(1, int(self._value[1]))
+        self._value = torch.tensor([int(local), self._propose(step)], dtype=torch.int64)
         self._work = dist.all_reduce(
             self._value, op=dist.ReduceOp.MAX, group=self._coll.group, async_op=True
         )
+        self._next_step = step + interval
         return agreed
+
+    def _propose(self, step: int) -> int:
+        """Rank 0's number of steps between agreements, from its step time since the last one
+        (the other ranks propose 0: the MAX is rank 0's)."""
+        if self._coll.rank != 0:
+            return 0
+        now = self._clock()
+        last, self._last = self._last, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        per_step = (now - last[1]) / (step - last[0])
+        if per_step <= 0:
+            return AGREE_MAX_STEPS
+        return max(1, min(AGREE_MAX_STEPS, math.ceil(AGREE_EVERY_S / per_step)))
 
     def drain(self) -> None:
         """Wait for the last reduction; a failed one was (or will be) reported elsewhere."""

@@ -1,8 +1,9 @@
 """Preemption: on a configured signal, finish the step, snapshot, then exit as the signal asked.
 
 The handler only sets a flag (nothing else is safe inside a signal handler). The saver polls it at
-each step end; under torch.distributed the ranks agree on it through :class:`AgreedFlag`, so all
-ranks snapshot at the same step even if only some received the signal. After the final snapshot
+each step end; under torch.distributed the ranks agree on it through :class:`AgreedFlag` (every
+quarter second of training or so), so all ranks snapshot at the same step even if only some
+received the signal. After the final snapshot
 the previous handler of the signal runs: the default action terminates the process with that
 signal, a Python handler is called, an ignored signal is ignored. If a Python handler returns
 (or the signal was ignored), training goes on and the saver no longer watches the signals.
@@ -14,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -34,16 +36,18 @@ class PreemptionHandler:
         signals: tuple[signal.Signals, ...],
         collectives: Collectives,
         on_signal: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``on_signal()``: called (on the main thread, as Python runs signal handlers) when a
-        watched signal first arrives, after :attr:`received` is set."""
+        watched signal first arrives, after :attr:`received` is set. ``clock``: the agreement's
+        time source (see AgreedFlag)."""
         self._signals = signals
         self._on_signal = on_signal
         #: the signal received; the saver's hot path reads it (in one process, poll() is this flag)
         self.received: Optional[int] = None
         self._previous: dict[int, Any] = {}
         # a group of one rank has no one to agree with: its poll is the flag, as in one process
-        self._flag = AgreedFlag(collectives) if collectives.world_size > 1 else None
+        self._flag = AgreedFlag(collectives, clock) if collectives.world_size > 1 else None
         #: whether the ranks must agree on it (poll() then runs a collective)
         self.distributed = self._flag is not None
 
@@ -82,13 +86,18 @@ class PreemptionHandler:
             if self._on_signal is not None:
                 self._on_signal()
 
-    def poll(self, vote: int = 0) -> int:
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is one to poll at (every step in one process; under torch.distributed
+        the agreement's steps, the same on every rank: see AgreedFlag)."""
+        return self._flag is None or self._flag.due(step)
+
+    def poll(self, vote: int = 0, step: int = 0) -> int:
         """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);
-        all ranks get the same answer at the same step."""
+        all ranks get the same answer at the same step. Call it at the steps :meth:`due` names."""
         local = PREEMPTED if self.received is not None else vote
         if self._flag is None:
             return local
-        return self._flag.poll(local)
+        return self._flag.poll(local, step)
 
     @property
     def received_signal(self) -> int:

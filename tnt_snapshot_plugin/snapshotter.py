@@ -216,7 +216,7 @@ class Snapshotter:
             None if is_initialized() else open_store(dirpath, config.storage_options)  # type: ignore[assignment]
         )
         self._coll: Optional[Collectives] = None
-        # The per-step preemption agreement runs on the training thread while the writer thread
+        # The preemption agreement runs on the training thread while the writer thread
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
@@ -317,7 +317,7 @@ class Snapshotter:
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
             self._preemption = PreemptionHandler(
-                self.config.preemption_signals, self._flag_coll, on_signal=self._regate
+                self.config.preemption_signals, self._flag_coll, on_signal=self._regate, clock=self._clock
             )
             self._preemption.install()
         if self.config.save_every_n_seconds is not None:
@@ -330,7 +330,8 @@ class Snapshotter:
             )
             self._wall.restart()
             if self._flag_coll.world_size > 1 and self._preemption is None:
-                self._wall_flag = AgreedFlag(self._flag_coll)  # no preemption agreement to ride on
+                # no preemption agreement to ride on
+                self._wall_flag = AgreedFlag(self._flag_coll, self._clock)
 
     def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
         """Allocate and touch the staging buffers of asynchronous snapshots now, for the state
@@ -433,14 +434,21 @@ class Snapshotter:
             self._reap_or_warn(step)
         preemption, wall = self._preemption, self._wall
         agreed = GO_ON
+        # In one process every step polls (the vote is the answer); under torch.distributed
+        # only the agreement's steps do, the same on every rank (AgreedFlag), and the votes
+        # are cast there.
         if preemption is not None:
-            agreed = preemption.poll(GO_ON if wall is None else wall.vote())
-            if agreed == PREEMPTED:
-                self._preempt(epoch, step, collect)
-                return
+            if preemption.due(step):
+                agreed = preemption.poll(GO_ON if wall is None else wall.vote(), step)
+                if agreed == PREEMPTED:
+                    self._preempt(epoch, step, collect)
+                    return
         elif wall is not None:
-            # in one process the vote is the answer; under torch.distributed it needs agreeing
-            agreed = wall.vote() if self._wall_flag is None else self._wall_flag.poll(wall.vote())
+            flag = self._wall_flag
+            if flag is None:
+                agreed = wall.vote()
+            elif flag.due(step):
+                agreed = flag.poll(wall.vote(), step)
         n = self._every_n_steps
         due = (n is not None and step % n == 0) or (
             agreed == TIME_DUE and wall is not None and wall.due(agreed)
@@ -536,7 +544,7 @@ class Snapshotter:
         if self._wall is not None and self._flag_coll is not None and self._flag_coll.world_size > 1:
             # Training may go on (a handler that returns): the time cadence's votes need an
             # agreement of their own now; its first poll comes after the handler's is drained.
-            self._wall_flag = AgreedFlag(self._flag_coll)
+            self._wall_flag = AgreedFlag(self._flag_coll, self._clock)
         if self._on_preempted is None:
             preemption.finish()
             return
