@@ -491,7 +491,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         if step == self._last_step:
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
-        if step % self._snapshotter.step_gate:
+        if step < self._snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
         self._snapshotter.step_end(trainer.current_epoch, step, self._collect)
 

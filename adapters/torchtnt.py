@@ -258,7 +258,7 @@ class TorchSnapshotSaver(Callback):
             self._start(state, unit)  # called without on_train_start (or for another unit)
         progress = self._train_progress
         step = progress.num_steps_completed
-        if step % self._snapshotter.step_gate:
+        if step < self._snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
         self._snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
 

@@ -146,6 +146,7 @@ def loop_costs(
                     train(unit, range(warmup + steps), max_epochs=1, callbacks=makers[name]())
                 samples[name].extend(timer.steps[warmup:])  # the first steps warm up imports
         base = median(samples[NONE]) if NONE in samples else 0.0
+        base_mean = sum(samples[NONE]) / len(samples[NONE]) if NONE in samples else 0.0
         noop = median(samples[NOOP]) - base if NOOP in samples else None
         tnt = median(samples[TNT]) - base if TNT in samples else None
         for name, values in samples.items():
@@ -154,6 +155,9 @@ def loop_costs(
             results["candidates"][name] = {
                 "per_step_ns": ns,
                 "excess_ns": excess,  # over no callback at all
+                # the mean counts the rare costly steps the median leaves out (an agreement
+                # among ranks every few steps, a collection of the garbage collector)
+                "mean_excess_ns": sum(values) / len(values) - base_mean,
                 "x_noop": excess / noop if noop else None,
                 "x_torchtnt": excess / tnt if tnt else None,
                 "samples": len(values),

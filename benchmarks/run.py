@@ -328,11 +328,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                 else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0)
             )
             timings["loop"] = time.perf_counter() - t
+            from agreement import agreement_costs
+
+            t = time.perf_counter()
+            print("## the same on 2 gloo ranks (torch.distributed, subprocesses)", file=log, flush=True)
+            try:
+                results["loop_2ranks"] = (
+                    agreement_costs(steps=20, rounds=1) if args.quick else agreement_costs(steps=100, rounds=3)
+                )
+            except Exception as exc:
+                results["loop_2ranks_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  2 ranks: FAILED {results['loop_2ranks_error']}", file=log, flush=True)
+            timings["loop (2 ranks)"] = time.perf_counter() - t
         # The hook costs above run in one process without torch.distributed, as a single-process
         # torchtnt run does. The methods need a process group (torchsnapshot's async_take on
         # IPv4-only hosts): from here on every method runs in a single-process gloo group, and
-        # the real loop is measured once more in it (a saver under torch.distributed agrees on
-        # preemption with the other ranks at every step).
+        # the real loop is measured once more in it (a saver under torch.distributed with several
+        # ranks agrees on preemption with the others every few steps; in a group of one, never).
         init_process_group()
         if "loop" not in args.skip:
             t = time.perf_counter()

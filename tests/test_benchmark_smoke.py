@@ -76,6 +76,9 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
     assert all(v["per_step_ns"] > 0 and v["samples"] == 80 for v in loop.values())
 
     assert set(results["loop_distributed"]["candidates"]) == set(loop)
+    two = results["loop_2ranks"]["candidates"]  # benchmarks/agreement.py: 2 gloo ranks
+    assert set(two) == set(loop) | {"tnt_snapshot_plugin TorchSnapshotSaver, agreeing at every step (as before)"}
+    assert all(v["per_step_ns"] > 0 and v["samples"] == 20 for v in two.values())
     for size in results["sizes"]:  # the checksum cost, on and off, on each quick state
         sums = size["checksums"]
         assert sums["on"]["durable"] > 0 and sums["off"]["restore"] > 0
@@ -84,8 +87,8 @@ def test_quick_benchmark_produces_the_table_and_the_json(tmp_path):
     assert len(first["prepared"]["stalls"]) == len(first["not prepared"]["stalls"]) == 1
     # every target, with its verdict, in the JSON: per size and for the whole run
     targets = results["targets"]
-    assert [t for size in results["sizes"] for t in size["targets"]] == targets[: len(targets) - 4]
-    assert {t["scope"] for t in targets[-4:]} == {"hooks", "loop", "loop_distributed", "first stall"}
+    assert [t for size in results["sizes"] for t in size["targets"]] == targets[: len(targets) - 5]
+    assert {t["scope"] for t in targets[-5:]} == {"hooks", "loop", "loop_distributed", "loop_2ranks", "first stall"}
     assert all(t["value"] is not None and t["met"] in (True, False, None) for t in targets), targets
     small = [t["target"] for t in results["sizes"][1]["targets"]]
     assert "async: stall / (state_dict() + 1.5x copy floor)" in small

@@ -1,10 +1,12 @@
-"""The step gate: a step that has nothing to do costs the adapter one modulo, and nothing is missed.
+"""The step gate: a step that has nothing to do costs the adapter one comparison, and nothing is missed.
 
-``Snapshotter.step_gate`` is the step cadence while nothing else needs a look at step end, and 1
-(every step) while something does: a snapshot being written, the last failure, prepare()'s second
-pass, the wall-clock cadence, a plugin asking, a signal to agree on or received. These tests drive
-a real Snapshotter (and a real torchtnt ``train``) and check that the gate opens for each of them,
-and that what it opens for happens at the step it should.
+``Snapshotter.step_gate`` is the next step whose end needs a look while nothing else does (the
+next multiple of the step cadence, or under torch.distributed the ranks' next agreement if
+sooner), and 0 (every step) while something does: a snapshot being written, the last failure,
+prepare()'s second pass, the wall-clock cadence, a plugin asking, a signal received, or a run
+whose step count no step end has told yet. These tests drive a real Snapshotter (and a real
+torchtnt ``train``) and check that the gate opens for each of them, and that what it opens for
+happens at the step it should (tests/test_distributed.py: the agreements under torch.distributed).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
     """Run step ends as the adapters do (the gate first); the steps that reached step_end()."""
     reached = []
     for step in steps:
-        if step % snap.step_gate:
+        if step < snap.step_gate:
             continue
         reached.append(step)
         snap.step_end(0, step, lambda intra: state)
@@ -45,16 +47,19 @@ def test_the_gate_is_the_step_cadence_when_nothing_else_needs_a_look(tmp_path):
     )
     snap.train_start(["model"])
     state = {"model": torch.nn.Linear(2, 2)}
-    assert snap.step_gate == 3
-    assert gated_steps(snap, range(1, 8), state) == [3, 6]
+    assert snap.step_gate == 0  # the first step end tells the run's step count
+    assert gated_steps(snap, range(1, 8), state) == [1, 3, 6]
+    assert snap.step_gate == 9
     assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_6"]
+    snap.train_start(["model"])  # a new run (resumed at step 100): told again
+    assert snap.step_gate == 0 and gated_steps(snap, range(101, 106), state) == [101, 102, 105]
 
     no_cadence = Snapshotter(
         str(tmp_path / "none"),
         SnapshotConfig.build(save_every_n_epochs=1, async_snapshot=False, preemption_signals=[]),
     )
     no_cadence.train_start(["model"])
-    assert gated_steps(no_cadence, range(1, 1000), state) == []
+    assert gated_steps(no_cadence, range(1, 1000), state) == [1]
 
 
 def test_the_gate_opens_while_a_snapshot_is_pending_and_after_a_failure(tmp_path, faulty_local):
@@ -64,21 +69,21 @@ def test_the_gate_opens_while_a_snapshot_is_pending_and_after_a_failure(tmp_path
     )
     state = {"model": torch.nn.Linear(2, 2)}
     snap.train_start(["model"])
-    assert gated_steps(snap, [1, 2, 3], state) == [3]
-    assert snap.step_gate == 1  # step 3's snapshot is being written: a step end reaps it
+    assert gated_steps(snap, [1, 2, 3], state) == [1, 3]
+    assert snap.step_gate == 0  # step 3's snapshot is being written: a step end reaps it
     snap.wait()
-    assert snap.step_gate == 3 and committed(tmp_path) == ["epoch_0_step_3"]
+    assert snap.step_gate == 6 and committed(tmp_path) == ["epoch_0_step_3"]
 
     faulty.inject("write_payload", OSError(28, "No space left on device"))
     assert gated_steps(snap, [4, 5, 6], state) == [6]
     with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_6"):
         snap.wait()
-    assert snap.step_gate == 1  # the failure is reported again at step ends until a snapshot succeeds
+    assert snap.step_gate == 0  # the failure is reported again at step ends until a snapshot succeeds
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SnapshotFailedWarning)
         assert gated_steps(snap, [7, 8, 9], state) == [7, 8, 9]
     snap.wait()
-    assert snap.step_gate == 3
+    assert snap.step_gate == 12
     assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_9"]
     snap.train_end(0, 9, lambda intra: state)
 
@@ -91,7 +96,7 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
     )
     snap.train_start(["model"])
     snap.prepare(lambda: state)
-    assert snap.step_gate == 1
+    assert snap.step_gate == 0
     assert gated_steps(snap, [1, 2], state) == [1]  # the second pass ran at step 1
     assert snap.step_gate == 5
     snap.train_end(0, 2, lambda intra: state)
@@ -101,7 +106,7 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
         SnapshotConfig.build(save_every_n_seconds=3600, save_every_n_train_steps=5, preemption_signals=[]),
     )
     timed.train_start(["model"])
-    assert timed.step_gate == 1  # every step end looks at the clock
+    assert gated_steps(timed, [1, 2, 3], state) == [1, 2, 3]  # every step end looks at the clock
     timed.train_end(0, 0, lambda intra: state)
 
     class EveryOddStep:
@@ -116,13 +121,13 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
         plugin_manager=pm,
     )
     asked.train_start(["model"])
-    assert asked.step_gate == 1
     assert gated_steps(asked, range(1, 5), state) == [1, 2, 3, 4]
+    assert asked.step_gate == 0
     assert committed(tmp_path / "asked") == ["epoch_0_step_1", "epoch_0_step_3"]
 
 
 def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
-    """Cadence 100 steps (the gate is 100); SIGUSR1 during step 4: the snapshot is of step 4."""
+    """Cadence 100 steps (the gate is step 100); SIGUSR1 during step 4: the snapshot is of step 4."""
     from torchtnt.framework.callback import Callback
     from torchtnt.framework.train import train
 
@@ -148,9 +153,9 @@ def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
         train(ToyUnit(), StatefulLoader(make_data(4 * 8)), max_epochs=1, callbacks=[SignalAtStep4(), saver])
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    # open at step 1 for prepare()'s second pass (asynchronous by default), then the cadence,
-    # and open again as soon as the signal came
-    assert gates[:5] == [1, 100, 100, 100, 1]
+    # open at step 1 (the step count, and prepare()'s second pass: asynchronous by default),
+    # then closed until the cadence's step 100, and open again as soon as the signal came
+    assert gates[:5] == [0, 100, 100, 100, 0]
     assert committed(tmp_path) == ["epoch_0_step_4"]
     assert handled == [signal.SIGUSR1]  # handed on to the handler installed before the saver's
     assert gates[5:] == [100] * (len(gates) - 5)  # training went on; the saver stopped watching

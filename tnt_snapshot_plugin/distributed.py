@@ -231,6 +231,10 @@ class AgreedFlag:
         """Whether the ranks agree at ``step`` (then every rank must call :meth:`poll`)."""
         return self._next_step is None or step >= self._next_step
 
+    def next_due(self, step: int) -> int:
+        """The first step from ``step`` on at which the ranks agree."""
+        return step if self._next_step is None else max(step, self._next_step)
+
     def poll(self, local: int, step: int) -> int:
         """The MAX over the ranks of the ``local`` values given at the previous agreement (0 at
         the first); without a process group, or in a group of one rank, ``local`` itself at once

@@ -91,6 +91,10 @@ class PreemptionHandler:
         the agreement's steps, the same on every rank: see AgreedFlag)."""
         return self._flag is None or self._flag.due(step)
 
+    def next_poll(self, step: int) -> int:
+        """The first step from ``step`` on that :meth:`due` names."""
+        return step if self._flag is None else self._flag.next_due(step)
+
     def poll(self, vote: int = 0, step: int = 0) -> int:
         """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);
         all ranks get the same answer at the same step. Call it at the steps :meth:`due` names."""

@@ -195,12 +195,16 @@ class Snapshotter:
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
         self._every_n_steps = config.save_every_n_train_steps
-        #: Steps whose count is not a multiple of this need no step_end() call: nothing is pending
-        #: or failed, no buffers to prepare, no wall clock, no plugin asking, no signal to watch
-        #: or agree on, and the step cadence is not due. Otherwise 1 (every step). The adapters
-        #: read it before calling step_end(); it is recomputed whenever one of its inputs is
-        #: assigned (_GateInput), or a watched signal arrives.
-        self.step_gate = 1
+        #: Step ends before this step count need no step_end() call: nothing is pending or
+        #: failed, no buffers to prepare, no wall clock, no plugin asking, no signal received,
+        #: and neither the step cadence nor (under torch.distributed) the ranks' next agreement
+        #: is due before it. 0 (every step) while something needs a look, and until a step end
+        #: has told the run's step count. The adapters read it before calling step_end(); it is
+        #: recomputed after every step_end() that ran, whenever one of its inputs is assigned
+        #: (_GateInput), and when a watched signal arrives.
+        self.step_gate = 0
+        #: the step of the last step end that ran (None: none yet this run)
+        self._last_step: Optional[int] = None
         self.__dict__.update(
             _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
         )
@@ -286,6 +290,8 @@ class Snapshotter:
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
+        self._last_step = None  # the run's first step end tells its step count (step_gate)
+        self._regate()
         if self._lock is None:
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
@@ -409,25 +415,35 @@ class Snapshotter:
 
     def _regate(self) -> None:
         """Recompute :attr:`step_gate` from its inputs."""
-        preemption = self._preemption
-        quiet = (
-            self._pending is None
-            and self._failure is None
-            and self._prepare_again is None
-            and self._wall is None
-            and not self._ask_should
-            and (preemption is None or (preemption.received is None and not preemption.distributed))
-        )
+        preemption, last = self._preemption, self._last_step
+        if (
+            last is None
+            or self._pending is not None
+            or self._failure is not None
+            or self._prepare_again is not None
+            or self._wall is not None
+            or self._ask_should
+            or (preemption is not None and preemption.received is not None)
+        ):
+            self.step_gate = 0
+            return
         n = self._every_n_steps
-        self.step_gate = (_NEVER if n is None else n) if quiet else 1
+        gate = _NEVER if n is None else (last // n + 1) * n  # the next multiple of n
+        if preemption is not None and preemption.distributed:  # one process: the signal opens it
+            gate = min(gate, preemption.next_poll(last + 1))
+        self.step_gate = gate
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
         # the CPU caches), so the common step, which has nothing to do, reads one attribute and
         # returns (step_gate; the adapters check it before calling).
-        if step % self.step_gate:
+        if step < self.step_gate:
             return
-        self._step_end(epoch, step, collect)
+        try:
+            self._step_end(epoch, step, collect)
+        finally:
+            self._last_step = step
+            self._regate()
 
     def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
         if self._pending is not None or self._failure is not None:
