@@ -159,3 +159,34 @@ def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
     assert committed(tmp_path) == ["epoch_0_step_4"]
     assert handled == [signal.SIGUSR1]  # handed on to the handler installed before the saver's
     assert gates[5:] == [100] * (len(gates) - 5)  # training went on; the saver stopped watching
+
+
+def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_path):
+    """The signal handler runs between two bytecodes of whatever the training thread runs, also
+    of the gate's recomputation: its gate of 0 must not be overwritten by the value computed
+    from what was read before it came."""
+
+    class SignalsWhenUsed(int):  # the cadence: a signal arrives while the gate divides by it
+        def __rfloordiv__(self, other: int) -> int:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return int(other) // int(self)
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    state = {"model": torch.nn.Linear(2, 2)}
+    try:
+        snap = Snapshotter(
+            str(tmp_path),
+            SnapshotConfig.build(
+                save_every_n_train_steps=100, async_snapshot=False, save_on_train_end=False,
+                preemption_signals=[signal.SIGUSR1],
+            ),
+        )
+        snap.train_start(["model"])
+        assert gated_steps(snap, [1], state) == [1] and snap.step_gate == 100
+        snap._every_n_steps = SignalsWhenUsed(100)
+        snap._regate()
+        assert snap.step_gate == 0
+        assert gated_steps(snap, [2], state) == [2]  # the preemption snapshot, at once
+        assert committed(tmp_path) == ["epoch_0_step_2"]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -432,6 +432,10 @@ class Snapshotter:
         if preemption is not None and preemption.distributed:  # one process: the signal opens it
             gate = min(gate, preemption.next_poll(last + 1))
         self.step_gate = gate
+        if preemption is not None and preemption.received is not None:
+            # The signal came while this ran (its handler runs between two bytecodes of it):
+            # the handler's own gate of 0 may have just been overwritten above.
+            self.step_gate = 0
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
