@@ -119,7 +119,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             or ``"raise"`` (the next hook raises SnapshotWriteError).
         preemption_signals: on these signals, finish the batch (with gradient accumulation: up
             to the next optimizer step; under DDP: at the ranks' next agreements, within about
-            half a second of training, on every rank at the same step), snapshot, then stop the run the way Lightning stops on SIGTERM: raise
+            half a second of training, on every rank at the same step), snapshot, then stop the
+            run the way Lightning stops on SIGTERM: raise
             ``SIGTERMException`` (exit status 128 + signal), which runs Lightning's
             ``on_exception`` hooks and teardown. Default ``[SIGTERM]``; ``[]`` leaves the
             signals to Lightning (which finishes the epoch, then exits).

@@ -81,15 +81,16 @@ class TorchSnapshotSaver(Callback):
             (default True; ``async_snapshot`` is this plugin's name for it).
         save_every_n_seconds: snapshot at the first train step end after N seconds of training
             since train start or since the last snapshot of any cadence (rank 0's clock; under
-            torch.distributed every rank snapshots a few steps later, together: see the README). Combines with the
-            step and epoch cadences: any of them due takes a snapshot.
+            torch.distributed every rank snapshots a few steps later, together: see the README).
+            Combines with the step and epoch cadences: any of them due takes a snapshot.
         replicated: glob patterns of entries identical on every rank (``["**"]``: all but the
             progress, RNG and dataloader entries), saved once instead of once per rank.
         storage_options: options of the storage (for ``s3://``: ``endpoint_url``,
             ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``).
         knob_options: torchtnt's ``KnobOptions``: ``max_per_rank_io_concurrency`` caps the file
-            writes one rank has in flight (and, at restore, reads); ``enable_storage_optimization`` is ignored, as torchtnt
-            0.2.4 ignores it (a no-op reserved for future use there).
+            writes one rank has in flight (and, at restore, reads);
+            ``enable_storage_optimization`` is ignored, as torchtnt 0.2.4 ignores it (a no-op
+            reserved for future use there).
         save_on_train_end: take a final snapshot when training ends (unless already saved).
         on_save_error: ``"warn"`` (default: training goes on, every hook warns until a snapshot
             succeeds) or ``"raise"`` (the next hook raises SnapshotWriteError).

@@ -204,11 +204,10 @@ def preadv_into(
 
     ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Each file is
     read in offset order, one ``preadv`` per run of adjacent ranges, and up to ``threads`` files
-    at once (at most :data:`MAX_READ_THREADS`; fewer when there are fewer files or little to
-    read). Each
-    reading thread tells the kernel ahead of time which of its ranges follow
-    (``POSIX_FADV_WILLNEED``, its share of :data:`READ_AHEAD_BYTES`), so the disk keeps reading
-    while ``done(indices)`` runs: called on the reading thread after each ``preadv`` with the
+    at once (at most :data:`MAX_READ_THREADS`; fewer when there are fewer files or less than
+    :data:`PARALLEL_READ_MIN_BYTES` per thread to read). Each reading thread tells the kernel
+    ahead of time which of its ranges follow (``POSIX_FADV_WILLNEED``, its share of
+    :data:`READ_AHEAD_BYTES`), so the disk keeps reading while ``done(indices)`` runs: called on the reading thread after each ``preadv`` with the
     indices (in ``reads``) of the buffers it filled, every index once; an exception it raises
     stops the reading. A file outside ``root`` (symlinks resolved) or ending before a buffer is
     full raises ``error`` naming it; a missing file raises FileNotFoundError.

@@ -3,10 +3,10 @@
 The handler only sets a flag (nothing else is safe inside a signal handler). The saver polls it at
 each step end; under torch.distributed the ranks agree on it through :class:`AgreedFlag` (every
 quarter second of training or so), so all ranks snapshot at the same step even if only some
-received the signal. After the final snapshot
-the previous handler of the signal runs: the default action terminates the process with that
-signal, a Python handler is called, an ignored signal is ignored. If a Python handler returns
-(or the signal was ignored), training goes on and the saver no longer watches the signals.
+received the signal. After the final snapshot the previous handler of the signal runs: the
+default action terminates the process with that signal, a Python handler is called, an ignored
+signal is ignored. If a Python handler returns (or the signal was ignored), training goes on and
+the saver no longer watches the signals.
 """
 
 from __future__ import annotations
