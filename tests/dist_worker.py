@@ -275,6 +275,8 @@ def agreement_phase(rank: int, out: str, record: dict[str, Any]) -> None:
         "preempted_at": preempted,
         "committed": [r.step for r in snapshotter.stats.committed],
     }
+    # the records went to rank 0 alone; every rank hears the bytes all ranks wrote
+    record["agreement_snapshot"] = [(r.path, r.bytes_written) for r in snapshotter.stats.committed]
 
 
 def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:

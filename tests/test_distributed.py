@@ -261,6 +261,13 @@ def test_the_ranks_agree_on_preemption_every_few_steps_and_stop_at_the_same_step
     both ranks at step 15 with a snapshot of it."""
     for record in ddp:
         assert record["agreement"] == {"polls": [1, 2, 3, 7, 11, 15], "preempted_at": [15], "committed": [15]}
+    # each rank wrote its own entries, the commit (rank 0) listed them all, and rank 1 knows the total
+    [(path, written)] = ddp[0]["agreement_snapshot"]
+    assert ddp[1]["agreement_snapshot"] == [[path, written]]  # (JSON: a list)
+    with open(os.path.join(path, ".tnt_snapshot_index.json")) as f:
+        files = json.load(f)["files"]
+    assert written == sum(files.values()) > 0
+    assert sorted(files) == ["batched/0-0", "batched/1-0"]  # each rank's small tensors, packed
 
 
 def test_only_rank0_holds_the_dirpath_lock(ddp):

@@ -140,6 +140,17 @@ class Collectives:
             raise self.failed("all_gather", exc) from exc
         return out
 
+    def gather(self, obj: T) -> Optional[list[T]]:
+        """Every rank's ``obj``, on rank 0 (in rank order); None on the other ranks."""
+        if self.group is None:
+            return [obj]
+        out: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        except RuntimeError as exc:
+            raise self.failed("gather", exc) from exc
+        return out
+
     def barrier(self) -> None:
         if self.group is not None:
             try:

@@ -118,8 +118,9 @@ class SnapshotWriter:
                 sizes, sums = self._write_payloads(job.staging, plan.payloads)
             except Exception as exc:
                 error = _write_error(job, exc)
-        # Every rank's records, sizes and checksums, gathered together: one collective.
-        gathered = coll.all_gather((entries, sizes, sums) if error is None else None)
+        # Every rank's records, sizes and checksums, to rank 0, which alone commits: one
+        # collective, and no rank but rank 0 holds the others' records.
+        gathered = coll.gather((entries, sizes, sums) if error is None else None)
         try:
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
         except SnapshotError:
@@ -129,14 +130,20 @@ class SnapshotWriter:
                 except Exception as exc:  # the failed write stays invisible to restore anyway
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
             raise
-        parts = [part for part in gathered if part is not None]
-        files: dict[str, int] = {}
-        checksums: dict[str, dict[str, Any]] = {}
-        for _entries, rank_sizes, rank_sums in parts:
-            files.update(rank_sizes)
-            checksums.update(rank_sums)
-        job.bytes_written = sum(files.values())
-        coll.on_rank0(lambda: self._commit(job, writer, [p[0] for p in parts], files, checksums, locked))
+
+        def commit() -> int:
+            assert gathered is not None  # rank 0
+            parts = [part for part in gathered if part is not None]
+            files: dict[str, int] = {}
+            checksums: dict[str, dict[str, Any]] = {}
+            for _entries, rank_sizes, rank_sums in parts:
+                files.update(rank_sizes)
+                checksums.update(rank_sums)
+            self._commit(job, writer, [p[0] for p in parts], files, checksums, locked)
+            return sum(files.values())
+
+        # every rank learns the bytes of all ranks' files with the commit's outcome
+        job.bytes_written = coll.on_rank0(commit)
 
     def _check_loadable(self, job: Any) -> None:
         """Refuse to write a snapshot restore could not load (off the training thread; every
