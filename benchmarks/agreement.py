@@ -125,13 +125,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rank is not None:
         _rank_main(args.rank, args.port, args.steps, args.rounds, args.rank_out)
         return 0
-    result = agreement_costs(args.steps, args.rounds)
-    from report import loop_table
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from loop import show
 
-    print(loop_table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    show(agreement_costs(args.steps, args.rounds), args.out)
     return 0
 
 

@@ -179,14 +179,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    res = loop_costs(args.steps, args.rounds, args.work_mib, args.sleep_ms)
+    show(loop_costs(args.steps, args.rounds, args.work_mib, args.sleep_ms), args.out)
+    return 0
+
+
+def show(res: dict[str, Any], out: Optional[str]) -> None:
+    """Print ``res`` as a table; also write it as JSON to ``out``, if given."""
     from report import loop_table
 
     print(loop_table(res))
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
