@@ -701,18 +701,19 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def _global_shape(entry: Any) -> Optional[list[int]]:
+def _global_shape(entry: Any) -> Optional[tuple[int, ...]]:
     """The whole tensor's shape of a manifest entry: a dense entry's own, or the extent of a
     ShardedTensor's or DTensor's shards (every rank's, merged into the entry); None if no tensor."""
-    if "shape" in entry:
-        return list(entry["shape"])
+    shape = entry.get("shape")
+    if shape is not None:
+        return tuple(shape)
     shards = entry.get("shards")
     if not shards:
         return None
-    return [
+    return tuple(
         max(shard["offsets"][d] + shard["sizes"][d] for shard in shards)
         for d in range(len(shards[0]["sizes"]))
-    ]
+    )
 
 
 def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -727,24 +728,25 @@ def _check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, An
             continue
         current = currents[key] = obj.state_dict()
         expected = {name: t for name, t in current.items() if isinstance(t, torch.Tensor)}
-        saved = {
-            entry_path[len(key) + 1:]: shape
-            for entry_path, entry in manifest.items()
-            if entry_path.startswith(key + "/") and (shape := _global_shape(entry)) is not None
-        }
-        missing = sorted(set(expected) - set(saved))
-        unexpected = sorted(set(saved) - set(expected))
-        if missing:
-            problems.append(f"{key}: the module has {missing} that the snapshot lacks")
-        if unexpected:
-            problems.append(f"{key}: the snapshot has {unexpected} that the module lacks")
-        for name in sorted(set(expected) & set(saved)):
-            shape = saved[name]
-            if list(expected[name].shape) != shape:
-                problems.append(
-                    f"{key}.{name}: shape {list(expected[name].shape)} in the module, "
-                    f"{shape} in the snapshot"
-                )
+        prefix = key + "/"
+        cut = len(prefix)
+        saved: dict[str, tuple[int, ...]] = {}
+        for entry_path, entry in manifest.items():
+            if entry_path.startswith(prefix) and (shape := _global_shape(entry)) is not None:
+                saved[entry_path[cut:]] = shape
+        if expected.keys() != saved.keys():  # (sorted only to say what differs)
+            missing = sorted(set(expected) - set(saved))
+            unexpected = sorted(set(saved) - set(expected))
+            if missing:
+                problems.append(f"{key}: the module has {missing} that the snapshot lacks")
+            if unexpected:
+                problems.append(f"{key}: the snapshot has {unexpected} that the module lacks")
+        # torch.Size is a tuple: compared with the saved shape as is, one tensor at a time
+        for name in sorted(n for n, t in expected.items() if n in saved and t.shape != saved[n]):
+            problems.append(
+                f"{key}.{name}: shape {list(expected[name].shape)} in the module, "
+                f"{list(saved[name])} in the snapshot"
+            )
     if problems:
         raise StateMismatchError(
             f"cannot restore {path}: the modules do not match the snapshot: " + "; ".join(problems)
