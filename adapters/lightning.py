@@ -492,9 +492,10 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         if step == self._last_step:
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
-        if step < self._snapshotter.step_gate:
+        snapshotter = self._snapshotter
+        if snapshotter.last_step < step < snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
-        self._snapshotter.step_end(trainer.current_epoch, step, self._collect)
+        snapshotter.step_end(trainer.current_epoch, step, self._collect)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

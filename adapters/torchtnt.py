@@ -259,9 +259,10 @@ class TorchSnapshotSaver(Callback):
             self._start(state, unit)  # called without on_train_start (or for another unit)
         progress = self._train_progress
         step = progress.num_steps_completed
-        if step < self._snapshotter.step_gate:
+        snapshotter = self._snapshotter
+        if snapshotter.last_step < step < snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
-        self._snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
+        snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
 
     def on_train_epoch_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the epoch cadence (or a plugin) says so."""

@@ -1,5 +1,7 @@
 """The step gate: a step that has nothing to do costs the adapter one comparison, and nothing is missed.
 
+The adapters skip a step end when ``last_step < step < step_gate``.
+
 ``Snapshotter.step_gate`` is the next step whose end needs a look while nothing else does (the
 next multiple of the step cadence, or under torch.distributed the ranks' next agreement if
 sooner), and 0 (every step) while something does: a snapshot being written, the last failure,
@@ -33,7 +35,7 @@ def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
     """Run step ends as the adapters do (the gate first); the steps that reached step_end()."""
     reached = []
     for step in steps:
-        if step < snap.step_gate:
+        if snap.last_step < step < snap.step_gate:
             continue
         reached.append(step)
         snap.step_end(0, step, lambda intra: state)
@@ -190,3 +192,22 @@ def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_pat
         assert committed(tmp_path) == ["epoch_0_step_2"]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_progress_rolled_back_mid_run_reaches_the_cadence_again(tmp_path):
+    """A restore in the middle of a run (back to an earlier step, e.g. after a loss spike) makes
+    the step count go down: a step at or below the last one seen always reaches step_end(), so
+    the cadence is kept on the new trajectory instead of waiting for the old gate."""
+    snap = Snapshotter(
+        str(tmp_path),
+        SnapshotConfig.build(
+            save_every_n_train_steps=3, keep_last_n_snapshots=1, async_snapshot=False,
+            save_on_train_end=False, preemption_signals=[],
+        ),
+    )
+    state = {"model": torch.nn.Linear(2, 2)}
+    snap.train_start(["model"])
+    assert gated_steps(snap, range(1, 9), state) == [1, 3, 6]
+    assert committed(tmp_path) == ["epoch_0_step_6"] and snap.step_gate == 9
+    assert gated_steps(snap, range(2, 6), state) == [2, 3]  # rolled back to step 1
+    assert committed(tmp_path) == ["epoch_0_step_3"]

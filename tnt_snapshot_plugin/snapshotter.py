@@ -195,16 +195,17 @@ class Snapshotter:
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
         self._every_n_steps = config.save_every_n_train_steps
-        #: Step ends before this step count need no step_end() call: nothing is pending or
-        #: failed, no buffers to prepare, no wall clock, no plugin asking, no signal received,
-        #: and neither the step cadence nor (under torch.distributed) the ranks' next agreement
-        #: is due before it. 0 (every step) while something needs a look, and until a step end
-        #: has told the run's step count. The adapters read it before calling step_end(); it is
-        #: recomputed after every step_end() that ran, whenever one of its inputs is assigned
-        #: (_GateInput), and when a watched signal arrives.
+        #: Step ends after :attr:`last_step` and before this step count need no step_end() call:
+        #: nothing is pending or failed, no buffers to prepare, no wall clock, no plugin asking,
+        #: no signal received, and neither the step cadence nor (under torch.distributed) the
+        #: ranks' next agreement is due before it. 0 (every step) while something needs a look,
+        #: and until a step end has told the run's step count. The adapters skip a step end when
+        #: ``last_step < step < step_gate``; it is recomputed after every step_end() that ran,
+        #: whenever one of its inputs is assigned (_GateInput), and when a watched signal arrives.
         self.step_gate = 0
-        #: the step of the last step end that ran (None: none yet this run)
-        self._last_step: Optional[int] = None
+        #: the step of the last step end that ran (-1: none yet this run). A step count at or
+        #: below it (progress rolled back mid-run by a restore) always reaches step_end().
+        self.last_step = -1
         self.__dict__.update(
             _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
         )
@@ -290,7 +291,7 @@ class Snapshotter:
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
-        self._last_step = None  # the run's first step end tells its step count (step_gate)
+        self.last_step = -1  # the run's first step end tells its step count (step_gate)
         self._regate()
         if self._lock is None:
             live_runs.discard(self._run_id)
@@ -415,9 +416,9 @@ class Snapshotter:
 
     def _regate(self) -> None:
         """Recompute :attr:`step_gate` from its inputs."""
-        preemption, last = self._preemption, self._last_step
+        preemption, last = self._preemption, self.last_step
         if (
-            last is None
+            last < 0
             or self._pending is not None
             or self._failure is not None
             or self._prepare_again is not None
@@ -439,14 +440,14 @@ class Snapshotter:
 
     def step_end(self, epoch: int, step: int, collect: Collect) -> None:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
-        # the CPU caches), so the common step, which has nothing to do, reads one attribute and
+        # the CPU caches), so the common step, which has nothing to do, reads two attributes and
         # returns (step_gate; the adapters check it before calling).
-        if step < self.step_gate:
+        if self.last_step < step < self.step_gate:
             return
         try:
             self._step_end(epoch, step, collect)
         finally:
-            self._last_step = step
+            self.last_step = step
             self._regate()
 
     def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
