@@ -493,7 +493,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
         snapshotter = self._snapshotter
-        if snapshotter.last_step < step < snapshotter.step_gate:
+        if snapshotter.last_step <= step < snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
         snapshotter.step_end(trainer.current_epoch, step, self._collect)
 

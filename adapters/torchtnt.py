@@ -260,7 +260,7 @@ class TorchSnapshotSaver(Callback):
         progress = self._train_progress
         step = progress.num_steps_completed
         snapshotter = self._snapshotter
-        if snapshotter.last_step < step < snapshotter.step_gate:
+        if snapshotter.last_step <= step < snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
         snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
 

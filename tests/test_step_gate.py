@@ -1,6 +1,6 @@
 """The step gate: a step that has nothing to do costs the adapter one comparison, and nothing is missed.
 
-The adapters skip a step end when ``last_step < step < step_gate``.
+The adapters skip a step end when ``last_step <= step < step_gate``.
 
 ``Snapshotter.step_gate`` is the next step whose end needs a look while nothing else does (the
 next multiple of the step cadence, or under torch.distributed the ranks' next agreement if
@@ -35,7 +35,7 @@ def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
     """Run step ends as the adapters do (the gate first); the steps that reached step_end()."""
     reached = []
     for step in steps:
-        if snap.last_step < step < snap.step_gate:
+        if snap.last_step <= step < snap.step_gate:
             continue
         reached.append(step)
         snap.step_end(0, step, lambda intra: state)

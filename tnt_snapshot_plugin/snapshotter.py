@@ -195,16 +195,16 @@ class Snapshotter:
         self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
         self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
         self._every_n_steps = config.save_every_n_train_steps
-        #: Step ends after :attr:`last_step` and before this step count need no step_end() call:
+        #: Step ends from :attr:`last_step` (again) to before this step count need no step_end() call:
         #: nothing is pending or failed, no buffers to prepare, no wall clock, no plugin asking,
         #: no signal received, and neither the step cadence nor (under torch.distributed) the
         #: ranks' next agreement is due before it. 0 (every step) while something needs a look,
         #: and until a step end has told the run's step count. The adapters skip a step end when
-        #: ``last_step < step < step_gate``; it is recomputed after every step_end() that ran,
+        #: ``last_step <= step < step_gate``; it is recomputed after every step_end() that ran,
         #: whenever one of its inputs is assigned (_GateInput), and when a watched signal arrives.
         self.step_gate = 0
-        #: the step of the last step end that ran (-1: none yet this run). A step count at or
-        #: below it (progress rolled back mid-run by a restore) always reaches step_end().
+        #: the step of the last step end that ran (-1: none yet this run). A step count below it
+        #: (progress rolled back mid-run by a restore) always reaches step_end().
         self.last_step = -1
         self.__dict__.update(
             _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
@@ -442,7 +442,7 @@ class Snapshotter:
         # The hot path. A training loop runs it cold (the step's own work has evicted it from
         # the CPU caches), so the common step, which has nothing to do, reads two attributes and
         # returns (step_gate; the adapters check it before calling).
-        if self.last_step < step < self.step_gate:
+        if self.last_step <= step < self.step_gate:
             return
         try:
             self._step_end(epoch, step, collect)
