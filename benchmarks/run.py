@@ -29,7 +29,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import measure
 import torch
@@ -319,27 +319,32 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
             timings["hooks"] = time.perf_counter() - t
         if "loop" not in args.skip:
+            from agreement import agreement_costs
             from loop import loop_costs
 
-            t = time.perf_counter()
-            print("## hook cost on a non-saving step in real torchtnt loops", file=log, flush=True)
-            results["loop"] = (
-                loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
-                else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0)
-            )
-            timings["loop"] = time.perf_counter() - t
-            from agreement import agreement_costs
+            def loops(title: str, timing: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+                """One real-loop part of the run: logged and timed."""
+                t = time.perf_counter()
+                print(f"## {title}", file=log, flush=True)
+                try:
+                    return fn()
+                finally:
+                    timings[timing] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            print("## the same on 2 gloo ranks (torch.distributed, subprocesses)", file=log, flush=True)
+            results["loop"] = loops(
+                "hook cost on a non-saving step in real torchtnt loops", "loop",
+                lambda: loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
+                else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0),
+            )
             try:
-                results["loop_2ranks"] = (
-                    agreement_costs(steps=20, rounds=1) if args.quick else agreement_costs(steps=100, rounds=3)
+                results["loop_2ranks"] = loops(
+                    "the same on 2 gloo ranks (torch.distributed, subprocesses)", "loop (2 ranks)",
+                    lambda: agreement_costs(steps=20, rounds=1) if args.quick
+                    else agreement_costs(steps=100, rounds=3),
                 )
             except Exception as exc:
                 results["loop_2ranks_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"  2 ranks: FAILED {results['loop_2ranks_error']}", file=log, flush=True)
-            timings["loop (2 ranks)"] = time.perf_counter() - t
         # The hook costs above run in one process without torch.distributed, as a single-process
         # torchtnt run does. The methods need a process group (torchsnapshot's async_take on
         # IPv4-only hosts): from here on every method runs in a single-process gloo group, and
@@ -347,13 +352,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # ranks agrees on preemption with the others every few steps; in a group of one, never).
         init_process_group()
         if "loop" not in args.skip:
-            t = time.perf_counter()
-            print("## the same, under torch.distributed (a 1-rank gloo group)", file=log, flush=True)
-            results["loop_distributed"] = (
-                loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
-                else loop_costs(steps=100, rounds=3, work_mib=8, sleep_ms=20.0)
+            results["loop_distributed"] = loops(
+                "the same, under torch.distributed (a 1-rank gloo group)", "loop (torch.distributed)",
+                lambda: loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
+                else loop_costs(steps=100, rounds=3, work_mib=8, sleep_ms=20.0),
             )
-            timings["loop (torch.distributed)"] = time.perf_counter() - t
         for spec in specs:
             t = time.perf_counter()
             reps = args.reps or spec.reps

@@ -95,7 +95,7 @@ class PreemptionHandler:
         """The first step from ``step`` on that :meth:`due` names."""
         return step if self._flag is None else self._flag.next_due(step)
 
-    def poll(self, vote: int = 0, step: int = 0) -> int:
+    def poll(self, vote: int, step: int) -> int:
         """PREEMPTED (2) to stop now, else the MAX of the ranks' other ``vote`` (cadence.py);
         all ranks get the same answer at the same step. Call it at the steps :meth:`due` names."""
         local = PREEMPTED if self.received is not None else vote
