@@ -22,7 +22,7 @@ from tnt_snapshot_plugin import (
     restore,
     restore_from_latest,
 )
-from tnt_snapshot_plugin.checksums import ALGO
+from tnt_snapshot_plugin.checksums import ALGO, Verifier, record_views
 from toy import Holder
 from varied import assert_identical
 from varied import zeros_like_state as zeros_like
@@ -124,9 +124,30 @@ def test_the_index_records_a_checksum_per_payload_and_one_per_packed_tensor(writ
     assert set(sums) == set(index["files"]) | {".snapshot_metadata"}  # every file, the metadata too
     assert all(rec["algo"] == ALGO for rec in sums.values())
     packed_file, start, end = payload(snapshot, "0/model/small/3")
-    ranges = sums[str(packed_file.relative_to(snapshot))]["ranges"]
-    assert [start, end] in [r[:2] for r in ranges]
-    assert len(ranges) > 1
+    record = sums[str(packed_file.relative_to(snapshot))]
+    bounds, digests = record["bounds"], record["digests"]
+    assert start in bounds and end in bounds and bounds.index(end) == bounds.index(start) + 1
+    assert len(bounds) > 2 and len(digests) == 16 * (len(bounds) - 1)
+
+
+@pytest.mark.parametrize("form", ["bounds and digests", "ranges (written before 2026-12)"])
+def test_each_packed_tensor_is_verified_on_its_own_in_either_index_form(form):
+    pieces = [bytes([i]) * (100 + i) for i in range(5)]  # five tensors packed end to end
+    record = record_views([memoryview(p) for p in pieces])
+    if form.startswith("ranges"):
+        bounds, digests = record.pop("bounds"), record.pop("digests")
+        record["ranges"] = [[bounds[i], bounds[i + 1], digests[16 * i:16 * i + 16]] for i in range(5)]
+    data = b"".join(pieces)
+    verifier = Verifier("snap", {"f": record}, {"f": len(data)})
+    verifier.check("f", 100, data[100:201])  # tensor 1 alone
+    verifier.check("f", 0, data[:303])  # tensors 0-2 in one read
+    assert verifier.verified_bytes == 101 + 303
+    damaged = bytearray(data)
+    damaged[150] ^= 1  # inside tensor 1
+    with pytest.raises(SnapshotCorruptError, match="snap/f: bytes 100-201"):
+        verifier.check("f", 100, bytes(damaged[100:201]))
+    with pytest.raises(SnapshotCorruptError, match="snap/f: bytes 100-201"):
+        verifier.check("f", 0, bytes(damaged[:303]))
 
 
 ENTRIES = {

@@ -35,7 +35,8 @@ LAUNCH_DEADLINE_S = 180
 
 
 def write_snapshot(root: Path, plans: list[writer.Plan], world_size: int = 1) -> dict[str, dict]:
-    """Write the plans' payloads with plain file writes, then the merged manifest."""
+    """Write the plans' payloads with plain file writes, then the merged manifest (returned
+    parsed: path -> record dict)."""
     for plan in plans:
         for payload in plan.payloads:
             path = root / payload.rel
@@ -45,7 +46,7 @@ def write_snapshot(root: Path, plans: list[writer.Plan], world_size: int = 1) ->
                     f.write(view)
     manifest = writer.merge([plan.entries for plan in plans])
     (root / METADATA_FNAME).write_bytes(writer.metadata_bytes(manifest, world_size))
-    return manifest
+    return {path: json.loads(record) for path, record in manifest.items()}
 
 
 def plan_for(state: dict[str, Any], **kwargs: Any) -> writer.Plan:
@@ -214,7 +215,7 @@ def test_small_tensors_are_packed_and_views_are_zero_copy():
     assert plan.nbytes == 40 * 256
     tensors["t0"].fill_(-1.0)  # the views are over the tensors' own memory
     assert bytes(packs[0].views[0]) == torch.full((64,), -1.0).numpy().tobytes()
-    ranges = [plan.entries[f"0/m/t{i}"]["byte_range"] for i in range(4)]
+    ranges = [json.loads(plan.entries[f"0/m/t{i}"])["byte_range"] for i in range(4)]
     assert ranges == [[0, 256], [256, 512], [512, 768], [768, 1024]]
 
 
@@ -278,7 +279,7 @@ def test_replicated_values_are_written_once_spread_over_ranks():
     for path in replicated:
         writers = [r for r in range(2) if f"0/{path}" in plans[r].entries]
         assert len(writers) == 1 and f"1/{path}" not in plans[1].entries, path
-        assert plans[writers[0]].entries[f"0/{path}"]["replicated"] is True
+        assert json.loads(plans[writers[0]].entries[f"0/{path}"])["replicated"] is True
     assert "0/m/own" in plans[0].entries and "1/m/own" in plans[1].entries
     assert abs(plans[0].nbytes - plans[1].nbytes) <= 4 * 60 + 4  # greedy: within the largest item
     manifest = writer.merge([p.entries for p in plans])
@@ -293,7 +294,7 @@ def test_replicable_matches_globs_and_leaves_sharded_values_out():
 
 def test_merge_refuses_two_ranks_recording_one_path_differently():
     with pytest.raises(SnapshotError, match="0/m/x"):
-        writer.merge([{"0/m/x": {"type": "int", "serialized_value": "1"}}, {"0/m/x": {"type": "int", "serialized_value": "2"}}])
+        writer.merge([{"0/m/x": '{"type": "int", "serialized_value": "1"}'}, {"0/m/x": '{"type": "int", "serialized_value": "2"}'}])
 
 
 # --- two gloo ranks: replicated values, DTensor, ShardedTensor --------------------------------

@@ -15,7 +15,7 @@ import copy
 import fnmatch
 import random
 from collections import OrderedDict
-from operator import attrgetter
+from operator import attrgetter, eq
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -403,10 +403,12 @@ class Stager:
         if keys != layout.keys:
             return None
         values = list(obj.values())
-        # Compared as whole lists, in C: the same tensor types, shapes, dtypes and layouts.
+        # Compared in C: the same tensor types, shapes, dtypes and layouts. Each shape is a new
+        # torch.Size, compared and dropped one at a time: a list of 10,000 of them, held for the
+        # comparison, was enough for Python's collector to move them to its oldest generation.
         if (
             list(map(type, values)) != layout.types
-            or list(map(_SHAPE, values)) != layout.shapes
+            or not all(map(eq, map(_SHAPE, values), layout.shapes))
             or list(map(_DTYPE, values)) != layout.dtypes
             or list(map(_LAYOUT, values)) != layout.layouts
         ):

@@ -3,9 +3,12 @@
 The index ``.tnt_snapshot_index.json`` holds, under ``checksums``, one record per payload file
 (``{"algo": "xxh3_64", "value": HEX}``, the whole file's digest, as ``tnt-snapshot verify``
 checks it), computed by the writer (``writer_job``) from the buffers in hand just before each
-file is written. A file of several small tensors packed end to end also gets
-``"ranges": [[start, end, HEX], ...]``, one per tensor: the reader reads such tensors by byte
-range, and each range is verified on its own.
+file is written. A file of several small tensors packed end to end also gets one digest per
+tensor: the reader reads such tensors by byte range, and each range is verified on its own.
+They are ``"bounds": [0, end_1, ..., end_n]`` (the tensors lie end to end) and ``"digests"``,
+the n hex digests (16 characters each) one after the other: two JSON values a file, where a
+list a tensor (``"ranges": [[start, end, HEX], ...]``, which snapshots written before 2026-12
+hold, and which is still read) made 10,000 small lists to parse, hold and collect.
 
 xxh3_64 (the ``xxhash`` package) was measured against google-crc32c on the project's machine
 (benchmarks/checksum_speed.py): 17-19 GB/s on 64 MiB, 49 GB/s on 1 MiB and 23 GB/s on 4 KiB
@@ -55,21 +58,39 @@ def new_hasher() -> Streaming:
     return Streaming()
 
 
-def record_views(views: list[memoryview]) -> dict[str, Any]:
-    """The checksum record of a file written as ``views`` end to end: the whole file's digest,
-    and one per view when there are several (tensors packed into one file are read, and
-    verified, one by one)."""
+#: The length of one hex digest in ``"digests"``.
+DIGEST_CHARS = 16
+
+
+def record_views(views: list[Any]) -> dict[str, Any]:
+    """The checksum record of a file written as ``views`` (contiguous buffers, each with
+    ``nbytes``) end to end: the whole file's digest, and one per view when there are several
+    (tensors packed into one file are read, and verified, one by one)."""
     if len(views) == 1:
-        return {"algo": ALGO, "value": _digest(_bytes_view(views[0]))}
+        return {"algo": ALGO, "value": _digest(views[0])}
     whole = xxhash.xxh3_64()
-    ranges = []
+    update = whole.update
+    bounds = [0]
+    digests = []
     offset = 0
     for view in views:
-        view = _bytes_view(view)
-        whole.update(view)
-        ranges.append([offset, offset + view.nbytes, _digest(view)])
+        update(view)
+        digests.append(_digest(view))
         offset += view.nbytes
-    return {"algo": ALGO, "value": whole.hexdigest(), "ranges": ranges}
+        bounds.append(offset)
+    return {"algo": ALGO, "value": whole.hexdigest(), "bounds": bounds, "digests": "".join(digests)}
+
+
+def _packed_ranges(rec: dict[str, Any]) -> Optional[list[Any]]:
+    """A record's per-tensor ranges, ``[(start, end, digest), ...]`` (from either form), or None."""
+    bounds, digests = rec.get("bounds"), rec.get("digests")
+    if isinstance(bounds, list) and isinstance(digests, str):
+        if len(digests) != DIGEST_CHARS * (len(bounds) - 1):
+            return None  # a damaged record: the whole file is still checked
+        w = DIGEST_CHARS
+        return [(bounds[i], bounds[i + 1], digests[i * w:i * w + w]) for i in range(len(bounds) - 1)]
+    ranges = rec.get("ranges")
+    return ranges if isinstance(ranges, list) else None
 
 
 class Verifier:
@@ -91,7 +112,7 @@ class Verifier:
             self._records[rel] = (size, rec["value"], [], [])
             if size is not None:
                 self._exact[rel, 0, size] = rec["value"]
-            ranges = rec.get("ranges")
+            ranges = _packed_ranges(rec)
             if ranges:
                 self._raw[rel] = ranges
                 exact = self._exact

@@ -20,6 +20,8 @@ import os
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
+import numpy as np
+
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
 # to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
 # copied, and the final fdatasync mostly waits for writes already in flight instead of starting
@@ -65,13 +67,21 @@ def is_inside(root: str, rel: str) -> bool:
     return os.path.realpath(os.path.join(root, rel)).startswith(os.path.join(os.path.realpath(root), ""))
 
 
-def byte_views(data: Sequence[Any]) -> list[memoryview]:
-    """Flat unsigned-byte views of the buffers ``data`` (no copy)."""
-    views = []
+def byte_views(data: Sequence[Any]) -> list[Any]:
+    """Flat unsigned-byte views of the buffers ``data`` (no copy). A flat ``uint8`` numpy array
+    (what the format writer hands out for tensors) is one already and is kept as it is: it is
+    not tracked by the garbage collector, where a memoryview is."""
+    views: list[Any] = []
     for buf in data:
+        if type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype is _UINT8:
+            views.append(buf)
+            continue
         view = memoryview(buf)
         views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
     return views
+
+
+_UINT8 = np.dtype(np.uint8)
 
 
 def write_gathered(fd: int, views: list[memoryview]) -> None:

@@ -94,7 +94,7 @@ class SnapshotWriter:
             store.begin(job.staging, {**writer, "started_at": time.time()})
 
         coll.on_rank0(begin)
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, str] = {}  # manifest path -> record (JSON text)
         sizes: dict[str, int] = {}
         sums: dict[str, dict[str, Any]] = {}
         error: Optional[BaseException] = None
@@ -219,7 +219,7 @@ class SnapshotWriter:
         self,
         job: Any,
         writer: dict[str, Any],
-        parts: list[dict[str, dict[str, Any]]],
+        parts: list[dict[str, str]],
         files: dict[str, int],
         checksums: dict[str, dict[str, Any]],
         locked: bool,

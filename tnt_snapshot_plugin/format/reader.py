@@ -39,9 +39,10 @@ import torch
 
 from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
 from ..loading import load_object, refusal
-from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, decode, encode, memory_of
+from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, decode, encode, flat_bytes
 
-Read = tuple[str, int, memoryview]
+#: (file, offset, destination: a flat writable byte buffer, a numpy array or a memoryview)
+Read = tuple[str, int, Any]
 #: ``read_into(reads, done=None)``: fills every read (``Store.read_into`` of one snapshot)
 ReadInto = Callable[..., None]
 FileSize = Callable[[str], Optional[int]]
@@ -331,7 +332,7 @@ class _Plan:
             raise self.corrupt(path, f"its byte range {byte_range} does not hold {nbytes} bytes", rel)
         return start, end - start
 
-    def read(self, rel: str, offset: int, view: memoryview, path: str) -> None:
+    def read(self, rel: str, offset: int, view: Any, path: str) -> None:
         if view.nbytes:
             self.reads.append((rel, offset, view))
             self.names.append(path)
@@ -343,7 +344,7 @@ class _Plan:
         rel = self.location(entry, path)
         start, _ = self.span(entry, path, rel, dst.numel() * dst.element_size())
         if dst.numel():
-            self.read(rel, start, memory_of(dst), path)  # dst (the target's) outlives the read
+            self.read(rel, start, flat_bytes(dst), path)
 
     def payload(self, path: str, entry: dict) -> Callable[[], torch.Tensor]:
         """Read a tensor entry into new memory; returns what gives the tensor once read."""

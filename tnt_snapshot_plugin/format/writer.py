@@ -1,9 +1,14 @@
 """Write state dicts in torchsnapshot's on-disk format, without torchsnapshot.
 
-The writer turns each rank's state into manifest records (plain dicts, torchsnapshot's schema) and
-payloads (byte views to write to files); the caller writes the payloads, gathers every rank's
-records on rank 0 (:func:`merge`) and writes ``.snapshot_metadata`` (:func:`metadata_bytes`) last.
-Stock torchsnapshot restores what it writes. The choices, where the format leaves room:
+The writer turns each rank's state into manifest records (each one entry of torchsnapshot's
+schema, as its JSON text) and payloads (byte buffers to write to files); the caller writes the
+payloads, gathers every rank's records on rank 0 (:func:`merge`) and writes ``.snapshot_metadata``
+(:func:`metadata_bytes`) last. Stock torchsnapshot restores what it writes.
+
+Records are JSON text, and buffers are numpy arrays, because neither is tracked by Python's
+garbage collector: a snapshot of 10,000 tensors holds 10,000 of each until it is written, and
+as dicts and memoryviews (about seven tracked objects a tensor) they set off a full collection
+of the training process's heap in most snapshots. The choices, where the format leaves room:
 
 * **Paths.** :func:`flatten` builds logical paths exactly as torchsnapshot's ``flatten`` does:
   lists and dicts/OrderedDicts whose keys are all ``str``/``int`` with distinct ``str()`` are
@@ -42,13 +47,13 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from ..errors import ConfigError, SnapshotError
-from .common import DTYPE_NAMES, FORMAT_VERSION, RAW, RAW_DTYPES, TORCH_SAVE, encode, memory_of
+from .common import DTYPE_NAMES, FORMAT_VERSION, RAW, RAW_DTYPES, TORCH_SAVE, encode, flat_bytes
 
 #: What a replicated object is assumed to cost when spreading replicated writes over the ranks
 #: (its size is only known once it is serialized, and every rank must agree without serializing).
@@ -59,6 +64,15 @@ MAX_COMPONENT_BYTES = 200
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PRIMITIVES = {int: "int", str: "str", bool: "bool", bytes: "bytes", float: "float"}
+
+#: A str as a JSON string literal, non-ASCII kept as is (``json.dumps(text, ensure_ascii=False)``,
+#: in C, without the call's overhead: it runs once per entry).
+_json_str = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
+def _text(record: Mapping[str, Any]) -> str:
+    """A manifest record as JSON text (as :func:`metadata_bytes` writes it)."""
+    return json.dumps(record, ensure_ascii=False)
 
 
 # --- flatten ----------------------------------------------------------------------------------
@@ -155,19 +169,20 @@ def _write_cost(value: Any) -> int:
 @dataclass
 class Payload:
     """One file to write: ``rel`` (relative to the snapshot directory, ``/``-separated) holds the
-    concatenation of ``views``; ``keep`` holds the objects owning their memory until written."""
+    concatenation of ``views``: flat byte buffers (``uint8`` numpy arrays over tensors, which keep
+    their memory alive, or memoryviews over serialized bytes), each with ``nbytes``."""
 
     rel: str
-    views: list[memoryview]
-    keep: list[Any] = field(default_factory=list)
+    views: list[Any]
 
 
 @dataclass
 class Plan:
     """What one rank writes: its manifest records (full paths ``RANK/...``, and ``0/...`` for the
-    replicated values it writes), its payloads, and their total size in bytes."""
+    replicated values it writes; each record as JSON text, ``json.loads`` gives the dict), its
+    payloads, and their total size in bytes."""
 
-    entries: dict[str, dict]
+    entries: dict[str, str]
     payloads: list[Payload]
     nbytes: int
 
@@ -190,7 +205,7 @@ def plan(
     Raises :class:`~tnt_snapshot_plugin.errors.ConfigError` for a value the format cannot hold."""
     builder = _Builder(rank, pack_bytes)
     for path, record in containers.items():
-        builder.entries[f"{rank}/{path}"] = record
+        builder.entries[f"{rank}/{path}"] = _text(record)
     writers = _replicated_writers(leaves, replicated, world_size) if replicated else {}
     for path, value in leaves.items():
         writer = writers.get(path)
@@ -207,11 +222,14 @@ class _Builder:
     def __init__(self, rank: int, pack_bytes: int) -> None:
         self.rank = rank
         self.pack_bytes = pack_bytes
-        self.entries: dict[str, dict] = {}
+        self.entries: dict[str, str] = {}
         self.payloads: list[Payload] = []
         self.nbytes = 0
         self._pack: Optional[Payload] = None
         self._pack_size = 0
+        self._pack_location = ""  # the pack's rel as a JSON string literal
+        #: shape -> its JSON text (a model has few distinct shapes; formatting one costs microseconds)
+        self._shapes: dict[tuple[int, ...], str] = {}
 
     def finish(self) -> Plan:
         return Plan(self.entries, self.payloads, self.nbytes)
@@ -221,21 +239,21 @@ class _Builder:
         if kind in _PLAIN_TENSOR_TYPES:
             self.entries[manifest_path] = self.tensor(path, value, None, replicated)
         elif kind in _PRIMITIVES:
-            self.entries[manifest_path] = _primitive_record(_PRIMITIVES[kind], value, replicated)
+            self.entries[manifest_path] = _text(_primitive_record(_PRIMITIVES[kind], value, replicated))
         elif isinstance(value, torch.Tensor) and _is_distributed(value):
             self.add_distributed(path, manifest_path, value, replicated)
         elif isinstance(value, torch.Tensor):
             self.entries[manifest_path] = self.tensor(path, value, None, replicated)
         else:
-            self.entries[manifest_path] = self.object(path, value, replicated)
+            self.entries[manifest_path] = _text(self.object(path, value, replicated))
 
     # -- tensors
 
     def tensor(
         self, path: str, tensor: torch.Tensor, own_rel: Optional[str], replicated: bool, pack: bool = True
-    ) -> dict:
-        """The record of a dense tensor; its bytes go to a pack, or to ``own_rel`` (default: the
-        file of ``path`` under this rank's directory)."""
+    ) -> str:
+        """The record (JSON text) of a dense tensor; its bytes go to a pack, or to ``own_rel``
+        (default: the file of ``path`` under this rank's directory)."""
         dtype_name = DTYPE_NAMES.get(tensor.dtype)
         if dtype_name is None:
             raise ConfigError(
@@ -243,49 +261,44 @@ class _Builder:
                 f"(it knows {', '.join(sorted(DTYPE_NAMES.values()))}); convert the tensor in the "
                 "state_dict (e.g. .to(torch.float32)) or store it as another type."
             )
-        shape = list(tensor.shape)
-        cpu, view = _tensor_bytes(tensor)
-        serializer = RAW if cpu is not None else TORCH_SAVE
+        shape = self._shapes.get(tensor.shape)
+        if shape is None:
+            shape = self._shapes[tensor.shape] = json.dumps(list(tensor.shape))
+        raw, view = _tensor_bytes(tensor)
         size = view.nbytes
         if pack and 0 < self.pack_bytes and size < self.pack_bytes:
-            location, byte_range = self._packed(view, cpu)
+            start = self._packed(view)
+            location, byte_range = self._pack_location, f"[{start}, {start + size}]"
         else:
-            location, byte_range = own_rel or f"{self.rank}/{_safe(path)}", None
-            self._own_file(location, view, cpu)
-        return {
-            "type": "Tensor",
-            "location": location,
-            "serializer": serializer,
-            "dtype": dtype_name,
-            "shape": shape,
-            "replicated": replicated,
-            "byte_range": byte_range,
-        }
+            rel = own_rel or f"{self.rank}/{_safe(path)}"
+            self._own_file(rel, view)
+            location, byte_range = _json_str(rel), "null"
+        return _tensor_text(location, RAW if raw else TORCH_SAVE, dtype_name, shape, replicated, byte_range)
 
-    def _packed(self, view: memoryview, owner: Any) -> tuple[str, list[int]]:
+    def _packed(self, view: Any) -> int:
+        """Append ``view`` to the current pack (a new one when it would overflow); its offset there."""
         size = view.nbytes
         pack = self._pack
         if pack is None or self._pack_size + size > self.pack_bytes:
-            pack = self._pack = Payload(f"batched/{self.rank}-{len(self.payloads)}", [], [])
+            pack = self._pack = Payload(f"batched/{self.rank}-{len(self.payloads)}", [])
+            self._pack_location = _json_str(pack.rel)
             self.payloads.append(pack)
             self._pack_size = 0
         start = self._pack_size
         pack.views.append(view)
-        if owner is not None:
-            pack.keep.append(owner)
         self._pack_size = start + size
         self.nbytes += size
-        return pack.rel, [start, start + size]
+        return start
 
-    def _own_file(self, rel: str, view: memoryview, owner: Any) -> None:
-        self.payloads.append(Payload(rel, [view], [] if owner is None else [owner]))
+    def _own_file(self, rel: str, view: Any) -> None:
+        self.payloads.append(Payload(rel, [view]))
         self.nbytes += view.nbytes
 
     # -- objects
 
     def object(self, path: str, value: Any, replicated: bool) -> dict:
         rel = f"{self.rank}/{_safe(path)}"
-        self._own_file(rel, memoryview(_torch_save(value)), None)
+        self._own_file(rel, memoryview(_torch_save(value)))
         kind = type(value)
         return {
             "type": "object",
@@ -300,7 +313,7 @@ class _Builder:
     def add_distributed(self, path: str, manifest_path: str, value: torch.Tensor, replicated: bool) -> None:
         sharded_tensor, _dtensor, _shard = _distributed_types()
         if sharded_tensor is not None and isinstance(value, sharded_tensor):
-            self.entries[manifest_path] = self.sharded_tensor(path, value)
+            self.entries[manifest_path] = _text(self.sharded_tensor(path, value))
         else:
             self.add_dtensor(path, manifest_path, value, replicated)
 
@@ -313,7 +326,7 @@ class _Builder:
                 {
                     "offsets": offsets,
                     "sizes": list(local.metadata.shard_sizes),
-                    "tensor": self.tensor(path, local.tensor, rel, False),
+                    "tensor": json.loads(self.tensor(path, local.tensor, rel, False)),
                 }
             )
         return {"type": "ShardedTensor", "shards": shards}
@@ -332,33 +345,36 @@ class _Builder:
         rel = _shard_rel(writer, path, offsets)
         if writer == self.rank:
             # a shard no other rank records can be packed; one its replicas point at cannot
-            tensor = self.tensor(path, value.to_local(), rel, False, pack=len(group) == 1 or fully_replicated)
+            text = self.tensor(path, value.to_local(), rel, False, pack=len(group) == 1 or fully_replicated)
         else:
-            tensor = _pointer_record(rel, value.to_local())
+            text = _pointer_record(rel, value.to_local())
         record = {
             "type": "DTensor",
-            "shards": [{"offsets": offsets, "sizes": sizes, "tensor": tensor}],
+            "shards": [{"offsets": offsets, "sizes": sizes, "tensor": json.loads(text)}],
             "mesh": value.device_mesh.mesh.tolist(),
             "dim_map": dim_map,
         }
-        self.entries[manifest_path if replicated or not fully_replicated else f"0/{path}"] = record
+        self.entries[manifest_path if replicated or not fully_replicated else f"0/{path}"] = _text(record)
 
 
-def _pointer_record(rel: str, local: torch.Tensor) -> dict:
+def _tensor_text(location: str, serializer: str, dtype: str, shape: str, replicated: bool, byte_range: str) -> str:
+    """A tensor's record as JSON text, from the JSON texts of its location, shape and byte range
+    (``null`` or ``[start, end]``): what ``_text`` makes of the same record as a dict, formatted
+    directly (it is the one record written once per tensor)."""
+    return (
+        f'{{"type": "Tensor", "location": {location}, "serializer": "{serializer}", "dtype": "{dtype}", '
+        f'"shape": {shape}, "replicated": {"true" if replicated else "false"}, "byte_range": {byte_range}}}'
+    )
+
+
+def _pointer_record(rel: str, local: torch.Tensor) -> str:
     """The record of a DTensor shard that another rank of its replica group writes to ``rel``."""
     dtype_name = DTYPE_NAMES.get(local.dtype)
     if dtype_name is None:
         raise ConfigError(f"a DTensor of dtype {local.dtype} cannot be saved in torchsnapshot's format.")
     raw = local.dtype in RAW_DTYPES and local.numel() > 0
-    return {
-        "type": "Tensor",
-        "location": rel,
-        "serializer": RAW if raw else TORCH_SAVE,
-        "dtype": dtype_name,
-        "shape": list(local.shape),
-        "replicated": False,
-        "byte_range": None,
-    }
+    shape = json.dumps(list(local.shape))
+    return _tensor_text(_json_str(rel), RAW if raw else TORCH_SAVE, dtype_name, shape, False, "null")
 
 
 #: (the ranks holding this rank's shard of a DTensor, the shard's offsets, its sizes, dim_map)
@@ -394,9 +410,9 @@ def _shard_rel(rank: int, path: str, offsets: Sequence[int]) -> str:
     return f"{rank}/{_safe(path)}/shard_{'_'.join(str(o) for o in offsets)}"
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> tuple[Optional[torch.Tensor], memoryview]:
-    """(the CPU contiguous tensor whose memory the view covers, or None when the view is over
-    ``torch.save`` bytes; the bytes to store)."""
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[bool, Any]:
+    """(whether the bytes are the tensor's raw memory, rather than its ``torch.save`` bytes; the
+    bytes to store, a flat byte buffer that keeps its memory alive)."""
     if tensor.requires_grad:
         tensor = tensor.detach()
     if not tensor.is_cpu:
@@ -404,10 +420,10 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[Optional[torch.Tensor], memoryv
     if tensor.dtype in RAW_DTYPES and tensor.numel():
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        return tensor, memory_of(tensor)
+        return True, flat_bytes(tensor)
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()  # torch.save writes a view's whole storage; save only the view
-    return None, memoryview(_torch_save(tensor))
+    return False, memoryview(_torch_save(tensor))
 
 
 def _torch_save(value: Any) -> bytes:
@@ -485,10 +501,10 @@ def _safe_component(component: str) -> str:
 # --- the manifest -----------------------------------------------------------------------------
 
 
-def merge(parts: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
+def merge(parts: Sequence[Mapping[str, str]]) -> dict[str, str]:
     """Rank 0: the snapshot's manifest from every rank's ``Plan.entries`` (in rank order).
     Two ranks recording the same path differently is a bug in the caller: raises SnapshotError."""
-    manifest: dict[str, dict] = {}
+    manifest: dict[str, str] = {}
     for part in parts:
         for path, record in part.items():
             known = manifest.setdefault(path, record)
@@ -505,12 +521,14 @@ def merge(parts: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
 _YAML_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
 
 
-def metadata_bytes(manifest: Mapping[str, dict], world_size: int) -> bytes:
-    """The contents of ``.snapshot_metadata``: JSON, which torchsnapshot's YAML parser reads.
+def metadata_bytes(manifest: Mapping[str, str], world_size: int) -> bytes:
+    """The contents of ``.snapshot_metadata`` (``manifest``: path -> record, JSON text, as
+    :func:`merge` returns it): JSON, which torchsnapshot's YAML parser reads.
     Non-ASCII text is written as UTF-8, not as JSON escapes: libyaml rejects the escaped
     surrogate pairs that ``json.dumps`` writes for characters beyond the BMP (emoji)."""
-    document = {"version": FORMAT_VERSION, "world_size": world_size, "manifest": manifest}
-    text = json.dumps(document, ensure_ascii=False)
+    head = json.dumps({"version": FORMAT_VERSION, "world_size": world_size})
+    body = ", ".join([f"{_json_str(path)}: {record}" for path, record in manifest.items()])
+    text = f'{head[:-1]}, "manifest": {{{body}}}}}'
     if text.isascii():  # nothing for YAML to choke on (the common case: one pass less)
         return text.encode()
     return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()

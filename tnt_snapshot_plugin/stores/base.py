@@ -45,8 +45,10 @@ LOCK_FNAME = ".tnt_snapshot.lock"
 LEASE_FNAME = ".tnt_snapshot.lease.json"
 
 Buffer = Union[bytes, bytearray, memoryview]
-#: One read of :meth:`Store.read_into`: (file relative to the snapshot, offset, writable byte view).
-Read = tuple[str, int, memoryview]
+#: One read of :meth:`Store.read_into`: (file relative to the snapshot, offset, destination): the
+#: destination is a flat writable byte buffer with ``nbytes`` (a memoryview, or a ``uint8`` numpy
+#: array over a tensor: ``format.common.flat_bytes``).
+Read = tuple[str, int, Any]
 #: ``done(indices)``: the reads of those indices are filled (see :meth:`Store.read_into`)
 Done = Callable[[list[int]], None]
 
@@ -197,9 +199,10 @@ class Store:
     def read_into(
         self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
     ) -> None:
-        """Fill each ``dest`` of ``reads`` (``(rel, offset, dest)``, ``dest`` a writable byte view)
-        with bytes ``[offset, offset + len(dest))`` of file ``rel`` of child ``name``. A missing or
-        short file, or a ``rel`` outside the snapshot, raises SnapshotCorruptError naming it.
+        """Fill each ``dest`` of ``reads`` (``(rel, offset, dest)``, ``dest`` a flat writable byte
+        buffer, see ``Read``) with bytes ``[offset, offset + dest.nbytes)`` of file ``rel`` of
+        child ``name``. A missing or short file, or a ``rel`` outside the snapshot, raises
+        SnapshotCorruptError naming it.
 
         ``done(indices)``, if given, is called with the indices (in ``reads``) of the ``dest``s
         filled so far, every index once, before this returns; a store that reads in pieces calls

@@ -165,7 +165,7 @@ class MemoryStore(Store):
                     f"{self.child(name)}/{rel} ends at byte {len(data)}, before the end of an entry it "
                     f"holds (bytes {offset}-{offset + size}): the file is truncated"
                 )
-            dest[:] = data[offset:offset + size]
+            memoryview(dest)[:] = data[offset:offset + size]
             if done is not None:
                 done([index])
 
@@ -429,7 +429,7 @@ class FaultyStore(Store):
                 for _rel, _offset, dest in reads:
                     if fault.short_by and dest.nbytes:
                         cut = max(0, dest.nbytes - fault.short_by)
-                        dest[cut:] = bytes(dest.nbytes - cut)
+                        memoryview(dest)[cut:] = bytes(dest.nbytes - cut)
                     if fault.flip and dest.nbytes:
                         dest[0] ^= 0xFF
             if done is not None:  # the bytes as the fault left them
