@@ -6,7 +6,7 @@ process, interleaved (on, off, off, on, ...), medians.
     python benchmarks/checksum_cost.py --states 1GiB --reps 5
     python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
 
-Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payloads``,
+Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payload``,
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
 of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
 ``checksums.Verifier.check``, called as each read lands (``format.reader`` through the store's

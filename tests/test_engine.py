@@ -18,7 +18,8 @@ import torch
 
 from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.errors import SnapshotCorruptError
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotWriteError
+from tnt_snapshot_plugin.format.common import flat_bytes
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from toy import Holder
@@ -122,7 +123,51 @@ def test_a_manifest_naming_a_file_outside_the_snapshot_is_refused(tmp_path, dtyp
     assert torch.equal(target, torch.full((1024,), 7.0, dtype=dtype))  # nothing was read into it
 
 
-def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_path, monkeypatch):
+def buffers_over(parts: list[bytes], kind: str, writable: bool = False) -> list:
+    """Flat byte buffers holding ``parts``: memoryviews, or (as the format writer and reader
+    hand them to the stores) numpy arrays over tensors of several dtypes and shapes."""
+    if kind == "memoryview":
+        return [memoryview(bytearray(p) if writable else p) for p in parts]
+    dtypes = [torch.uint8, torch.bfloat16, torch.int16]
+    out = []
+    for i, p in enumerate(parts):
+        dtype = dtypes[i % 3] if len(p) % 2 == 0 else torch.uint8
+        tensor = torch.frombuffer(bytearray(p), dtype=torch.uint8).view(dtype)
+        out.append(flat_bytes(tensor.reshape(1, -1) if i % 4 == 0 else tensor))
+    return out
+
+
+BUFFER_KINDS = ["memoryview", "numpy over tensors"]
+
+
+def test_a_failure_late_in_planning_waits_for_the_files_already_being_written(tmp_path, monkeypatch):
+    """Full packs are written while the rest of the state is planned; when the plan then fails
+    (a dtype the format cannot hold, last in the state), the snapshot waits for the files already
+    being written before it removes its staging directory: none is written into a removed one."""
+    real_write = fileio.write_durably
+    ended = []
+
+    def slow_write(path, data, feed=None):
+        time.sleep(0.05)
+        real_write(path, data, feed=feed)
+        ended.append((time.perf_counter(), os.path.exists(path)))
+
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=False, on_save_error="raise"))
+    saver.train_start(["h"], 0, 0)
+    saver.save(0, 1, {"h": Holder({"w": torch.ones(3)})})
+    state = {f"t{i}": torch.full((4096,), float(i)) for i in range(3000)}  # 16 KiB each: 12 packs
+    state["z"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(fileio, "write_durably", slow_write)
+    with pytest.raises(SnapshotWriteError, match="float8"):
+        saver.save(0, 2, {"h": Holder(state)})
+    returned = time.perf_counter()
+    assert len(ended) >= 1  # packs were written before the plan reached the last tensor
+    assert all(at < returned and existed for at, existed in ended)
+    assert sorted(os.listdir(tmp_path)) == [".tnt_snapshot.lock", "epoch_0_step_1"]
+
+
+@pytest.mark.parametrize("kind", BUFFER_KINDS)
+def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_path, monkeypatch, kind):
     """Packed tensors are written with writev straight from their memory: the kernel may write
     less than asked (even mid-buffer), and takes at most IOV_MAX buffers per call."""
     parts = [bytes([i % 251]) * (1 + i % 37) for i in range(3000)]
@@ -139,17 +184,18 @@ def test_gathered_writes_survive_short_writes_and_more_buffers_than_iov_max(tmp_
 
     monkeypatch.setattr(os, "writev", short_writev)
     path = tmp_path / "f"
-    fileio.write_durably(str(path), [memoryview(p) for p in parts])
+    fileio.write_durably(str(path), buffers_over(parts, kind))
     assert path.read_bytes() == b"".join(parts)
     assert max(calls) == 1024 and len(calls) == 6  # halves and the rest, three times
 
 
-def test_packed_reads_take_one_preadv_per_run_and_survive_short_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", BUFFER_KINDS)
+def test_packed_reads_take_one_preadv_per_run_and_survive_short_reads(tmp_path, monkeypatch, kind):
     """Tensors packed end to end are read with one ``preadv`` per run of adjacent ranges (at
     most IOV_MAX buffers), straight into their targets; the kernel may return less than asked."""
     parts = [bytes([i % 251]) * (1 + i % 37) for i in range(3000)]
     (tmp_path / "f").write_bytes(b"".join(parts))
-    bufs = [memoryview(bytearray(len(p))) for p in parts]
+    bufs = buffers_over([bytes(len(p)) for p in parts], kind, writable=True)
     reads, offset = [], 0
     for buf in bufs:
         reads.append(("f", offset, buf))

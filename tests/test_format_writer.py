@@ -219,6 +219,30 @@ def test_small_tensors_are_packed_and_views_are_zero_copy():
     assert ranges == [[0, 256], [256, 512], [512, 768], [768, 1024]]
 
 
+def test_each_payload_is_handed_out_as_soon_as_it_is_complete():
+    """With ``emit``, a full pack (and a file of its own at once) goes to the caller while the
+    rest of the state is still being planned, so that it is written meanwhile."""
+
+    class Counting(dict):  # counts the leaves plan() has taken so far
+        taken = 0
+
+        def items(self):
+            for item in super().items():
+                self.taken += 1
+                yield item
+
+    leaves = Counting({f"m/t{i}": torch.full((64,), float(i)) for i in range(40)})  # 256 bytes each
+    leaves["m/big"] = torch.zeros(1000)  # 4000 bytes: a file of its own
+    emitted = []
+    plan = writer.plan({}, leaves, rank=0, world_size=1, replicated=set(), pack_bytes=1024,
+                       emit=lambda p: emitted.append((p.rel, leaves.taken, sum(v.nbytes for v in p.views))))
+    assert plan.payloads == [] and plan.nbytes == 40 * 256 + 4000
+    # pack N is full when the 4(N+1)+1-th tensor comes; the big one at once; the last pack at the end
+    assert emitted[:3] == [("batched/0-0", 5, 1024), ("batched/0-1", 9, 1024), ("batched/0-2", 13, 1024)]
+    assert emitted[-2:] == [("0/m/big", 41, 4000), ("batched/0-9", 41, 1024)]
+    assert len(emitted) == 11
+
+
 def test_unsupported_dtype_is_a_config_error_naming_the_path():
     with pytest.raises(ConfigError, match="m/f8.*float8"):
         plan_for({"m": {"f8": torch.zeros(2, dtype=torch.float8_e4m3fn)}})

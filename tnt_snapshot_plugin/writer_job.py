@@ -6,8 +6,9 @@ synchronous snapshot). For each snapshot, on every rank:
 1. check that restore could load every object entry (``loading.LoadCheck``; the ranks agree);
 2. rank 0 marks the staging directory as the plugin's (its writer marker);
 3. flatten the frozen state into manifest records and payloads (``format.writer``) and write the
-   payloads through the store, several files at once, each file's checksum computed from the
-   bytes in hand (``checksums``);
+   payloads through the store, several files at once, each as soon as it is complete (while the
+   rest is still being planned), each file's checksum computed from the bytes in hand
+   (``checksums``);
 4. one collective gathers every rank's records, file sizes, checksums and outcome;
 5. rank 0 commits: ``.snapshot_metadata`` (the manifest) and the plugin's index, by the store's
    commit strategy (a rename on disk, the metadata written last on an object store); then
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Optional
 
 from . import retention
@@ -110,14 +111,22 @@ class SnapshotWriter:
         # Collective, made by every rank whatever happened above.
         replicated = self._agree_replicated(job, leaves if error is None else {})
         if error is None:
+            writes = _Writes(self, job.staging)
             try:
-                plan = fmt.plan(
-                    containers, leaves, rank=coll.rank, world_size=coll.world_size, replicated=replicated
-                )
-                entries = plan.entries
-                sizes, sums = self._write_payloads(job.staging, plan.payloads)
+                entries = fmt.plan(
+                    containers,
+                    leaves,
+                    rank=coll.rank,
+                    world_size=coll.world_size,
+                    replicated=replicated,
+                    emit=writes.submit,
+                ).entries
             except Exception as exc:
                 error = _write_error(job, exc)
+            try:  # every write submitted is waited for, even after a failure (then discarded)
+                sizes, sums = writes.finish()
+            except Exception as exc:
+                error = error or _write_error(job, exc)
         # Every rank's records, sizes and checksums, to rank 0, which alone commits: one
         # collective, and no rank but rank 0 holds the others' records.
         gathered = coll.gather((entries, sizes, sums) if error is None else None)
@@ -173,45 +182,36 @@ class SnapshotWriter:
         everyone = self.coll.all_gather(mine)
         return set.intersection(*(set(paths) for paths in everyone))
 
-    def _write_payloads(
-        self, staging: str, payloads: list[fmt.Payload]
-    ) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
-        """Write every payload file of this rank (several at once); their sizes and checksums."""
-        store = self.store
+    def _io_pool(self) -> Optional[ThreadPoolExecutor]:
+        """The I/O threads (None: write on the calling thread, ``max_per_rank_io_concurrency`` 1)."""
         threads = self.config.knobs.max_per_rank_io_concurrency or DEFAULT_IO_THREADS
+        if threads <= 1:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
+        return self._pool
 
-        def one(payload: fmt.Payload) -> tuple[str, int, dict[str, Any]]:
-            # From the bytes in hand: a file of one payload hashed piece by piece as it is written
-            # (in the CPU's cache), packed tensors each on its own just before (they are small).
-            hasher = None
-            if len(payload.views) == 1:
-                hasher = new_hasher()
-            else:
-                checksum = record_views(payload.views)
-            try:
-                store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
-            except SnapshotError:
-                raise
-            except Exception as exc:
-                raise SnapshotWriteError(
-                    f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            if hasher is not None:
-                checksum = hasher.record()
-            return payload.rel, sum(v.nbytes for v in payload.views), checksum
-
-        sizes: dict[str, int] = {}
-        sums: dict[str, dict[str, Any]] = {}
-        if len(payloads) <= 1 or threads <= 1:
-            results = [one(p) for p in payloads]
+    def _write_payload(self, staging: str, payload: fmt.Payload) -> tuple[str, int, dict[str, Any]]:
+        """Write one payload file; (its name, size, checksum record)."""
+        store = self.store
+        # From the bytes in hand: a file of one payload hashed piece by piece as it is written
+        # (in the CPU's cache), packed tensors each on its own just before (they are small).
+        hasher = None
+        if len(payload.views) == 1:
+            hasher = new_hasher()
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
-            results = list(self._pool.map(one, payloads))
-        for rel, size, checksum in results:
-            sizes[rel] = size
-            sums[rel] = checksum
-        return sizes, sums
+            checksum = record_views(payload.views)
+        try:
+            store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
+        except SnapshotError:
+            raise
+        except Exception as exc:
+            raise SnapshotWriteError(
+                f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if hasher is not None:
+            checksum = hasher.record()
+        return payload.rel, sum(v.nbytes for v in payload.views), checksum
 
     # -- commit (rank 0) ----------------------------------------------------------------------
 
@@ -297,6 +297,37 @@ class SnapshotWriter:
             return
         doomed = retention.to_delete(listed, keep, protect=[job.name.text], best=self.config.best)
         job.warnings.extend(retention.apply(self.store, doomed))
+
+
+class _Writes:
+    """The payload files of one snapshot on this rank, each written as soon as it is submitted:
+    on the writer's I/O threads (several files at once), or at once on the calling thread."""
+
+    def __init__(self, writer: SnapshotWriter, staging: str) -> None:
+        self._writer = writer
+        self._staging = staging
+        self._pool = writer._io_pool()
+        self._pending: list[Future[tuple[str, int, dict[str, Any]]]] = []
+        self._done: list[tuple[str, int, dict[str, Any]]] = []
+
+    def submit(self, payload: fmt.Payload) -> None:
+        if self._pool is None:
+            self._done.append(self._writer._write_payload(self._staging, payload))
+        else:
+            self._pending.append(self._pool.submit(self._writer._write_payload, self._staging, payload))
+
+    def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+        """Wait for every write; the files' sizes and checksum records. Raises the first
+        failure, once all writes have ended."""
+        wait(self._pending)
+        for future in self._pending:
+            self._done.append(future.result())  # the first failure raises
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        for rel, size, checksum in self._done:
+            sizes[rel] = size
+            sums[rel] = checksum
+        return sizes, sums
 
 
 def _write_error(job: Any, exc: BaseException) -> BaseException:

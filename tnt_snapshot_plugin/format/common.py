@@ -88,5 +88,11 @@ def flat_bytes(tensor: torch.Tensor) -> np.ndarray:
         tensor = tensor.detach()
     if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: its bytes as uint8
         tensor = tensor.reshape(-1).view(torch.uint8)
-    return tensor.numpy().reshape(-1).view(np.uint8)
+    array = tensor.numpy()
+    if array.ndim != 1:
+        array = array.reshape(-1)
+    return array.view(_UINT8)
+
+
+_UINT8 = np.dtype(np.uint8)
 

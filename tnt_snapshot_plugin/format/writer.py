@@ -48,7 +48,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -180,7 +180,8 @@ class Payload:
 class Plan:
     """What one rank writes: its manifest records (full paths ``RANK/...``, and ``0/...`` for the
     replicated values it writes; each record as JSON text, ``json.loads`` gives the dict), its
-    payloads, and their total size in bytes."""
+    payloads (none when they were handed to ``emit`` as they were completed), and their total
+    size in bytes."""
 
     entries: dict[str, str]
     payloads: list[Payload]
@@ -195,6 +196,7 @@ def plan(
     world_size: int,
     replicated: Set[str],
     pack_bytes: int = 4 << 20,
+    emit: Optional[Callable[[Payload], None]] = None,
 ) -> Plan:
     """This rank's manifest records and payloads for ``containers`` and ``leaves`` (from
     :func:`flatten`, every app-state key together: one plan per rank per snapshot).
@@ -202,8 +204,12 @@ def plan(
     ``replicated``: the logical paths every rank holds identically (the same set on every rank);
     they are recorded once, under ``0/``, by the rank assigned to write them. ``pack_bytes``: tensors
     smaller than this are packed into shared files of about this size (0: no packing).
-    Raises :class:`~tnt_snapshot_plugin.errors.ConfigError` for a value the format cannot hold."""
-    builder = _Builder(rank, pack_bytes)
+    ``emit``: given each payload as soon as it is complete (a file of its own at once, a pack
+    when the next one starts, the last pack at the end), so that the caller can write it while
+    the rest is planned; the plan's ``payloads`` are then empty.
+    Raises :class:`~tnt_snapshot_plugin.errors.ConfigError` for a value the format cannot hold
+    (payloads already emitted are the caller's to wait for)."""
+    builder = _Builder(rank, pack_bytes, emit)
     for path, record in containers.items():
         builder.entries[f"{rank}/{path}"] = _text(record)
     writers = _replicated_writers(leaves, replicated, world_size) if replicated else {}
@@ -219,11 +225,14 @@ def plan(
 class _Builder:
     """Collects one rank's records and payloads, packing small tensors as it goes."""
 
-    def __init__(self, rank: int, pack_bytes: int) -> None:
+    def __init__(self, rank: int, pack_bytes: int, emit: Optional[Callable[[Payload], None]]) -> None:
         self.rank = rank
         self.pack_bytes = pack_bytes
         self.entries: dict[str, str] = {}
         self.payloads: list[Payload] = []
+        #: a complete payload goes to ``emit`` (written at once), or else to ``payloads``
+        self._emit = emit if emit is not None else self.payloads.append
+        self._files = 0  # payloads so far (names the packs)
         self.nbytes = 0
         self._pack: Optional[Payload] = None
         self._pack_size = 0
@@ -232,6 +241,9 @@ class _Builder:
         self._shapes: dict[tuple[int, ...], str] = {}
 
     def finish(self) -> Plan:
+        if self._pack is not None:
+            self._emit(self._pack)
+            self._pack = None
         return Plan(self.entries, self.payloads, self.nbytes)
 
     def add(self, path: str, manifest_path: str, value: Any, replicated: bool) -> None:
@@ -280,9 +292,11 @@ class _Builder:
         size = view.nbytes
         pack = self._pack
         if pack is None or self._pack_size + size > self.pack_bytes:
-            pack = self._pack = Payload(f"batched/{self.rank}-{len(self.payloads)}", [])
+            if pack is not None:
+                self._emit(pack)  # full: written while the rest is planned
+            pack = self._pack = Payload(f"batched/{self.rank}-{self._files}", [])
+            self._files += 1
             self._pack_location = _json_str(pack.rel)
-            self.payloads.append(pack)
             self._pack_size = 0
         start = self._pack_size
         pack.views.append(view)
@@ -291,8 +305,9 @@ class _Builder:
         return start
 
     def _own_file(self, rel: str, view: Any) -> None:
-        self.payloads.append(Payload(rel, [view]))
+        self._files += 1
         self.nbytes += view.nbytes
+        self._emit(Payload(rel, [view]))
 
     # -- objects
 
