@@ -95,12 +95,16 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
                 with timer.lock:
                     timer.write_s += elapsed
 
-        def timed_check(self: Any, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
+        def timed_check(
+            self: Any, rel: str, start: int, data: Any, entry: Optional[str] = None, *, count: bool = True
+        ) -> int:
             t = perf()
             try:
-                real_check(self, rel, start, data, entry)
+                return real_check(self, rel, start, data, entry, count=count)
             finally:
-                timer.read_s += perf() - t  # the reader checks on the restoring thread
+                elapsed = perf() - t
+                with timer.lock:  # the reading threads verify several files at once
+                    timer.read_s += elapsed
 
         class TimedHasher:
             """The hasher a one-payload file is fed to as it is written, timed."""

@@ -26,6 +26,7 @@ import bisect
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import xxhash
 
 from .errors import SnapshotCorruptError
@@ -122,40 +123,49 @@ class Verifier:
         self.verified_bytes = 0
         self._count_lock = threading.Lock()  # the stores' reading threads verify at once
 
-    def _count(self, nbytes: int) -> None:
-        with self._count_lock:
-            self.verified_bytes += nbytes
+    def count(self, nbytes: int) -> None:
+        """Add ``nbytes`` to ``verified_bytes`` (for bytes checked with ``count=False``)."""
+        if nbytes:
+            with self._count_lock:
+                self.verified_bytes += nbytes
 
-    def check(self, rel: str, start: int, data: Any, entry: Optional[str] = None) -> None:
-        """Verify ``data``, the bytes of file ``rel`` from offset ``start``.
+    def check(self, rel: str, start: int, data: Any, entry: Optional[str] = None, *, count: bool = True) -> int:
+        """Verify ``data``, the bytes of file ``rel`` from offset ``start``; the bytes verified.
 
         The whole file is checked against its record; a byte range against the records of the
         packed tensors it covers entirely. Raises SnapshotCorruptError on a mismatch.
+        ``count``: add them to ``verified_bytes`` (a caller checking many reads at once may
+        add them up itself, then :meth:`count` them once).
         """
         found = self._records.get(rel)
         if found is None:
-            return
-        view = _bytes_view(data)
+            return 0
+        # a flat uint8 numpy array (the reader's destinations) is hashed and sliced as it is
+        view: Any = data if type(data) is np.ndarray and data.ndim == 1 and data.itemsize == 1 else _bytes_view(data)
         end = start + view.nbytes
         expected = self._exact.get((rel, start, end))
         if expected is not None:  # a whole file or one packed tensor
             if _digest(view) != expected:
                 self._fail(rel, start, end, entry)
-            self._count(view.nbytes)
-            return
-        size, value, starts, ranges = self._indexed(rel)
-        if start == 0 and (size is None or end == size):
-            if _digest(view) != value:
-                self._fail(rel, 0, end, entry)
-            self._count(view.nbytes)
-            return
-        i = bisect.bisect_left(starts, start)
-        while i < len(ranges) and ranges[i][1] <= end:
-            lower, upper, expected = ranges[i]
-            if _digest(view[lower - start:upper - start]) != expected:
-                self._fail(rel, lower, upper, entry)
-            self._count(upper - lower)
-            i += 1
+            verified = view.nbytes
+        else:
+            size, value, starts, ranges = self._indexed(rel)
+            if start == 0 and (size is None or end == size):
+                if _digest(view) != value:
+                    self._fail(rel, 0, end, entry)
+                verified = view.nbytes
+            else:
+                verified = 0
+                i = bisect.bisect_left(starts, start)
+                while i < len(ranges) and ranges[i][1] <= end:
+                    lower, upper, expected = ranges[i]
+                    if _digest(view[lower - start:upper - start]) != expected:
+                        self._fail(rel, lower, upper, entry)
+                    verified += upper - lower
+                    i += 1
+        if count:
+            self.count(verified)
+        return verified
 
     def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:
         """The record of ``rel`` with its packed ranges sorted (built at the first read of a

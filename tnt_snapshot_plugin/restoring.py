@@ -207,7 +207,7 @@ def restore(
     if RNG_STATE_KEY in present and restore_rng:
         order.append(RNG_STATE_KEY)  # last: loading the other entries may draw random numbers
         load[RNG_STATE_KEY] = RNGState()
-    view = fmt.rank_view(meta, coll.rank)
+    view = manifest if check_rank == coll.rank else fmt.rank_view(meta, coll.rank)
     # Every entry is read first; the ranks agree on the outcome (a damaged file anywhere: every
     # rank falls back together); only then is anything loaded into the app state.
     states: dict[str, Any] = {}

@@ -257,7 +257,7 @@ def _direct(target: Any, dtype: torch.dtype, shape: list) -> bool:
         and type(target) in _PLAIN_TENSORS
         and target.dtype is dtype
         and target.layout is _STRIDED
-        and target.device.type == "cpu"
+        and target.is_cpu
         and target.is_contiguous()
         and list(target.shape) == shape
     )
@@ -601,23 +601,28 @@ class _Verify:
     """``read_into``'s ``done``: verifies each read as the store reports it filled, while its
     bytes are still in the CPU caches and the kernel reads ahead; each read once."""
 
-    __slots__ = ("_check", "_reads", "_names", "_left")
+    __slots__ = ("_check", "_verified", "_reads", "_names", "_left")
 
     def __init__(self, verifier: Any, reads: list[Read], names: list[str]) -> None:
         self._check = verifier.check
+        self._verified = verifier.count
         self._reads, self._names = reads, names
         self._left = bytearray(b"\x01") * len(reads)
 
     def __call__(self, indices: Any) -> None:
         left, reads, names, check = self._left, self._reads, self._names, self._check
-        for i in indices:
-            if left[i]:
-                left[i] = 0
-                rel, offset, view = reads[i]
-                try:
-                    check(rel, offset, view, entry=names[i])
-                except SnapshotCorruptError as exc:
-                    raise _Mismatch(exc) from exc
+        verified = 0
+        try:
+            for i in indices:
+                if left[i]:
+                    left[i] = 0
+                    rel, offset, view = reads[i]
+                    try:
+                        verified += check(rel, offset, view, entry=names[i], count=False)
+                    except SnapshotCorruptError as exc:
+                        raise _Mismatch(exc) from exc
+        finally:  # counted once a batch: the reading threads verify at once
+            self._verified(verified)
 
 
 def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:
