@@ -49,6 +49,37 @@ def test_every_kind_of_entry_restores_bitwise_into_the_targets_tensors(tmp_path,
     assert not got.state["transposed"].is_contiguous()
 
 
+@pytest.mark.parametrize("async_snapshot", [False, True], ids=["sync", "async"])
+def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their_own_values(tmp_path, async_snapshot):
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=async_snapshot))
+    saver.train_start(["h"], 0, 0)
+
+    def state(step: int) -> dict:  # the same layout at every step, new values
+        g = torch.Generator().manual_seed(step)
+        return {
+            "small": [torch.randn(64, generator=g) for _ in range(20)],
+            "half": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+            "big": torch.randn(700_000, generator=g),
+            "step": step,
+            "objects": {"name": f"run {step}", "set": {step}},
+        }
+
+    holder = Holder(state(0))
+    wanted = {}
+    for step in (1, 2, 3):
+        holder.state = state(step)
+        assert saver.save(0, step, {"h": holder})
+        saver.wait()
+        wanted[step] = state(step)
+    saver.train_end(0, 3, lambda intra_epoch: {})
+    plans = saver._writer.plans
+    assert plans.hits == 2 and plans.misses == 1
+    for step, want in wanted.items():
+        got = Holder(zeros_like_state(want))
+        restore(str(tmp_path / f"epoch_0_step_{step}"), {"h": got})
+        assert_identical(got.state, want)
+
+
 def test_targets_that_differ_from_the_saved_tensor_get_the_saved_value(tmp_path):
     saved = {"a": torch.arange(12.0), "b": torch.arange(6, dtype=torch.int32)}
     path = take(tmp_path, saved)

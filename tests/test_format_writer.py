@@ -243,6 +243,78 @@ def test_each_payload_is_handed_out_as_soon_as_it_is_complete():
     assert len(emitted) == 11
 
 
+# --- PlanCache: a plan of an unchanged layout is reused --------------------------------------
+
+
+def cacheable_state(seed: int) -> dict[str, Any]:
+    """Tensors of several dtypes and shapes (packed, and one in a file of its own between
+    packed ones), numbers and objects: a layout a PlanCache reuses, with values from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {f"w{i}": torch.randn(40 + i, generator=gen) for i in range(30)}
+    state["big"] = torch.randn(50, 30, generator=gen)  # 6000 bytes: a file of its own
+    state["bf16"] = torch.randn(5, 3, generator=gen).to(torch.bfloat16)
+    state["ints"] = torch.randint(0, 9, (7,), generator=gen, dtype=torch.int16)
+    state["step"] = seed
+    state["rng"] = ("object", seed)
+    state["more"] = [torch.full((3,), float(seed)), {"lr": 0.1 * seed}]
+    return state
+
+
+def full_and_cached(states: list[dict[str, Any]], **kwargs: Any) -> tuple[list[writer.Plan], writer.PlanCache]:
+    cache = writer.PlanCache()
+    return [plan_for({"m": state}, pack_bytes=1024, cache=cache, **kwargs) for state in states], cache
+
+
+def same_plan(got: writer.Plan, want: writer.Plan) -> None:
+    """The same records (as dicts: a reused plan lists them in another order) and the same files
+    with the same bytes."""
+    assert {p: json.loads(r) for p, r in got.entries.items()} == {p: json.loads(r) for p, r in want.entries.items()}
+    files = lambda plan: {p.rel: b"".join(bytes(v) for v in p.views) for p in plan.payloads}  # noqa: E731
+    assert files(got) == files(want) and got.nbytes == want.nbytes
+
+
+def test_a_plan_of_an_unchanged_layout_is_reused_with_the_new_values():
+    (first, second, third), cache = full_and_cached([cacheable_state(0), cacheable_state(1), cacheable_state(2)])
+    assert (cache.misses, cache.hits) == (1, 2)
+    same_plan(second, plan_for({"m": cacheable_state(1)}, pack_bytes=1024))  # new bytes, new numbers
+    same_plan(third, plan_for({"m": cacheable_state(2)}, pack_bytes=1024))
+    assert json.loads(third.entries["0/m/step"])["serialized_value"] == "2"
+
+
+CHANGES = {
+    "a shape": lambda s: s.update(w3=torch.zeros(44)),
+    "a dtype": lambda s: s.update(w3=s["w3"].double()),
+    "a key added": lambda s: s.update(extra=torch.ones(2)),
+    "a key removed": lambda s: s.pop("w3"),
+    "the order": lambda s: s.update(w0=s.pop("w0")),
+    "a tensor became a number": lambda s: s.update(w3=3),
+    "a number became a tensor": lambda s: s.update(step=torch.ones(1)),
+    "a non-contiguous tensor": lambda s: s.update(big=s["big"].t().contiguous().t()),
+    "an empty tensor": lambda s: s.update(w3=torch.empty(0)),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_changed_layout_is_planned_in_full(change):
+    changed = cacheable_state(1)
+    CHANGES[change](changed)
+    (_, plan, again), cache = full_and_cached([cacheable_state(0), changed, changed])
+    same_plan(plan, plan_for({"m": changed}, pack_bytes=1024))
+    same_plan(again, plan_for({"m": changed}, pack_bytes=1024))
+    reusable = change not in ("a non-contiguous tensor", "an empty tensor")  # a copy, torch.save bytes
+    assert (cache.misses, cache.hits) == ((2, 1) if reusable else (3, 0))
+
+
+def test_replicated_values_and_another_rank_are_planned_in_full():
+    (_, plan), cache = full_and_cached([cacheable_state(0), cacheable_state(1)], replicated={"m/w1"})
+    assert (cache.misses, cache.hits) == (0, 0)  # not even looked up
+    cache = writer.PlanCache()
+    plan_for({"m": cacheable_state(0)}, pack_bytes=1024, cache=cache, rank=0)
+    other_rank = plan_for({"m": cacheable_state(1)}, pack_bytes=1024, cache=cache, rank=1, world_size=2)
+    assert (cache.misses, cache.hits) == (2, 0)
+    same_plan(other_rank, plan_for({"m": cacheable_state(1)}, pack_bytes=1024, rank=1, world_size=2))
+
+
 def test_unsupported_dtype_is_a_config_error_naming_the_path():
     with pytest.raises(ConfigError, match="m/f8.*float8"):
         plan_for({"m": {"f8": torch.zeros(2, dtype=torch.float8_e4m3fn)}})

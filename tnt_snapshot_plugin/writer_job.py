@@ -59,6 +59,8 @@ class SnapshotWriter:
         self.committed: set[str] = set()
         #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
         self._pool: Optional[ThreadPoolExecutor] = None
+        #: the last plan's tensor layout, reused while the state's layout is unchanged
+        self.plans = fmt.PlanCache()
 
     def close(self) -> None:
         """Let the I/O threads go (training is over); a later snapshot starts them again."""
@@ -70,6 +72,7 @@ class SnapshotWriter:
         """Forget the last run: its next commit lists the directory again."""
         self.last_seq = None
         self.committed = set()
+        self.plans.clear()
 
     # -- one snapshot -----------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class SnapshotWriter:
                     world_size=coll.world_size,
                     replicated=replicated,
                     emit=writes.submit,
+                    cache=self.plans,
                 ).entries
             except Exception as exc:
                 error = _write_error(job, exc)

@@ -48,6 +48,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from operator import attrgetter, eq
 from typing import Any, Callable, Optional
 
 import torch
@@ -197,6 +198,7 @@ def plan(
     replicated: Set[str],
     pack_bytes: int = 4 << 20,
     emit: Optional[Callable[[Payload], None]] = None,
+    cache: Optional[PlanCache] = None,
 ) -> Plan:
     """This rank's manifest records and payloads for ``containers`` and ``leaves`` (from
     :func:`flatten`, every app-state key together: one plan per rank per snapshot).
@@ -207,11 +209,17 @@ def plan(
     ``emit``: given each payload as soon as it is complete (a file of its own at once, a pack
     when the next one starts, the last pack at the end), so that the caller can write it while
     the rest is planned; the plan's ``payloads`` are then empty.
+    ``cache``: a :class:`PlanCache` kept from one snapshot to the next (the tensors' records and
+    files are reused while the state's layout is unchanged).
     Raises :class:`~tnt_snapshot_plugin.errors.ConfigError` for a value the format cannot hold
     (payloads already emitted are the caller's to wait for)."""
     builder = _Builder(rank, pack_bytes, emit)
     for path, record in containers.items():
         builder.entries[f"{rank}/{path}"] = _text(record)
+    if cache is not None and not replicated:
+        if cache.reuse(builder, leaves):
+            return builder.finish()
+        builder.recorder = _Recorder()
     writers = _replicated_writers(leaves, replicated, world_size) if replicated else {}
     for path, value in leaves.items():
         writer = writers.get(path)
@@ -219,7 +227,117 @@ def plan(
             builder.add(path, f"{rank}/{path}", value, False)
         elif writer == rank:
             builder.add(path, f"0/{path}", value, True)
-    return builder.finish()
+    done = builder.finish()
+    if cache is not None:
+        cache.keep(builder, leaves)
+    return done
+
+
+# --- reusing a plan ---------------------------------------------------------------------------
+
+_DTYPE, _SHAPE, _IS_CPU = attrgetter("dtype"), attrgetter("shape"), attrgetter("is_cpu")
+
+
+class _Recorder:
+    """What each tensor of a plan became (filled by the builder as it plans), for PlanCache."""
+
+    def __init__(self) -> None:
+        #: logical path -> record (JSON text), for every tensor, in the order of the leaves
+        self.records: dict[str, str] = {}
+        #: the files holding them (in the order each was first used) -> the logical paths of
+        #: their tensors, in the order of their bytes (a pack stays open past a file of its own)
+        self.files: dict[str, list[str]] = {}
+        #: whether every tensor can be planned again from this (CPU, contiguous, raw bytes)
+        self.reusable = True
+
+
+@dataclass
+class _PlanLayout:
+    """A plan's tensor layout: what a later state must match for its records to be reused."""
+
+    key: tuple[int, int]  # (rank, pack_bytes)
+    paths: tuple[str, ...]  # every leaf's logical path, in order
+    types: list[type]  # every leaf's type
+    tensor_paths: tuple[str, ...]  # the tensors' logical paths
+    manifest_paths: tuple[str, ...]  # ... and manifest paths
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    records: tuple[str, ...]
+    files: list[tuple[str, list[str]]]
+    others: list[str]  # the leaves that are not tensors (planned again every time)
+
+
+class PlanCache:
+    """The tensors' manifest records and files of the last plan, reused by the next plan while
+    the state's layout is the same: the same leaves in the same order, of the same types, every
+    tensor a CPU contiguous one of the same dtype and shape (checked in a few passes in C, about
+    0.2 us a tensor). A snapshot of an unchanged layout then only makes a byte view of each
+    tensor (its bytes are new); other leaves (numbers, objects) are planned again every time.
+
+    A state with sharded tensors, GPU or non-contiguous tensors, tensors stored with
+    ``torch.save`` (empty ones, other dtypes), or replicated values is planned in full every time.
+    One cache per writer (per rank), used by one plan at a time."""
+
+    def __init__(self) -> None:
+        self._layout: Optional[_PlanLayout] = None
+        #: plans that reused the last one, and plans made in full (tests and benchmarks read them)
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._layout = None
+
+    def reuse(self, builder: _Builder, leaves: Mapping[str, Any]) -> bool:
+        """Plan ``leaves`` into ``builder`` from the last layout, if it still holds."""
+        layout = self._layout
+        if (
+            layout is None
+            or layout.key != (builder.rank, builder.pack_bytes)
+            or len(leaves) != len(layout.paths)
+            or tuple(leaves) != layout.paths
+            or list(map(type, leaves.values())) != layout.types
+        ):
+            self.misses += 1
+            return False
+        tensors = list(map(leaves.__getitem__, layout.tensor_paths))
+        if (
+            list(map(_DTYPE, tensors)) != layout.dtypes
+            or not all(map(eq, map(_SHAPE, tensors), layout.shapes))  # one torch.Size at a time
+            or not all(map(_IS_CPU, tensors))
+            or not all(map(torch.Tensor.is_contiguous, tensors))
+        ):
+            self.misses += 1
+            return False
+        self.hits += 1
+        for rel, paths in layout.files:  # each file to the writer as soon as it is ready
+            builder.add_file(rel, [flat_bytes(leaves[path]) for path in paths])
+        builder.entries.update(zip(layout.manifest_paths, layout.records, strict=True))
+        rank = builder.rank
+        for path in layout.others:
+            builder.add(path, f"{rank}/{path}", leaves[path], False)
+        return True
+
+    def keep(self, builder: _Builder, leaves: Mapping[str, Any]) -> None:
+        """Remember the plan ``builder`` just made of ``leaves`` (if it can be reused)."""
+        recorder = builder.recorder
+        if recorder is None or not recorder.reusable:
+            self._layout = None
+            return
+        records = recorder.records
+        tensor_paths = tuple(records)
+        tensors = [leaves[path] for path in tensor_paths]
+        self._layout = _PlanLayout(
+            key=(builder.rank, builder.pack_bytes),
+            paths=tuple(leaves),
+            types=list(map(type, leaves.values())),
+            tensor_paths=tensor_paths,
+            manifest_paths=tuple(f"{builder.rank}/{path}" for path in tensor_paths),
+            dtypes=list(map(_DTYPE, tensors)),
+            shapes=list(map(_SHAPE, tensors)),
+            records=tuple(records.values()),
+            files=list(recorder.files.items()),
+            others=[path for path in leaves if path not in records],
+        )
 
 
 class _Builder:
@@ -234,9 +352,12 @@ class _Builder:
         self._emit = emit if emit is not None else self.payloads.append
         self._files = 0  # payloads so far (names the packs)
         self.nbytes = 0
+        #: set by plan() when a PlanCache is to learn this plan
+        self.recorder: Optional[_Recorder] = None
         self._pack: Optional[Payload] = None
         self._pack_size = 0
         self._pack_location = ""  # the pack's rel as a JSON string literal
+        self._last_rel = ""  # the file the last tensor went to
         #: shape -> its JSON text (a model has few distinct shapes; formatting one costs microseconds)
         self._shapes: dict[tuple[int, ...], str] = {}
 
@@ -249,15 +370,39 @@ class _Builder:
     def add(self, path: str, manifest_path: str, value: Any, replicated: bool) -> None:
         kind = type(value)
         if kind in _PLAIN_TENSOR_TYPES:
-            self.entries[manifest_path] = self.tensor(path, value, None, replicated)
+            text = self.entries[manifest_path] = self.tensor(path, value, None, replicated)
+            if self.recorder is not None:
+                self._record(path, value, text)
         elif kind in _PRIMITIVES:
             self.entries[manifest_path] = _text(_primitive_record(_PRIMITIVES[kind], value, replicated))
         elif isinstance(value, torch.Tensor) and _is_distributed(value):
+            self._not_reusable()
             self.add_distributed(path, manifest_path, value, replicated)
         elif isinstance(value, torch.Tensor):
+            self._not_reusable()
             self.entries[manifest_path] = self.tensor(path, value, None, replicated)
         else:
             self.entries[manifest_path] = _text(self.object(path, value, replicated))
+
+    def add_file(self, rel: str, views: list[Any]) -> None:
+        """A file of ``views``, laid out by an earlier plan (PlanCache)."""
+        self._files += 1
+        self.nbytes += sum(v.nbytes for v in views)
+        self._emit(Payload(rel, views))
+
+    def _record(self, path: str, tensor: torch.Tensor, text: str) -> None:
+        """Tell the recorder where the plain tensor at ``path``, just planned, went."""
+        recorder = self.recorder
+        assert recorder is not None
+        if not (tensor.is_cpu and tensor.is_contiguous() and tensor.dtype in RAW_DTYPES and tensor.numel()):
+            recorder.reusable = False  # planned in full every time: a copy, or torch.save bytes
+            return
+        recorder.records[path] = text
+        recorder.files.setdefault(self._last_rel, []).append(path)
+
+    def _not_reusable(self) -> None:
+        if self.recorder is not None:
+            self.recorder.reusable = False
 
     # -- tensors
 
@@ -299,12 +444,14 @@ class _Builder:
             self._pack_location = _json_str(pack.rel)
             self._pack_size = 0
         start = self._pack_size
+        self._last_rel = pack.rel
         pack.views.append(view)
         self._pack_size = start + size
         self.nbytes += size
         return start
 
     def _own_file(self, rel: str, view: Any) -> None:
+        self._last_rel = rel
         self._files += 1
         self.nbytes += view.nbytes
         self._emit(Payload(rel, [view]))
