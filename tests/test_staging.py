@@ -9,7 +9,9 @@ mutated the tensors, so the mutation provably happens while the write runs.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -340,3 +342,31 @@ def test_prepare_writes_nothing_and_a_synchronous_saver_holds_no_buffers(tmp_pat
     assert sync_saver._stager.nbytes == 0
     async_saver.train_end(0, 0, lambda intra_epoch: {})
     sync_saver.train_end(0, 0, lambda intra_epoch: {})
+
+
+def test_the_tensors_staged_from_are_let_go_on_the_writer_thread_not_in_the_stall(tmp_path):
+    """A module's ``state_dict()`` makes a new tensor object for every tensor; freeing thousands
+    of them is milliseconds. The stager hands them to the snapshot, whose writer thread drops
+    them: after the snapshot, nothing holds them, and they were freed off the training thread."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+    freed_on: list[str] = []
+
+    class Tracked:
+        def state_dict(self):
+            state = model.state_dict()  # 40 new tensor objects over the parameters
+            for tensor in state.values():
+                weakref.finalize(tensor, lambda: freed_on.append(threading.current_thread().name))
+            return state
+
+        def load_state_dict(self, state):
+            model.load_state_dict(state)
+
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=True))
+    saver.train_start(["m"], 0, 0)
+    assert saver.save(0, 1, {"m": Tracked()})
+    saver.wait()
+    gc.collect()
+    assert len(freed_on) == 40
+    assert all(name.startswith("tnt-snapshot-") for name in freed_on), set(freed_on)
+    assert saver._stager.take_sources() is None  # the stager kept no reference
+    saver.train_end(0, 1, lambda intra_epoch: {})

@@ -267,6 +267,8 @@ class Stager:
         self._src: list[torch.Tensor] = []
         self._dst_device: list[torch.Tensor] = []
         self._src_device: list[torch.Tensor] = []
+        #: the last stage's source tensors, until the caller takes them (``take_sources``)
+        self._sources: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
 
     @staticmethod
     def _on_device(tensor: torch.Tensor) -> bool:
@@ -282,7 +284,11 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in seen.values())
 
     def stage(self, app_state: Mapping[str, Any]) -> dict[str, Frozen]:
-        """Frozen copies of every entry's ``state_dict()``."""
+        """Frozen copies of every entry's ``state_dict()``.
+
+        The state dicts' tensors copied from are then held until :meth:`take_sources`: the
+        caller lets go of them off the training thread (a module's ``state_dict()`` makes a new
+        tensor object for each of its tensors, and freeing 10,000 of them takes about 2.5 ms)."""
         self._used = set()
         self._used_layouts = set()
         try:
@@ -295,13 +301,20 @@ class Stager:
                 if self._src_device:
                     torch._foreach_copy_(self._dst_device, self._src_device, non_blocking=True)
                     _wait_for(self._src_device)
-        finally:  # hold no reference to the training's tensors between snapshots
+        finally:  # handed to the caller: held no longer than until it takes them
+            self._sources = (self._src, self._src_device)
             self._dst, self._src, self._dst_device, self._src_device = [], [], [], []
         for stale in [k for k in self._buffers if k not in self._used]:
             del self._buffers[stale]
         for stale in [k for k in self._layouts if k not in self._used_layouts]:
             del self._layouts[stale]
         return staged
+
+    def take_sources(self) -> Any:
+        """The last stage's source tensors (an opaque object: drop it where freeing them does not
+        block training); the stager holds no reference to the training's tensors afterwards."""
+        sources, self._sources = self._sources, None
+        return sources
 
     def _schedule(self, buf: torch.Tensor, src: torch.Tensor, on_device: bool) -> None:
         if on_device:

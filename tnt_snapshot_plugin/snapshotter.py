@@ -89,6 +89,8 @@ class _Job:
     durable_s: float = 0.0
     waited_s: float = 0.0
     bytes_written: int = 0
+    #: the staged state dicts' source tensors, let go of on the writer thread (Stager.take_sources)
+    sources: Any = None
 
 
 @dataclass(frozen=True)
@@ -648,8 +650,12 @@ class Snapshotter:
         entries = {**app_state, **extra, RNG_STATE_KEY: RNGState()}
 
         started = time.perf_counter()
+        sources = None
         if self.config.async_snapshot:
-            frozen = self._stager.stage(entries)
+            try:
+                frozen = self._stager.stage(entries)
+            finally:
+                sources = self._stager.take_sources()
         else:
             frozen = freeze_without_copy(entries)
         auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
@@ -662,7 +668,9 @@ class Snapshotter:
             replicated=replicated_patterns(
                 self.config.replicated, frozen, auto, self._never_replicated
             ),
+            sources=sources,
         )
+        del sources
         job.stall_s = time.perf_counter() - started
         if self.config.async_snapshot:
             self._pending = job
@@ -818,6 +826,7 @@ class Snapshotter:
         # gets the GIL back, which a new thread running Python keeps for the whole switch
         # interval (5 ms) - measured as 5 ms more stall per asynchronous snapshot.
         time.sleep(0)
+        job.sources = None  # the training's tensors copied from: freed here, not in the stall
         self._writer.write(job, self._run_id, locked=self._lock is not None)
 
     def _reap(self) -> None:
