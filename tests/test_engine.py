@@ -175,20 +175,25 @@ def test_a_failure_late_in_planning_waits_for_the_files_already_being_written(tm
     """Full packs are written while the rest of the state is planned; when the plan then fails
     (a dtype the format cannot hold, last in the state), the snapshot waits for the files already
     being written before it removes its staging directory: none is written into a removed one."""
-    real_write = fileio.write_durably
+    real_start = fileio.start_write
     ended = []
 
-    def slow_write(path, data, feed=None):
-        time.sleep(0.05)
-        real_write(path, data, feed=feed)
-        ended.append((time.perf_counter(), os.path.exists(path)))
+    def slow_start(path, data):
+        finish = real_start(path, data)
+
+        def slow_finish():
+            time.sleep(0.05)
+            finish()
+            ended.append((time.perf_counter(), os.path.exists(path)))
+
+        return slow_finish
 
     saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=False, on_save_error="raise"))
     saver.train_start(["h"], 0, 0)
     saver.save(0, 1, {"h": Holder({"w": torch.ones(3)})})
     state = {f"t{i}": torch.full((4096,), float(i)) for i in range(3000)}  # 16 KiB each: 12 packs
     state["z"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
-    monkeypatch.setattr(fileio, "write_durably", slow_write)
+    monkeypatch.setattr(fileio, "start_write", slow_start)
     with pytest.raises(SnapshotWriteError, match="float8"):
         saver.save(0, 2, {"h": Holder(state)})
     returned = time.perf_counter()

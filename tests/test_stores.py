@@ -131,6 +131,35 @@ def test_payloads_round_trip_through_read_into(store):
     assert bytes(dests[4]) == b"w" * 100
 
 
+def test_a_started_payload_is_complete_once_its_step_has_run_on_another_thread(store):
+    """``start_payload`` begins a write (local disk: the bytes go to the page cache at once) and
+    returns the step that makes it durable, which the writer runs on an I/O thread."""
+    staging = begin(store, "epoch_0_step_1")
+    finishes = [store.start_payload(staging, rel, parts) for rel, parts in FILES.items()]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda finish: finish(), finishes)) == [None] * len(FILES)
+    store.commit(staging, "epoch_0_step_1", b'{"manifest": {}}', index_of(store, staging, list(FILES)))
+    for rel, parts in FILES.items():
+        assert store.read_file("epoch_0_step_1", rel) == contents(parts)
+
+
+def test_a_local_started_payload_holds_no_file_descriptor_after_its_step_or_a_failure(tmp_path):
+    store = LocalStore(str(tmp_path / "run"))
+    staging = begin(store, "epoch_0_step_1")
+    fds = len(os.listdir("/proc/self/fd"))
+    finish = store.start_payload(staging, "batched/0-0", [b"abc", memoryview(b"def")])
+    assert (tmp_path / "run" / staging / "batched" / "0-0").read_bytes() == b"abcdef"  # in the page cache
+    assert len(os.listdir("/proc/self/fd")) == fds + 1
+    finish()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with pytest.raises(TypeError):  # not a buffer: nothing written, nothing left open
+        store.start_payload(staging, "batched/0-1", [b"abc", object()])
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with pytest.raises(SnapshotWriteError, match="not a relative path inside the snapshot"):
+        store.start_payload(staging, "../escape", [b"x"])
+    assert not (tmp_path / "run" / "escape").exists()
+
+
 def test_short_and_missing_files_are_corrupt_naming_the_file(store):
     write_snapshot(store)
     name = "epoch_0_step_1"

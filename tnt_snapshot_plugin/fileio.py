@@ -116,14 +116,10 @@ def write_durably(path: str, data: Any, feed: Optional[Callable[[memoryview], An
     byte in order, just before it is written: one buffer in pieces of :data:`FEED_PIECE` (still in
     the CPU's cache when the kernel copies them), several buffers one by one.
 
-    Every snapshot file on local disk is written through this function; the stores look it up
-    on this module at each call.
+    Every snapshot file on local disk is written through this function or, in two steps, through
+    :func:`start_write`; the stores look them up on this module at each call.
     """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = _create(path)
     try:
         views = byte_views(data) if isinstance(data, (list, tuple)) else getattr(data, "views", None)
         if views is not None:
@@ -151,6 +147,42 @@ def write_durably(path: str, data: Any, feed: Optional[Callable[[memoryview], An
         os.fdatasync(fd)
     finally:
         os.close(fd)
+
+
+def start_write(path: str, data: Sequence[Any]) -> Callable[[], None]:
+    """Write the buffers ``data`` end to end to the new file ``path`` now (into the page cache,
+    with ``writev``) and start its writeback; returns ``finish()``, which makes the file durable
+    (fdatasync) and closes it: call it exactly once, on any thread. If this raises, no file
+    descriptor is left open.
+
+    The caller can go on (planning the next file) while the disk writes this one: a thread that
+    waits in ``fdatasync`` needs the GIL only to return, where a thread that also had the Python
+    of the write to run waited its turn for the GIL at every step while the caller was busy."""
+    fd = _create(path)
+    try:
+        write_gathered(fd, byte_views(data))
+        if _sync_file_range is not None:
+            _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # 0 bytes: to the end of the file
+    except BaseException:
+        os.close(fd)
+        raise
+
+    def finish() -> None:
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    return finish
+
+
+def _create(path: str) -> int:
+    """A new (truncated) file ``path`` open for writing; missing parent directories are created."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
 
 def fsync_dir(path: str) -> None:

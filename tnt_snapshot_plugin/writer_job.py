@@ -21,11 +21,12 @@ that restore would pick is left behind. Cadence, staging copies and reaping stay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from . import retention
 from .checksums import new_hasher, record_views
@@ -205,14 +206,8 @@ class SnapshotWriter:
             hasher = new_hasher()
         else:
             checksum = record_views(payload.views)
-        try:
+        with _writing(store, staging, payload):
             store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
-        except SnapshotError:
-            raise
-        except Exception as exc:
-            raise SnapshotWriteError(
-                f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
-            ) from exc
         if hasher is not None:
             checksum = hasher.record()
         return payload.rel, sum(v.nbytes for v in payload.views), checksum
@@ -315,10 +310,26 @@ class _Writes:
         self._done: list[tuple[str, int, dict[str, Any]]] = []
 
     def submit(self, payload: fmt.Payload) -> None:
+        writer, staging = self._writer, self._staging
         if self._pool is None:
-            self._done.append(self._writer._write_payload(self._staging, payload))
-        else:
-            self._pending.append(self._pool.submit(self._writer._write_payload, self._staging, payload))
+            self._done.append(writer._write_payload(staging, payload))
+        elif len(payload.views) > 1:
+            # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
+            # on the planning thread; an I/O thread only waits for the disk (store.start_payload).
+            store = writer.store
+            checksum = record_views(payload.views)
+            with _writing(store, staging, payload):
+                finish = store.start_payload(staging, payload.rel, payload.views)
+            result = (payload.rel, sum(v.nbytes for v in payload.views), checksum)
+
+            def complete() -> tuple[str, int, dict[str, Any]]:
+                with _writing(store, staging, payload):
+                    finish()
+                return result
+
+            self._pending.append(self._pool.submit(complete))
+        else:  # a file of its own: written (and hashed as it is written) on an I/O thread
+            self._pending.append(self._pool.submit(writer._write_payload, staging, payload))
 
     def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         """Wait for every write; the files' sizes and checksum records. Raises the first
@@ -332,6 +343,19 @@ class _Writes:
             sizes[rel] = size
             sums[rel] = checksum
         return sizes, sums
+
+
+@contextlib.contextmanager
+def _writing(store: Store, staging: str, payload: fmt.Payload) -> Iterator[None]:
+    """A store's failure to write ``payload`` as a SnapshotWriteError naming the file."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotWriteError(
+            f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _write_error(job: Any, exc: BaseException) -> BaseException:

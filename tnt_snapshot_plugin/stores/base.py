@@ -196,6 +196,14 @@ class Store:
         before each piece is written, while it is in the CPU's cache."""
         raise NotImplementedError
 
+    def start_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> Callable[[], None]:
+        """Begin :meth:`write_payload` of file ``rel`` (no ``feed``); returns the step that
+        completes it, durable when that returns: call it exactly once, on any thread. A store
+        whose writes can begin cheaply (local disk: into the page cache) does that part now, so
+        that the writer's I/O threads only wait for the disk; by default every part waits for
+        the returned step."""
+        return lambda: self.write_payload(name, rel, data)
+
     def read_into(
         self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
     ) -> None:

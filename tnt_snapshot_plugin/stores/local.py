@@ -1,8 +1,9 @@
 """Snapshot directories on local disk: :class:`LocalStore` and its ``fcntl`` dirpath lock.
 
 Snapshots are staged in a directory named after their writer and renamed into place
-(:class:`~.base.AtomicRename`); every file is written durably (``fileio.write_durably``: fdatasync'd,
-parent directories fsynced before the rename). Deletion unpublishes first (one rename into a
+(:class:`~.base.AtomicRename`); every file is written durably (``fileio.write_durably``, or
+``fileio.start_write`` and its fdatasync step: fdatasync'd before the commit, parent directories
+fsynced before the rename). Deletion unpublishes first (one rename into a
 staging directory that provably is the plugin's), so a crash part-way never leaves a listed
 snapshot with files missing.
 """
@@ -149,6 +150,16 @@ class LocalStore(Store):
     def write_payload(
         self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
     ) -> None:
+        path = self._payload_path(name, rel)
+        # looked up on fileio at each call: the one place every local snapshot file is written
+        fileio.write_durably(path, data[0] if len(data) == 1 else list(data), feed=feed)
+
+    def start_payload(self, name: str, rel: str, data: Sequence[Buffer]) -> Callable[[], None]:
+        # written into the page cache now; fdatasync'd by the step returned
+        return fileio.start_write(self._payload_path(name, rel), data)
+
+    def _payload_path(self, name: str, rel: str) -> str:
+        """Where file ``rel`` of child ``name`` goes; SnapshotWriteError if that is outside it."""
         self._check_rel(name, rel, SnapshotWriteError)
         path = os.path.join(self.root, name, rel)
         parent = os.path.dirname(path)
@@ -159,8 +170,7 @@ class LocalStore(Store):
             if real != snapshot and not real.startswith(snapshot + os.sep):
                 raise SnapshotWriteError(f"refusing to write {path}: it resolves outside {self.child(name)}")
             self._inside_dirs.add(parent)
-        # looked up on fileio at each call: the one place every local snapshot file is written
-        fileio.write_durably(path, data[0] if len(data) == 1 else list(data), feed=feed)
+        return path
 
     def read_into(
         self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
