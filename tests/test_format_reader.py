@@ -349,6 +349,35 @@ def test_malformed_entries_are_corruption(snap, fields, says):
 
 
 @pytest.mark.parametrize(
+    "byte_range",
+    [[0, 3], [-4, 0], [0.0, 4.0], "0-4", [0, 4, 8]],
+    ids=["short", "negative", "floats", "text", "three"],
+)
+def test_a_malformed_byte_range_is_corruption_when_reading_straight_into_the_target(dense, snap, byte_range):
+    """The reader's hot path (a packed tensor read straight into a matching target, its file
+    already checked for an earlier entry) still checks every byte range: the damaged entry is
+    the second tensor of its file, so the location is known and only the range can be wrong."""
+    want = dense[1]["model"]
+
+    def direct(key: str) -> bool:  # a tensor the reader reads straight into a zeros_like target
+        value = want.get(key)
+        return type(value) is torch.Tensor and not value.is_quantized and value.is_contiguous() and value.numel() > 0
+
+    ranged: dict[str, list[str]] = {}
+    for path, entry in _meta(snap).manifest.items():
+        key = path.removeprefix("0/model/")
+        if path.startswith("0/model/") and entry["type"] == "Tensor" and entry.get("byte_range") and direct(key):
+            ranged.setdefault(entry["location"], []).append(key)
+    rel, keys = max(ranged.items(), key=lambda item: len(item[1]))
+    assert len(keys) >= 2, ranged
+    _edit(snap, f"model/{keys[-1]}", byte_range=byte_range)
+    target = {key: torch.zeros_like(want[key]) for key in keys}
+    with pytest.raises(SnapshotCorruptError) as info:
+        _read(snap, "model", target)
+    assert f"model/{keys[-1]}" in str(info.value)
+
+
+@pytest.mark.parametrize(
     "data",
     [b"\x00{not metadata", b"[1, 2]", b'{"version": "0", "world_size": 0, "manifest": {}}',
      b'{"version": "0", "world_size": 1, "manifest": {"1/k": {"type": "int"}}}',

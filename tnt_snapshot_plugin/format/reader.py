@@ -211,7 +211,10 @@ def _target_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
             _target_tensors(value, f"{path}/{i}", out)
     elif (kind is dict or kind is OrderedDict) and _flattenable(obj):
         for key, value in obj.items():
-            _target_tensors(value, f"{path}/{encode(str(key))}", out)
+            if type(value) in _PLAIN_TENSORS:  # most values: no call for them
+                out[f"{path}/{encode(str(key))}"] = value
+            else:
+                _target_tensors(value, f"{path}/{encode(str(key))}", out)
     elif isinstance(obj, torch.Tensor):
         out[path] = obj
 
@@ -393,7 +396,25 @@ class _Plan:
         if target is not None and entry.get("serializer") == RAW:  # the hot path: no copies
             dtype = DTYPES_BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
             if dtype in RAW_DTYPES and _direct(target, dtype, entry.get("shape")):  # type: ignore[arg-type]
-                self.raw_into(path, entry, target)
+                # raw_into, with its checks done inline for the common case (a location already
+                # checked, a well-formed byte range of the right length): once per tensor
+                rel = entry.get("location")
+                byte_range = entry.get("byte_range")
+                nbytes = target.nbytes
+                if (
+                    rel in self._inside
+                    and type(byte_range) is list
+                    and len(byte_range) == 2
+                    and type(byte_range[0]) is int
+                    and type(byte_range[1]) is int
+                    and 0 <= byte_range[0]
+                    and byte_range[1] - byte_range[0] == nbytes
+                ):
+                    if nbytes:
+                        self.reads.append((rel, byte_range[0], flat_bytes(target)))
+                        self.names.append(path)
+                else:
+                    self.raw_into(path, entry, target)
                 self.values[path] = target
                 return
         dtype = self.dtype(entry, path)
@@ -630,6 +651,9 @@ def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:
     return {path: entry for path, entry in view.items() if path == root or path.startswith(below)}
 
 
+_ABSENT = object()
+
+
 def _is_int(token: str) -> bool:
     return token.isdigit() or (len(token) > 1 and token[0] in "+-" and token[1:].isdigit())
 
@@ -669,8 +693,13 @@ def _inflate(root: str, tree: dict[str, dict], values: dict[str, Any], added: di
         try:
             for key in keys + added.get(path, []):
                 found = by_key.get(key)
-                if found is not None and present(found):
-                    out[key] = value(found)
+                if found is None:
+                    continue
+                leaf = values.get(found, _ABSENT)  # value(found), in one lookup for a leaf
+                if leaf is not _ABSENT:
+                    out[key] = leaf
+                elif tree[found]["type"] in CONTAINER_TYPES:
+                    out[key] = build(found)
         except TypeError as exc:
             raise _corrupt(f"entry {path!r}", f"a key cannot be a dict key ({exc})") from exc
         return out
