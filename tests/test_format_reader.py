@@ -349,14 +349,15 @@ def test_malformed_entries_are_corruption(snap, fields, says):
 
 
 @pytest.mark.parametrize(
-    "byte_range",
-    [[0, 3], [-4, 0], [0.0, 4.0], "0-4", [0, 4, 8]],
-    ids=["short", "negative", "floats", "text", "three"],
+    "field",
+    [{"byte_range": [0, 3]}, {"byte_range": [-4, 0]}, {"byte_range": [0.0, 4.0]}, {"byte_range": "0-4"},
+     {"byte_range": [0, 4, 8]}, {"location": ["batched"]}, {"location": None}],
+    ids=["short", "negative", "floats", "text", "three", "location-list", "location-none"],
 )
-def test_a_malformed_byte_range_is_corruption_when_reading_straight_into_the_target(dense, snap, byte_range):
+def test_a_malformed_entry_is_corruption_when_reading_straight_into_the_target(dense, snap, field):
     """The reader's hot path (a packed tensor read straight into a matching target, its file
-    already checked for an earlier entry) still checks every byte range: the damaged entry is
-    the second tensor of its file, so the location is known and only the range can be wrong."""
+    already checked for an earlier entry) still checks every entry: the damaged one is the
+    second tensor of its file, so the hot path is where it is read."""
     want = dense[1]["model"]
 
     def direct(key: str) -> bool:  # a tensor the reader reads straight into a zeros_like target
@@ -370,7 +371,7 @@ def test_a_malformed_byte_range_is_corruption_when_reading_straight_into_the_tar
             ranged.setdefault(entry["location"], []).append(key)
     rel, keys = max(ranged.items(), key=lambda item: len(item[1]))
     assert len(keys) >= 2, ranged
-    _edit(snap, f"model/{keys[-1]}", byte_range=byte_range)
+    _edit(snap, f"model/{keys[-1]}", **field)
     target = {key: torch.zeros_like(want[key]) for key in keys}
     with pytest.raises(SnapshotCorruptError) as info:
         _read(snap, "model", target)

@@ -402,7 +402,8 @@ class _Plan:
                 byte_range = entry.get("byte_range")
                 nbytes = target.nbytes
                 if (
-                    rel in self._inside
+                    type(rel) is str
+                    and rel in self._inside
                     and type(byte_range) is list
                     and len(byte_range) == 2
                     and type(byte_range[0]) is int
