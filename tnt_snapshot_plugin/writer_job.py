@@ -206,7 +206,7 @@ class SnapshotWriter:
             hasher = new_hasher()
         else:
             checksum = record_views(payload.views)
-        with _writing(store, staging, payload):
+        with _writing(store, staging, payload.rel):
             store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
         if hasher is not None:
             checksum = hasher.record()
@@ -316,14 +316,14 @@ class _Writes:
         elif len(payload.views) > 1:
             # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
             # on the planning thread; an I/O thread only waits for the disk (store.start_payload).
-            store = writer.store
+            store, rel = writer.store, payload.rel
             checksum = record_views(payload.views)
-            with _writing(store, staging, payload):
-                finish = store.start_payload(staging, payload.rel, payload.views)
-            result = (payload.rel, sum(v.nbytes for v in payload.views), checksum)
+            with _writing(store, staging, rel):
+                finish = store.start_payload(staging, rel, payload.views)
+            result = (rel, sum(v.nbytes for v in payload.views), checksum)
 
-            def complete() -> tuple[str, int, dict[str, Any]]:
-                with _writing(store, staging, payload):
+            def complete() -> tuple[str, int, dict[str, Any]]:  # holds no buffer of the pack
+                with _writing(store, staging, rel):
                     finish()
                 return result
 
@@ -346,15 +346,15 @@ class _Writes:
 
 
 @contextlib.contextmanager
-def _writing(store: Store, staging: str, payload: fmt.Payload) -> Iterator[None]:
-    """A store's failure to write ``payload`` as a SnapshotWriteError naming the file."""
+def _writing(store: Store, staging: str, rel: str) -> Iterator[None]:
+    """A store's failure to write file ``rel`` as a SnapshotWriteError naming it."""
     try:
         yield
     except SnapshotError:
         raise
     except Exception as exc:
         raise SnapshotWriteError(
-            f"writing {payload.rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
+            f"writing {rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
         ) from exc
 
 
