@@ -80,10 +80,11 @@ def flat_bytes(tensor: torch.Tensor) -> np.ndarray:
     memory alive.
 
     The writer holds one such buffer per tensor until the tensor is written, the reader one per
-    tensor it reads into. Numpy arrays are
-    not tracked by Python's garbage collector, where a memoryview is (with its buffer, two
-    tracked objects): 10,000 held memoryviews were enough to set off a full collection of the
-    training process's heap in most snapshots (about 70 ms here, benchmarks/profile_entries.py)."""
+    tensor it reads into. A numpy array is not tracked by Python's garbage collector (the tensor
+    object numpy keeps as its base is: one tracked object a tensor), where the ctypes view this
+    replaced was three (a ctypes array, a memoryview and its buffer): held by the 10,000, they
+    set off a full collection of the training process's heap in most snapshots (about 70 ms
+    here, benchmarks/profile_entries.py)."""
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: its bytes as uint8

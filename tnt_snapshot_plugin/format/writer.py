@@ -5,10 +5,10 @@ schema, as its JSON text) and payloads (byte buffers to write to files); the cal
 payloads, gathers every rank's records on rank 0 (:func:`merge`) and writes ``.snapshot_metadata``
 (:func:`metadata_bytes`) last. Stock torchsnapshot restores what it writes.
 
-Records are JSON text, and buffers are numpy arrays, because neither is tracked by Python's
-garbage collector: a snapshot of 10,000 tensors holds 10,000 of each until it is written, and
-as dicts and memoryviews (about seven tracked objects a tensor) they set off a full collection
-of the training process's heap in most snapshots. The choices, where the format leaves room:
+Records are JSON text (a str is not tracked by Python's garbage collector) and buffers numpy
+arrays (``common.flat_bytes``: one tracked object a tensor): a snapshot of 10,000 tensors holds
+10,000 of each until it is written, and as dicts and memoryviews (about seven tracked objects a
+tensor) they set off a full collection of the training process's heap in most snapshots. The choices, where the format leaves room:
 
 * **Paths.** :func:`flatten` builds logical paths exactly as torchsnapshot's ``flatten`` does:
   lists and dicts/OrderedDicts whose keys are all ``str``/``int`` with distinct ``str()`` are
