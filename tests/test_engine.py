@@ -18,7 +18,7 @@ import torch
 
 from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotWriteError
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotWriteError, UnrestorableStateError
 from tnt_snapshot_plugin.format.common import flat_bytes
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.snapshotter import Snapshotter
@@ -78,6 +78,22 @@ def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their
         got = Holder(zeros_like_state(want))
         restore(str(tmp_path / f"epoch_0_step_{step}"), {"h": got})
         assert_identical(got.state, want)
+
+
+def test_an_int_too_long_for_str_is_refused_before_it_is_written(tmp_path):
+    """The format stores an int as its decimal text; Python refuses str() of one over 4300
+    digits (sys.get_int_max_str_digits), and torch.load(weights_only=True) cannot read one back
+    pickled (LONG4). Such a state is refused with a typed error naming the entry and what to do;
+    the older snapshot stays the latest."""
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=False))
+    saver.train_start(["h"], 0, 0)
+    assert saver.save(0, 1, {"h": Holder({"n": 10**4000, "small": 12})})  # 4001 digits: fine
+    with pytest.raises(UnrestorableStateError, match=r"'h/n' holds an int of about 600\d decimal digits.*to_bytes"):
+        saver.save(0, 2, {"h": Holder({"n": 10**6000, "small": 12})})
+    assert sorted(os.listdir(tmp_path)) == [".tnt_snapshot.lock", "epoch_0_step_1"]
+    got = Holder({"n": 0, "small": 0})
+    restore(str(tmp_path / "epoch_0_step_1"), {"h": got})
+    assert got.state == {"n": 10**4000, "small": 12}
 
 
 def test_targets_that_differ_from_the_saved_tensor_get_the_saved_value(tmp_path):

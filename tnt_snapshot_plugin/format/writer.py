@@ -25,6 +25,8 @@ tensor) they set off a full collection of the training process's heap in most sn
   dtypes (complex, quantized) and empty tensors are ``torch.save``'d: stock torchsnapshot cannot
   rebuild an empty tensor from zero raw bytes. Objects are ``torch.save``'d to a file of their
   own; ``int``/``str``/``bool``/``bytes``/``float`` (exact types) are stored inline in the manifest.
+  An ``int`` too long for ``str()`` (over ``sys.get_int_max_str_digits()`` digits, 4300 by default)
+  is refused with UnrestorableStateError: restore could read it back neither as text nor pickled.
 * **Replicated values** (logical paths the caller says every rank holds identically) are recorded
   once, under ``0/``: every rank computes the same assignment of writers from its own leaves
   (largest first, ties by path, each to the least loaded rank) and only the assigned rank writes
@@ -44,6 +46,7 @@ import io
 import json
 import re
 import struct
+import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence, Set
@@ -53,7 +56,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import ConfigError, SnapshotError
+from ..errors import ConfigError, SnapshotError, UnrestorableStateError
 from .common import DTYPE_NAMES, FORMAT_VERSION, RAW, RAW_DTYPES, TORCH_SAVE, encode, flat_bytes
 
 #: What a replicated object is assumed to cost when spreading replicated writes over the ranks
@@ -374,7 +377,11 @@ class _Builder:
             if self.recorder is not None:
                 self._record(path, value, text)
         elif kind in _PRIMITIVES:
-            self.entries[manifest_path] = _text(_primitive_record(_PRIMITIVES[kind], value, replicated))
+            try:
+                record = _primitive_record(_PRIMITIVES[kind], value, replicated)
+            except ValueError as exc:  # an int too long for str() (sys.get_int_max_str_digits)
+                raise _int_too_long(path, value) from exc
+            self.entries[manifest_path] = _text(record)
         elif isinstance(value, torch.Tensor) and _is_distributed(value):
             self._not_reusable()
             self.add_distributed(path, manifest_path, value, replicated)
@@ -607,6 +614,18 @@ def _primitive_record(type_name: str, value: Any, replicated: bool) -> dict:
         "replicated": replicated,
         "readable": str(value) if type_name == "float" else None,
     }
+
+
+def _int_too_long(path: str, value: int) -> UnrestorableStateError:
+    digits = int(value.bit_length() * 0.30103) + 1
+    return UnrestorableStateError(
+        f"{path!r} holds an int of about {digits} decimal digits, which cannot be saved: the format "
+        f"stores an int as its decimal text, which Python makes of at most "
+        f"{sys.get_int_max_str_digits()} digits (sys.get_int_max_str_digits()), and restore's "
+        "torch.load(weights_only=True) cannot read such an int back pickled either. Store it in the "
+        "state_dict as bytes (value.to_bytes((value.bit_length() + 8) // 8, 'little', signed=True), "
+        "and int.from_bytes(..., 'little', signed=True) in load_state_dict)"
+    )
 
 
 def _is_distributed(value: torch.Tensor) -> bool:
