@@ -362,6 +362,8 @@ class Snapshotter:
             self._stager.stage(app_state())
         except Exception as exc:  # an optimisation only: the snapshot itself will say what is wrong
             logger.debug("tnt_snapshot_plugin: staging buffers not prepared: %s", exc)
+        finally:
+            self._stager.take_sources()  # let go of the training's tensors (not a snapshot's stall)
 
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
         if self._lock is None:
