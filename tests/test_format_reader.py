@@ -22,7 +22,7 @@ import torch
 
 from tnt_snapshot_plugin import checksums
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
-from tnt_snapshot_plugin.format.common import byte_view
+from tnt_snapshot_plugin.format.common import flat_bytes
 from tnt_snapshot_plugin.format.reader import (
     Metadata,
     parse_metadata,
@@ -211,7 +211,7 @@ def test_bfloat16_of_odd_length_and_yaml_metadata(tmp_path):
     """Stock torchsnapshot cannot write an odd-length bfloat16 (it loses the last element); the
     plugin's writer can, and the reader reads it. Older torchsnapshot wrote YAML metadata."""
     value = torch.randn(7).to(torch.bfloat16)
-    data = byte_view(value).tobytes()
+    data = flat_bytes(value).tobytes()
     entry = {"type": "Tensor", "location": "0/k/v", "serializer": "buffer_protocol", "dtype": "torch.bfloat16",
              "shape": [7], "replicated": False, "byte_range": None}
     root = _synthetic(tmp_path, {"0/k/v": entry}, {"0/k/v": data})
@@ -473,7 +473,7 @@ def test_dtensor_replicas_are_merged_once_and_a_rank_reads_shards_it_did_not_sav
     """4 ranks on a 2x2 mesh, a DTensor sharded over mesh dim 0 and replicated over dim 1: ranks
     0 and 1 hold the same rows, as do 2 and 3. Rank 3 saved no 'w' (its dict does not list it)."""
     full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    top, bottom = byte_view(full[:3].contiguous()).tobytes(), byte_view(full[3:].contiguous()).tobytes()
+    top, bottom = flat_bytes(full[:3].contiguous()).tobytes(), flat_bytes(full[3:].contiguous()).tobytes()
     root = tmp_path / "snap"
     (root / "sharded").mkdir(parents=True)
     (root / "sharded/top").write_bytes(top)

@@ -26,19 +26,14 @@ import bisect
 import threading
 from typing import Any, Optional
 
-import numpy as np
 import xxhash
 
 from .errors import SnapshotCorruptError
+from .fileio import byte_views
 
 ALGO = "xxh3_64"
 
 _digest = xxhash.xxh3_64_hexdigest
-
-
-def _bytes_view(buf: Any) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class Streaming:
@@ -140,8 +135,7 @@ class Verifier:
         found = self._records.get(rel)
         if found is None:
             return 0
-        # a flat uint8 numpy array (the reader's destinations) is hashed and sliced as it is
-        view: Any = data if type(data) is np.ndarray and data.ndim == 1 and data.itemsize == 1 else _bytes_view(data)
+        view = byte_views((data,))[0]  # a flat uint8 numpy array (the reader's) is kept as it is
         end = start + view.nbytes
         expected = self._exact.get((rel, start, end))
         if expected is not None:  # a whole file or one packed tensor

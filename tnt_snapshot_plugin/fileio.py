@@ -119,16 +119,15 @@ def write_durably(path: str, data: Any, feed: Optional[Callable[[memoryview], An
     Every snapshot file on local disk is written through this function or, in two steps, through
     :func:`start_write`; the stores look them up on this module at each call.
     """
+    views = byte_views(data) if isinstance(data, (list, tuple)) else getattr(data, "views", None)
+    if views is not None:  # several buffers: start_write's writev pass, then its fdatasync
+        if feed is not None:
+            for piece in views:
+                feed(piece)
+        start_write(path, views)()
+        return
     fd = _create(path)
     try:
-        views = byte_views(data) if isinstance(data, (list, tuple)) else getattr(data, "views", None)
-        if views is not None:
-            if feed is not None:
-                for piece in views:
-                    feed(piece)
-            write_gathered(fd, views)
-            os.fdatasync(fd)
-            return
         view = memoryview(data).cast("B")
         total = view.nbytes
         offset = 0

@@ -7,7 +7,6 @@ torchsnapshot encodes them.
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -56,22 +55,6 @@ TORCH_SAVE = "torch_save"
 
 #: The primitive types stored inline in the manifest (exact types: a subclass is an object).
 PRIMITIVE_TYPES: frozenset[str] = frozenset({"int", "str", "bool", "bytes", "float"})
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor as a flat unsigned-byte memoryview over its memory (over a
-    contiguous copy if it is not contiguous). Any dtype of RAW_DTYPES, any shape (bfloat16 of an
-    odd length, and empty tensors of any rank, included)."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    array: Any
-    if tensor.dtype is not torch.bfloat16 and tensor.dim() and tensor.numel():
-        array = tensor.numpy()  # the faster way, where numpy has the dtype and the shape casts
-        return memoryview(array).cast("B")
-    array = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
 
 
 def flat_bytes(tensor: torch.Tensor) -> np.ndarray:
