@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import evict, median  # noqa: E402
+from measure import evict, median, settle_garbage  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -173,6 +173,7 @@ def checksum_cost(
                     )
                     saver.train_start(["model"], 0, 0)
                     timer.reset()
+                    settle_garbage()
                     cpu = cpu_seconds()
                     started = time.perf_counter()
                     saver.save(0, 1, {"model": model})
@@ -184,6 +185,7 @@ def checksum_cost(
                         for t in targets:
                             t.zero_()
                     evict(path)
+                    settle_garbage()
                     cpu = cpu_seconds()
                     started = time.perf_counter()
                     restore(path, {"model": target})

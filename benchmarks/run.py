@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import measure
 import torch
-from measure import MiB, PeakRSS, evict, median
+from measure import FullCollections, MiB, PeakRSS, evict, median, settle_garbage
 from methods import Method, select
 
 GiB = 1024 * MiB
@@ -118,6 +118,7 @@ def save_phase(
     durables: list[float] = []
     previous: Optional[str] = None
     last_value = 0.0
+    full = FullCollections()
     started = time.perf_counter()
     try:
         method.setup(root, model, target)  # imports and framework objects: not the snapshot's
@@ -125,7 +126,9 @@ def save_phase(
         for step in range(1, reps + 2):  # step 1 is a warm-up: timed figures come from the rest
             last_value = float(step)
             first.fill_(last_value)  # the state of this step ...
-            stall, durable, path = method.save(step)
+            settle_garbage()
+            with full:
+                stall, durable, path = method.save(step)
             first.fill_(-1.0)  # ... which training mutates as soon as the save call returns
             if step > 1:
                 stalls.append(stall)
@@ -145,22 +148,26 @@ def save_phase(
         stall_samples=stalls,
         durable_samples=durables,
         save_wall_s=time.perf_counter() - started,
+        full_gc_in_saves=full.count,  # full collections inside the timed snapshots (warm-up included)
     )
     return result, previous, last_value
 
 
 def restore_once(
     method: Method, path: str, model: torch.nn.Module, target: torch.nn.Module, first_value: float
-) -> tuple[float, bool]:
-    """Restore ``path`` into ``target`` from a cold page cache; (seconds, restored exactly)."""
+) -> tuple[float, bool, int]:
+    """Restore ``path`` into ``target`` from a cold page cache; (seconds, restored exactly, full
+    collections of the heap inside the timed call)."""
     with torch.no_grad():
         for t in tensors_of(target):
             t.zero_()
     evict(path)
-    t0 = time.perf_counter()
-    method.restore(path)
-    elapsed = time.perf_counter() - t0
-    return elapsed, _check_restore(model, target, first_value)
+    settle_garbage()
+    with FullCollections() as full:
+        t0 = time.perf_counter()
+        method.restore(path)
+        elapsed = time.perf_counter() - t0
+    return elapsed, _check_restore(model, target, first_value), full.count
 
 
 def _check_restore(model: torch.nn.Module, target: torch.nn.Module, first_value: float) -> bool:
@@ -217,13 +224,14 @@ def run_size(
                 if "error" in row:
                     continue
                 try:
-                    elapsed, ok = restore_once(method, last, model, target, first_value)
+                    elapsed, ok, full_gc = restore_once(method, last, model, target, first_value)
                 except Exception as exc:
                     row["error"] = f"restore: {type(exc).__name__}: {exc}"
                     print(f"  {method.name}: FAILED {row['error']}", file=log, flush=True)
                     continue
                 row["restore_samples"].append(elapsed)
                 row["restore_ok"] = row.get("restore_ok", True) and ok
+                row["full_gc_in_restores"] = row.get("full_gc_in_restores", 0) + full_gc
     finally:
         for method, _row, last, _ in kept:
             try:
