@@ -188,17 +188,58 @@ def test_buffers_are_reused_and_hold_copies_not_the_live_tensors():
     assert stager.nbytes == sum(v.numel() * v.element_size() for v in live.values())
 
 
-def test_a_changed_tensor_gets_a_new_buffer_the_others_keep_theirs():
+def test_a_dict_of_cpu_tensors_is_staged_into_one_arena_per_dtype_with_every_value_exact():
+    """Shapes of every kind (0-d, empty, 1-D, N-D, a non-contiguous view), three dtypes and a
+    Parameter that requires grad: each dtype's buffers are consecutive views of one tensor, in
+    the dict's order, and every staged value equals its source, at the first stage and at a
+    later one that reuses the buffers."""
+    gen = torch.Generator().manual_seed(7)
+    state = OrderedDict(
+        w=torch.nn.Parameter(torch.randn(4, 3, generator=gen)),
+        b=torch.randn(3, generator=gen),
+        step=torch.tensor(11),
+        none=torch.empty(0),
+        half=torch.randn(5, generator=gen).to(torch.bfloat16),
+        t=torch.randn(3, 5, generator=gen).t(),  # not contiguous
+        count=torch.arange(6).reshape(2, 3),
+        e=torch.randn(2, 2, 2, generator=gen),
+    )
+    holder = Holder(state)
+    stager = Stager()
+    for _ in range(2):
+        staged = stager.stage({"h": holder})["h"].state_dict()
+        assert list(staged) == list(state)
+        for key, value in state.items():
+            assert staged[key].shape == value.shape and staged[key].dtype == value.dtype, key
+            assert torch.equal(staged[key], value.detach()), key
+            assert not staged[key].requires_grad
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            views = [v for v in staged.values() if v.dtype == dtype and v.numel()]
+            base = views[0].untyped_storage().data_ptr()
+            assert all(v.untyped_storage().data_ptr() == base for v in views)  # one arena
+            offsets = [v.storage_offset() for v in views]
+            sizes = [v.numel() for v in views]
+            assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]  # end to end, in order
+        with torch.no_grad():  # training moves on: the staged copy stays as it was
+            for value in state.values():
+                if value.numel():
+                    value.add_(1)
+        assert not torch.equal(staged["w"], state["w"].detach())
+    assert stager.nbytes == sum(v.numel() * v.element_size() for v in state.values())
+
+
+def test_a_changed_tensor_is_staged_anew_and_released_buffers_are_not_kept():
     state = OrderedDict(a=torch.arange(6.0), b=torch.ones(3, 2), c=torch.zeros(2, dtype=torch.int32))
     holder = Holder(state)
     stager = Stager()
-    first = pointers(stager.stage({"h": holder})["h"].state_dict())
+    stager.stage({"h": holder})
 
     state["b"] = torch.full((4, 4), 2.0)  # new shape
     state["c"] = torch.ones(2, dtype=torch.float64)  # new dtype
     staged = stager.stage({"h": holder})["h"].state_dict()
     assert type(staged) is OrderedDict and list(staged) == ["a", "b", "c"]
-    assert staged["a"].data_ptr() == first["a"]
+    assert torch.equal(staged["a"], torch.arange(6.0))
+    assert stager.nbytes == sum(v.numel() * v.element_size() for v in state.values())  # the old arena let go
     assert torch.equal(staged["b"], torch.full((4, 4), 2.0))
     assert staged["c"].dtype == torch.float64 and torch.equal(staged["c"], torch.ones(2, dtype=torch.float64))
 
