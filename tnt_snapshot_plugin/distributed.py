@@ -126,7 +126,7 @@ class Collectives:
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
-        if self.alone:
+        if self.alone or self.group is None:
             return obj
         box = [obj]
         try:
@@ -149,7 +149,7 @@ class Collectives:
 
     def gather(self, obj: T) -> Optional[list[T]]:
         """Every rank's ``obj``, on rank 0 (in rank order); None on the other ranks."""
-        if self.alone:
+        if self.alone or self.group is None:
             return [obj]
         out: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
         try:
