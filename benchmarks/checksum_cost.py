@@ -9,7 +9,8 @@ process, interleaved (on, off, off, on, ...), medians.
 Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payload``,
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
 of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
-``checksums.Verifier.check``, called as each read lands (``format.reader`` through the store's
+``checksums.Verifier.check_reads`` (``check`` for each read but the common one), called as each
+batch of reads lands (``format.reader`` through the store's
 ``read_into(..., done=)``): on local disk on the reading threads, several at once, overlapping
 the other files' reads.
 
@@ -82,7 +83,7 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     assert callable(getattr(writer_job, "new_hasher", None)), "writer_job.new_hasher is gone"
     real_record = writer_job.record_views
     real_new_hasher = writer_job.new_hasher
-    real_check = checksums.Verifier.check
+    real_check_reads = checksums.Verifier.check_reads
     if on:
         perf = time.perf_counter
 
@@ -95,12 +96,10 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
                 with timer.lock:
                     timer.write_s += elapsed
 
-        def timed_check(
-            self: Any, rel: str, start: int, data: Any, entry: Optional[str] = None, *, count: bool = True
-        ) -> int:
+        def timed_check_reads(self: Any, reads: Any, indices: Any, names: Any) -> int:
             t = perf()
             try:
-                return real_check(self, rel, start, data, entry, count=count)
+                return real_check_reads(self, reads, indices, names)
             finally:
                 elapsed = perf() - t
                 with timer.lock:  # the reading threads verify several files at once
@@ -124,7 +123,7 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
 
         writer_job.record_views = timed_record
         writer_job.new_hasher = TimedHasher
-        checksums.Verifier.check = timed_check  # type: ignore[method-assign]
+        checksums.Verifier.check_reads = timed_check_reads  # type: ignore[method-assign]
     else:
 
         class NoHash:
@@ -141,7 +140,7 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     finally:
         writer_job.record_views = real_record
         writer_job.new_hasher = real_new_hasher
-        checksums.Verifier.check = real_check  # type: ignore[method-assign]
+        checksums.Verifier.check_reads = real_check_reads  # type: ignore[method-assign]
 
 
 def cpu_seconds() -> float:
@@ -239,7 +238,7 @@ def describe(label: str, r: dict[str, Any]) -> str:
         f"{r['durable_added']:+.1%}; time inside record_views {on['hash_write']:.3f}s = "
         f"{r['durable_hashing']:.1%} of durable; CPU time added {r['save_cpu_added']:+.1%} of durable\n"
         f"  restore (cold): on {on['restore']:.3f}s, off {off['restore']:.3f}s: checksums add "
-        f"{r['restore_added']:+.1%}; time inside Verifier.check {on['hash_read']:.3f}s = "
+        f"{r['restore_added']:+.1%}; time inside Verifier.check_reads {on['hash_read']:.3f}s = "
         f"{r['restore_verifying']:.1%} of restore; CPU time added {r['restore_cpu_added']:+.1%} of restore"
     )
 

@@ -239,7 +239,7 @@ def size_targets(size: dict[str, Any]) -> list[dict[str, Any]]:
         add(_target(
             scope, "checksums: added restore time / restore without", sums["restore_added"], TARGETS["checksums"], "%",
             f"restore {_fmt_s(sums['on']['restore'])} with, {_fmt_s(sums['off']['restore'])} without "
-            f"({_pct(sums['restore_added'])}); inside Verifier.check: {_fmt_s(sums['on']['hash_read'])} = "
+            f"({_pct(sums['restore_added'])}); inside Verifier.check_reads: {_fmt_s(sums['on']['hash_read'])} = "
             f"{sums['restore_verifying'] * 100:.1f}% of the restore (summed over the reading threads)",
         ))
     return out

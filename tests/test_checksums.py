@@ -130,6 +130,40 @@ def test_the_index_records_a_checksum_per_payload_and_one_per_packed_tensor(writ
     assert len(bounds) > 2 and len(digests) == 16 * (len(bounds) - 1)
 
 
+def test_check_reads_verifies_each_read_of_any_kind_and_names_the_entry_of_a_mismatch():
+    """The reader's batch check: numpy reads of one packed tensor (its fast path), a read of
+    several tensors, a whole file as a memoryview, and a file the index does not know, each
+    verified (or not) as check() would; a flipped byte in any read names its range and entry."""
+    import numpy as np
+
+    pieces = [bytes([i]) * (100 + i) for i in range(5)]
+    data = b"".join(pieces)
+    whole = b"w" * 77
+    records = {"f": record_views([memoryview(p) for p in pieces]), "g": record_views([memoryview(whole)])}
+    verifier = Verifier("snap", records, {"f": len(data), "g": len(whole)})
+
+    def as_array(b: bytes):
+        return np.frombuffer(bytearray(b), dtype=np.uint8)
+
+    reads = [
+        ("f", 100, as_array(data[100:201])),  # tensor 1 alone, as the reader reads it
+        ("f", 303, as_array(data[303:406])),  # tensor 3 alone
+        ("f", 0, as_array(data[:303])),  # tensors 0-2 in one read
+        ("g", 0, memoryview(whole)),  # a whole file
+        ("h", 0, as_array(b"not indexed")),  # no record: not checked
+    ]
+    names = ["t1", "t3", "t0-2", "g", "h"]
+    assert verifier.check_reads(reads, [0, 1, 2, 3, 4], names) == 101 + 103 + 303 + 77
+    assert verifier.check_reads(reads, [], names) == 0
+    for i, (rel, start, buf) in enumerate(reads[:4]):
+        damaged = bytearray(bytes(buf))
+        damaged[len(damaged) // 2] ^= 1
+        bad = list(reads)
+        bad[i] = (rel, start, as_array(bytes(damaged)) if isinstance(buf, np.ndarray) else memoryview(damaged))
+        with pytest.raises(SnapshotCorruptError, match=rf"snap/{rel}\b.*\(entry {names[i]}\)"):
+            verifier.check_reads(bad, range(5), names)
+
+
 @pytest.mark.parametrize("form", ["bounds and digests", "ranges (written before 2026-12)"])
 def test_each_packed_tensor_is_verified_on_its_own_in_either_index_form(form):
     pieces = [bytes([i]) * (100 + i) for i in range(5)]  # five tensors packed end to end
@@ -298,13 +332,15 @@ def test_large_reads_are_verified_on_the_reading_threads_as_each_file_lands(tmp_
     snapshot = tmp_path / "epoch_0_step_1"
 
     checked: dict[str, str] = {}
-    real_check = checksums.Verifier.check
+    real_check_reads = checksums.Verifier.check_reads
 
-    def spy(self, rel, start, data, entry=None, *, count=True):
-        checked[rel] = threading.current_thread().name
-        return real_check(self, rel, start, data, entry, count=count)
+    def spy(self, reads, indices, names):
+        indices = list(indices)
+        for i in indices:
+            checked[reads[i][0]] = threading.current_thread().name
+        return real_check_reads(self, reads, indices, names)
 
-    monkeypatch.setattr(checksums.Verifier, "check", spy)
+    monkeypatch.setattr(checksums.Verifier, "check_reads", spy)
     target = Holder({k: torch.zeros_like(v) for k, v in state.items()})
     restore(str(snapshot), {"model": target})
     assert all(torch.equal(target.state[k], v) for k, v in state.items())

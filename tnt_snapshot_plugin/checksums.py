@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import xxhash
 
 from .errors import SnapshotCorruptError
@@ -34,6 +36,7 @@ from .fileio import byte_views
 ALGO = "xxh3_64"
 
 _digest = xxhash.xxh3_64_hexdigest
+_UINT8 = np.dtype(np.uint8)
 
 
 class Streaming:
@@ -159,6 +162,29 @@ class Verifier:
                     i += 1
         if count:
             self.count(verified)
+        return verified
+
+    def check_reads(self, reads: Sequence[tuple[str, int, Any]], indices: Iterable[int], names: Sequence[str]) -> int:
+        """:meth:`check` each of ``reads[i]`` (``(file, offset, bytes)``, read for entry
+        ``names[i]``) for ``i`` in ``indices``, without counting; the bytes verified.
+
+        The reader's common read, a flat ``uint8`` numpy array that is exactly one packed tensor
+        or whole file, takes a path of one lookup and one digest (half the time of ``check``'s,
+        about 0.5 us a read: 10,000 small tensors are 10,000 reads); anything else goes through
+        :meth:`check`."""
+        exact, digest, check = self._exact, _digest, self.check
+        verified = 0
+        for i in indices:
+            rel, start, data = reads[i]
+            if type(data) is np.ndarray and data.dtype is _UINT8 and data.ndim == 1:
+                end = start + data.nbytes
+                expected = exact.get((rel, start, end))
+                if expected is not None:
+                    if digest(data) != expected:  # type: ignore[arg-type]  # an ndarray is a buffer
+                        self._fail(rel, start, end, names[i])
+                    verified += end - start
+                    continue
+            verified += check(rel, start, data, entry=names[i], count=False)
         return verified
 
     def _indexed(self, rel: str) -> tuple[Optional[int], str, list[int], list[tuple[int, int, str]]]:

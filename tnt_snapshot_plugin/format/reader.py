@@ -623,28 +623,23 @@ class _Verify:
     """``read_into``'s ``done``: verifies each read as the store reports it filled, while its
     bytes are still in the CPU caches and the kernel reads ahead; each read once."""
 
-    __slots__ = ("_check", "_verified", "_reads", "_names", "_left")
+    __slots__ = ("_check_reads", "_verified", "_reads", "_names", "_left")
 
     def __init__(self, verifier: Any, reads: list[Read], names: list[str]) -> None:
-        self._check = verifier.check
+        self._check_reads = verifier.check_reads
         self._verified = verifier.count
         self._reads, self._names = reads, names
         self._left = bytearray(b"\x01") * len(reads)
 
     def __call__(self, indices: Any) -> None:
-        left, reads, names, check = self._left, self._reads, self._names, self._check
-        verified = 0
-        try:
-            for i in indices:
-                if left[i]:
-                    left[i] = 0
-                    rel, offset, view = reads[i]
-                    try:
-                        verified += check(rel, offset, view, entry=names[i], count=False)
-                    except SnapshotCorruptError as exc:
-                        raise _Mismatch(exc) from exc
-        finally:  # counted once a batch: the reading threads verify at once
-            self._verified(verified)
+        left = self._left
+        todo = [i for i in indices if left[i]]
+        for i in todo:
+            left[i] = 0
+        try:  # counted once a batch: the reading threads verify at once
+            self._verified(self._check_reads(self._reads, todo, self._names))
+        except SnapshotCorruptError as exc:
+            raise _Mismatch(exc) from exc
 
 
 def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:
