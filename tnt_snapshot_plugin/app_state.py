@@ -230,8 +230,7 @@ class _Layout:
     whether they are all 1-D)``: its values are copied with one ``torch.cat(out=arena)``.
     Empty for a dict with a tensor on an accelerator (copied tensor by tensor)."""
 
-    __slots__ = ("keys", "shapes", "dtypes", "layouts", "types", "buffers", "on_device", "any_on_device", "staged",
-                 "groups")
+    __slots__ = ("keys", "shapes", "dtypes", "layouts", "types", "buffers", "on_device", "staged", "groups")
 
     def __init__(self, keys: tuple[Any, ...], values: list[torch.Tensor], staged: dict[Any, torch.Tensor],
                  on_device: list[bool], groups: list[_Group]) -> None:
@@ -243,7 +242,6 @@ class _Layout:
         self.staged = staged
         self.buffers = list(staged.values())
         self.on_device = on_device
-        self.any_on_device = any(on_device)
         self.groups = groups
 
 
