@@ -206,9 +206,14 @@ def test_a_dict_of_cpu_tensors_is_staged_into_one_arena_per_dtype_with_every_val
     )
     holder = Holder(state)
     stager = Stager()
+    first = None
     for _ in range(2):
         staged = stager.stage({"h": holder})["h"].state_dict()
         assert list(staged) == list(state)
+        if first is None:
+            first = pointers(staged)
+        else:
+            assert pointers(staged) == first  # the second stage reused the arenas
         for key, value in state.items():
             assert staged[key].shape == value.shape and staged[key].dtype == value.dtype, key
             assert torch.equal(staged[key], value.detach()), key

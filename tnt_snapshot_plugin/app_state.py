@@ -289,9 +289,9 @@ class Stager:
     flat arena per dtype and copied with one ``torch.cat(out=arena)``, which moved 10,000 4 KiB
     tensors in 6.6-7 ms on the project's machine (one intra-op thread), where one
     ``torch._foreach_copy_`` into separate buffers took 13 ms (its CPU path dispatches a
-    ``copy_`` per tensor); the other tensors are copied with one ``torch._foreach_copy_``. A dict whose keys and tensor
-    shapes are those of last time is matched to its buffers in one pass without rebuilding
-    anything. Tensors on an accelerator are copied into pinned host buffers with non-blocking
+    ``copy_`` per tensor); the other tensors are copied with one ``torch._foreach_copy_``. A
+    dict whose keys and tensor shapes are those of last time is matched to its buffers in one
+    pass without rebuilding anything. Tensors on an accelerator are copied into pinned host buffers with non-blocking
     copies and one synchronisation per device at the end.
     """
 
