@@ -421,3 +421,32 @@ def test_the_tensors_staged_from_are_let_go_on_the_writer_thread_not_in_the_stal
     assert all(name.startswith("tnt-snapshot-") for name in freed_on), set(freed_on)
     assert saver._stager.take_sources() is None  # the stager kept no reference
     saver.train_end(0, 1, lambda intra_epoch: {})
+
+
+def test_a_tensor_stored_with_torch_save_from_an_arena_writes_its_own_bytes_not_the_arena(tmp_path):
+    """An empty or complex tensor is stored with torch.save, which writes a view's whole
+    storage: staged as a view of its dict's arena (an async snapshot), its file must hold its
+    own bytes only, not the 4 MiB of the arena around it, and restore exactly."""
+    import json
+
+    gen = torch.Generator().manual_seed(3)
+    state = OrderedDict(
+        big=torch.randn(1 << 20, generator=gen),  # 4 MiB of float32, the empty tensor's arena
+        empty=torch.empty(0),
+        z=torch.randn(64, dtype=torch.complex64, generator=gen),
+        zz=torch.randn(1 << 16, dtype=torch.complex64, generator=gen),  # 512 KiB: z's arena
+    )
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=True))
+    saver.train_start(["h"], 0, 0)
+    saver.save(0, 1, {"h": Holder(state)})
+    saver.train_end(0, 1, lambda intra_epoch: {})
+    snapshot = tmp_path / "epoch_0_step_1"
+    manifest = json.loads((snapshot / ".snapshot_metadata").read_text())["manifest"]
+    for key, limit in (("empty", 4096), ("z", 64 * 8 + 4096)):
+        entry = manifest[f"0/h/{key}"]
+        assert entry["serializer"] == "torch_save", key
+        start, end = entry["byte_range"] or (0, (snapshot / entry["location"]).stat().st_size)
+        assert end - start < limit, key  # (packed with other small payloads, or a file of its own)
+    target = Holder({k: torch.zeros_like(v) for k, v in state.items()})
+    restore(str(snapshot), {"h": target})
+    assert all(torch.equal(target.state[k], v) for k, v in state.items())
