@@ -450,3 +450,22 @@ def test_a_tensor_stored_with_torch_save_from_an_arena_writes_its_own_bytes_not_
     target = Holder({k: torch.zeros_like(v) for k, v in state.items()})
     restore(str(snapshot), {"h": target})
     assert all(torch.equal(target.state[k], v) for k, v in state.items())
+
+
+def test_a_snapshot_taken_in_inference_mode_leaves_buffers_that_later_snapshots_can_fill():
+    """Buffers made while a snapshot is staged inside torch.inference_mode() (a hook run during
+    evaluation) are normal tensors: an inference tensor refuses the in-place copy of every later
+    snapshot taken outside inference mode (RuntimeError), and the other way round works too."""
+    module_state = OrderedDict(a=torch.randn(3, 4), b=torch.randn(5))  # a dict of tensors: an arena
+    other = {"l": [torch.randn(2), 3]}  # a tensor in a list: a buffer of its own
+    app = {"h": Holder(module_state), "g": Holder(other)}
+    stager = Stager()
+    for inference in (True, False, True, False):
+        with torch.no_grad():
+            module_state["a"].add_(1)
+            other["l"][0].add_(1)
+        with torch.inference_mode(inference):
+            staged = stager.stage(app)
+        assert all(torch.equal(staged["h"].state_dict()[k], v) for k, v in module_state.items())
+        assert torch.equal(staged["g"].state_dict()["l"][0], other["l"][0])
+        assert not staged["h"].state_dict()["a"].is_inference()

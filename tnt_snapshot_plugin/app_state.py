@@ -252,6 +252,14 @@ _Group = tuple[torch.Tensor, Optional[list[int]], bool]
 _Cat = tuple[torch.Tensor, list[torch.Tensor], bool]
 
 
+def _normal_tensors() -> Any:
+    """A context in which new tensors are normal ones, even inside ``torch.inference_mode()``:
+    a staging buffer made while a snapshot is taken in inference mode (a hook run during
+    evaluation) is copied into again by later snapshots, and an inference tensor refuses in-place
+    updates outside inference mode."""
+    return torch.inference_mode(False)
+
+
 def _arena_views(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_Group]]:
     """Staging buffers for ``values`` (CPU plain tensors): views, in order, into one new flat
     tensor per dtype; and the groups that copy into them (see _Layout)."""
@@ -261,7 +269,8 @@ def _arena_views(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_
     buffers: list[torch.Tensor] = [values[0]] * len(values)  # placeholders, each replaced below
     groups: list[_Group] = []
     for dtype, indices in by_dtype.items():
-        arena = torch.empty(sum(values[i].numel() for i in indices), dtype=dtype)
+        with _normal_tensors():  # reused by later snapshots, taken outside inference mode too
+            arena = torch.empty(sum(values[i].numel() for i in indices), dtype=dtype)
         at = 0
         for i in indices:
             n = values[i].numel()
@@ -373,7 +382,8 @@ class Stager:
             or buf.dtype != obj.dtype
             or (on_device and not buf.is_pinned() and _can_pin())
         ):
-            buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=on_device and _can_pin())
+            with _normal_tensors():
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=on_device and _can_pin())
             self._buffers[where] = buf
         self._used.add(where)
         return buf, on_device
