@@ -469,3 +469,28 @@ def test_a_snapshot_taken_in_inference_mode_leaves_buffers_that_later_snapshots_
         assert all(torch.equal(staged["h"].state_dict()[k], v) for k, v in module_state.items())
         assert torch.equal(staged["g"].state_dict()["l"][0], other["l"][0])
         assert not staged["h"].state_dict()["a"].is_inference()
+
+
+def test_a_changed_dict_lets_go_of_its_old_arena_before_making_the_new_one(monkeypatch):
+    """When a dict's layout changes (a buffer registered mid-training), its new arena is made
+    after the old one is freed: the two copies of a whole model's state are never held at once."""
+    state = OrderedDict(w=torch.randn(256, 256), b=torch.randn(256))
+    holder = Holder(state)
+    stager = Stager()
+    old_arena = weakref.ref(stager.stage({"h": holder})["h"].state_dict()["w"].untyped_storage())
+    stager.take_sources()  # as the saver does
+    gc.collect()
+    assert old_arena() is not None  # held by the stager between snapshots
+    alive_when_allocating: list[bool] = []
+    real = app_state._arena_views
+
+    def watching(values):
+        gc.collect()
+        alive_when_allocating.append(old_arena() is not None)
+        return real(values)
+
+    monkeypatch.setattr(app_state, "_arena_views", watching)
+    state["running_mean"] = torch.zeros(256)  # the layout changes
+    staged = stager.stage({"h": holder})["h"].state_dict()
+    assert alive_when_allocating == [False]
+    assert all(torch.equal(staged[k], v) for k, v in state.items())

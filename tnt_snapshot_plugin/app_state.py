@@ -315,7 +315,7 @@ class Stager:
         self._src_device: list[torch.Tensor] = []
         self._cats: list[_Cat] = []
         #: the last stage's source tensors, until the caller takes them (``take_sources``)
-        self._sources: Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[_Cat]]] = None
+        self._sources: Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]] = None
 
     @staticmethod
     def _on_device(tensor: torch.Tensor) -> bool:
@@ -351,7 +351,7 @@ class Stager:
                     torch._foreach_copy_(self._dst_device, self._src_device, non_blocking=True)
                     _wait_for(self._src_device)
         finally:  # handed to the caller: held no longer than until it takes them
-            self._sources = (self._src, self._src_device, self._cats)
+            self._sources = (self._src, self._src_device, [sources for _, sources, _ in self._cats])
             self._dst, self._src, self._dst_device, self._src_device, self._cats = [], [], [], [], []
         for stale in [k for k in self._buffers if k not in self._used]:
             del self._buffers[stale]
@@ -404,9 +404,14 @@ class Stager:
                 staged = self._reuse(obj, where, layout)
                 if staged is not None:
                     return staged
-                # Something changed: go the long way, still reusing the buffers that fit.
-                for key, buf in zip(layout.keys, layout.buffers, strict=True):
-                    self._buffers.setdefault(where + (key,), buf)
+                # Something changed: go the long way. Buffers of their own that fit are reused;
+                # an arena is let go of first, so that the dict's old and new copies (a whole
+                # model's, for a module's state dict) are never held at once.
+                del self._layouts[where]
+                if not layout.groups:
+                    for key, buf in zip(layout.keys, layout.buffers, strict=True):
+                        self._buffers.setdefault(where + (key,), buf)
+                del layout
             return self._copy_dict(obj, where)
         if isinstance(obj, list):
             return [self._copy(v, where + (i,)) for i, v in enumerate(obj)]
