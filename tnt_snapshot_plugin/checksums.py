@@ -27,16 +27,14 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-import numpy as np
 import xxhash
 
 from .errors import SnapshotCorruptError
-from .fileio import byte_views
+from .fileio import byte_views, is_flat_bytes
 
 ALGO = "xxh3_64"
 
 _digest = xxhash.xxh3_64_hexdigest
-_UINT8 = np.dtype(np.uint8)
 
 
 class Streaming:
@@ -176,11 +174,11 @@ class Verifier:
         verified = 0
         for i in indices:
             rel, start, data = reads[i]
-            if type(data) is np.ndarray and data.dtype is _UINT8 and data.ndim == 1:
+            if is_flat_bytes(data):
                 end = start + data.nbytes
                 expected = exact.get((rel, start, end))
                 if expected is not None:
-                    if digest(data) != expected:  # type: ignore[arg-type]  # an ndarray is a buffer
+                    if digest(data) != expected:
                         self._fail(rel, start, end, names[i])
                     verified += end - start
                     continue

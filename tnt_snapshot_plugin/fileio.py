@@ -73,12 +73,18 @@ def byte_views(data: Sequence[Any]) -> list[Any]:
     not tracked by the garbage collector, where a memoryview is."""
     views: list[Any] = []
     for buf in data:
-        if type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype is _UINT8:
+        if is_flat_bytes(buf):
             views.append(buf)
             continue
         view = memoryview(buf)
         views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
     return views
+
+
+def is_flat_bytes(buf: Any) -> bool:
+    """Whether ``buf`` is a flat ``uint8`` numpy array (``format.common.flat_bytes``): a byte
+    view already, used as it is."""
+    return type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype is _UINT8
 
 
 _UINT8 = np.dtype(np.uint8)
