@@ -9,6 +9,10 @@ covers every wrapping in one process group and writes what it saw to ``OUTDIR/PH
 * ``restore`` (2 ranks, new processes): restore the newest snapshot into freshly built units
   (other seeds), record the whole state, train the remaining step, record the weights.
 * ``world1`` (1 rank): the same restores into a world of one process.
+* ``world3`` (3 ranks): the same restores into a world of three processes.
+
+``world1`` and ``world3`` also restore a copy of the ``ddp`` snapshots whose newest has a flipped
+byte in every file of rank 1's (``ddp_damaged``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -184,7 +189,7 @@ def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
 
 
 def restore_into(
-    wrapping: str, rank: int, out: str, seed: int, with_loader: bool, per_rank: bool = False
+    wrapping: str, rank: int, out: str, seed: int, with_loader: bool, per_rank: bool = False, dirname: str = ""
 ) -> dict[str, Any]:
     unit = Unit(wrapping, seed=seed, per_rank=per_rank)
     data = loader(rank)
@@ -193,7 +198,7 @@ def restore_into(
         warnings.simplefilter("always")
         try:
             result["restored"] = TorchSnapshotSaver.restore_from_latest(
-                os.path.join(out, wrapping),
+                os.path.join(out, dirname or wrapping),
                 unit,
                 train_dataloader=data if with_loader else None,
                 collective_timeout_s=60,
@@ -216,17 +221,45 @@ def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
         record[wrapping] = restore_into(wrapping, rank, out, seed=7 + rank, with_loader=True)
 
 
+def damaged_copy(rank: int, out: str, dirname: str) -> None:
+    """Rank 0 copies the ``ddp`` snapshots to ``out/dirname`` and flips a byte in every file of
+    rank 1's in the newest (rank 1's copy of the weights, which rank 0 compares with its own on
+    another world size); the others wait for it."""
+    if rank == 0:
+        target = os.path.join(out, dirname)
+        shutil.copytree(os.path.join(out, "ddp"), target)
+        newest = os.path.join(target, "epoch_0_step_4")
+        files = [
+            os.path.join(parent, name)
+            for parent, _dirs, names in os.walk(newest)
+            for name in names
+            if os.path.relpath(os.path.join(parent, name), newest).startswith(("1/", "batched/1-"))
+        ]
+        assert files, f"no file of rank 1 in {newest}"
+        for path in files:
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+
+
 def phase_world1(rank: int, out: str, record: dict[str, Any]) -> None:
     for wrapping in WRAPPINGS:
         record[wrapping] = restore_into(wrapping, rank, out, seed=7, with_loader=False)
     # The tally was saved per rank, with different values: it cannot map to one rank.
     record["ddp_per_rank"] = restore_into("ddp", rank, out, seed=7, with_loader=False, per_rank=True)
+    damaged_copy(rank, out, "ddp_damaged_world1")
+    record["ddp_damaged"] = restore_into("ddp", rank, out, seed=7, with_loader=False, dirname="ddp_damaged_world1")
 
 
 def phase_world3(rank: int, out: str, record: dict[str, Any]) -> None:
     for wrapping in WRAPPINGS:
         record[wrapping] = restore_into(wrapping, rank, out, seed=7, with_loader=False)
     record["ddp_per_rank"] = restore_into("ddp", rank, out, seed=7, with_loader=False, per_rank=True)
+    damaged_copy(rank, out, "ddp_damaged_world3")
+    record["ddp_damaged"] = restore_into("ddp", rank, out, seed=7, with_loader=False, dirname="ddp_damaged_world3")
 
 
 PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {

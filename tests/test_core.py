@@ -206,3 +206,49 @@ def test_core_unit_tests_pass_with_no_framework_installed(tmp_path):
     hidden = subprocess.run([sys.executable, "-c", "import torchtnt"], capture_output=True, env=env)
     assert hidden.returncode != 0 and b"No module named 'torchtnt'" in hidden.stderr
 
+
+
+class _Peers:
+    """A stand-in for a process group (pure-core unit tests only): this rank's all_gather
+    returns the other ranks' reports, recorded from earlier calls on them, around its own."""
+
+    def __init__(self, rank: int, others: dict[int, object]) -> None:
+        self.rank, self.others = rank, others
+        self.world_size = len(others) + 1
+
+    def all_gather(self, mine: object) -> list[object]:
+        return [mine if r == self.rank else self.others[r] for r in range(self.world_size)]
+
+
+def _report(error: Exception) -> object:
+    """What a rank that failed with ``error`` contributes to raise_if_any_failed's all_gather."""
+    from tnt_snapshot_plugin.errors import SnapshotCorruptError
+
+    return (isinstance(error, SnapshotCorruptError), f"{type(error).__name__}: {error}")
+
+
+def test_damage_on_any_rank_is_raised_as_damage_on_every_rank_together():
+    """restore's checks: a rank that found damage makes every rank raise SnapshotCorruptError
+    marked all_ranks (restore_from_latest then falls back on all of them); a failure of another
+    kind on any rank keeps every rank from falling back."""
+    from tnt_snapshot_plugin.distributed import raise_if_any_failed
+    from tnt_snapshot_plugin.errors import SnapshotCorruptError, StateMismatchError
+
+    damage = SnapshotCorruptError("file 1/x is damaged")
+    # rank 0 found nothing wrong; rank 1 found damage
+    with pytest.raises(SnapshotCorruptError, match="rank 1: SnapshotCorruptError: file 1/x is damaged") as raised:
+        raise_if_any_failed(_Peers(0, {1: _report(damage)}), None, "restoring s", together=SnapshotCorruptError)
+    assert raised.value.all_ranks is True
+    # rank 1 itself: its own error, marked
+    with pytest.raises(SnapshotCorruptError) as raised:
+        raise_if_any_failed(_Peers(1, {0: None}), damage, "restoring s", together=SnapshotCorruptError)
+    assert raised.value is damage and damage.all_ranks is True
+    # damage on rank 0, a misfit on rank 1: no rank is told to fall back
+    misfit = StateMismatchError("model.w: shape differs")
+    with pytest.raises(SnapshotCorruptError) as raised:
+        fresh = SnapshotCorruptError("file 0/x is damaged")
+        raise_if_any_failed(_Peers(0, {1: _report(misfit)}), fresh, "restoring s", together=SnapshotCorruptError)
+    assert not getattr(raised.value, "all_ranks", False)
+    with pytest.raises(StateMismatchError) as raised:
+        raise_if_any_failed(_Peers(1, {0: _report(fresh)}), misfit, "restoring s", together=SnapshotCorruptError)
+    assert not getattr(raised.value, "all_ranks", False)

@@ -154,3 +154,17 @@ def test_per_rank_state_on_another_world_size_raises_state_mismatch(runs, phase,
     ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
     assert f"on {ranks}: it was taken on 2 ranks" in message
     assert "tally/note, tally/rank" in message
+
+
+@pytest.mark.parametrize("phase", ["world1", "world3"])
+def test_a_damaged_copy_on_another_world_size_falls_back_on_every_rank(runs, phase):
+    """The ``ddp`` snapshots with a flipped byte in rank 1's files of the newest, restored on 1
+    or 3 ranks: the copies compared across the saved ranks are verified as they are read, so the
+    newest is damage (every rank skips it, with a warning naming the checksum), not per-rank
+    values that differ (StateMismatchError, no fallback), and every rank restores step 2."""
+    for record in runs[phase]:
+        result = record["ddp_damaged"]
+        assert "error" not in result, result.get("message")
+        assert result["restored"] is True and result["steps"] == 2
+        skipped = [w for w in result["warnings"] if w.startswith("skipping damaged snapshot")]
+        assert len(skipped) == 1 and "epoch_0_step_4" in skipped[0] and "checksum" in skipped[0], skipped

@@ -299,15 +299,30 @@ class AgreedFlag:
                 pass  # cleanup after training: never raise over the error that ended it
 
 
-def raise_if_any_failed(coll: Collectives, error: Optional[BaseException], what: str) -> None:
-    """Tell every rank whether any rank failed ``what``; raise the same error kind everywhere."""
-    reports = coll.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+def raise_if_any_failed(
+    coll: Collectives, error: Optional[BaseException], what: str, *, together: Optional[type[SnapshotError]] = None
+) -> None:
+    """Tell every rank whether any rank failed ``what``; raise the same error kind everywhere.
+
+    ``together``: an error class that, when every rank that failed raised one, is raised on every
+    rank (those that did not fail too) marked ``all_ranks``: the ranks may then go on together
+    (restore_from_latest falls back from a snapshot any rank found damaged)."""
+    together_kind = together is not None and isinstance(error, together)
+    reports = coll.all_gather(None if error is None else (together_kind, f"{type(error).__name__}: {error}"))
+    failed = [(rank, report[1]) for rank, report in enumerate(reports) if report is not None]
     if not failed:
         return
-    if error is not None and (len(failed) == 1 or len({msg for _rank, msg in failed}) == 1):
-        raise error  # this rank's own, or the same verdict on every rank that failed
+    one_verdict = len(failed) == 1 or len({msg for _rank, msg in failed}) == 1
     detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+    if together is not None and all(report[0] for report in reports if report is not None):
+        if error is not None and one_verdict:
+            error.all_ranks = True  # type: ignore[attr-defined]
+            raise error
+        shared = together(f"{what} failed: {detail}")
+        shared.all_ranks = True  # type: ignore[attr-defined]
+        raise shared from error
+    if error is not None and one_verdict:
+        raise error  # this rank's own, or the same verdict on every rank that failed
     if isinstance(error, SnapshotError):
         raise type(error)(f"{what} failed: {detail}") from error
     raise DistributedError(f"{what} failed: {detail}") from error

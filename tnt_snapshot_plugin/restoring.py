@@ -169,7 +169,7 @@ def restore(
         restore_rng = True
         if saved_world_size != coll.world_size:
             mapped = present if rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            restore_rng = _fit_world_size(path, meta, read_into, file_size, mapped, coll)
+            restore_rng = _fit_world_size(path, meta, read_into, file_size, verifier, mapped, coll)
 
         optional = set(optional_keys)
         load: dict[str, Any] = {}
@@ -201,7 +201,8 @@ def restore(
 
     except SnapshotError as exc:
         error = exc
-    raise_if_any_failed(coll, error, f"restoring {path}")
+    # Damage any rank found (and nothing else) is raised on every rank as such: all fall back.
+    raise_if_any_failed(coll, error, f"restoring {path}", together=SnapshotCorruptError)
 
     order = [key for key in load if key != RNG_STATE_KEY]
     if RNG_STATE_KEY in present and restore_rng:
@@ -580,7 +581,9 @@ def _require_complete(store: Store, name: str, path: str, coll: Collectives) -> 
 _NAMED_ENTRIES = 12
 
 
-def _fit_world_size(path: str, meta: Any, read_into: Any, file_size: Any, keys: Iterable[str], coll: Collectives) -> bool:
+def _fit_world_size(
+    path: str, meta: Any, read_into: Any, file_size: Any, verifier: Any, keys: Iterable[str], coll: Collectives
+) -> bool:
     """Make the entries of ``keys`` that map exactly onto this world size available to every rank,
     or raise StateMismatchError naming those that cannot; whether the RNG state maps.
 
@@ -614,6 +617,11 @@ def _fit_world_size(path: str, meta: Any, read_into: Any, file_size: Any, keys: 
             out.pop(logical, None)
         return out
 
+    def read(rank: int, logical: str) -> Any:
+        # Verified as every read is: a damaged copy is damage (restore_from_latest falls back
+        # to an older snapshot), not a value that differs (which refuses the world-size change).
+        return fmt.read_value(meta.manifest, f"{rank}/{logical}", read_into, file_size=file_size, verifier=verifier)
+
     def verdict() -> tuple[list[str], list[str], Optional[str]]:
         """(logical paths equal on every saved rank, those that are not, a read error)."""
         entries = per_rank_entries()
@@ -630,11 +638,8 @@ def _fit_world_size(path: str, meta: Any, read_into: Any, file_size: Any, keys: 
                 to_read.append(logical)
         try:
             for logical in to_read:
-                first = fmt.read_value(meta.manifest, f"0/{logical}", read_into, file_size=file_size)
-                equal = all(
-                    _same_value(first, fmt.read_value(meta.manifest, f"{r}/{logical}", read_into, file_size=file_size))
-                    for r in range(1, saved)
-                )
+                first = read(0, logical)
+                equal = all(_same_value(first, read(r, logical)) for r in range(1, saved))
                 (same if equal else differ).append(logical)
         except Exception as exc:  # damaged bytes: every rank raises it as corruption below
             return [], [], f"{type(exc).__name__}: {exc}"
