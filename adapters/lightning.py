@@ -725,6 +725,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         self.fall_back_from = None
         if fall_back:
             dirpath, name = split_snapshot_path(snapshot)
+            keys: list[str] = []
             restored = restoring.restore_from_latest(
                 dirpath,
                 {},
@@ -734,11 +735,11 @@ class SnapshotCheckpointIO(CheckpointIO):
                 weights_only=not full_pickle,
                 rest=checkpoint,
                 newest=name,
+                loaded_keys=keys,  # the RNG state's only if restored (not on another world size)
             )
             if restored is None:
                 raise SnapshotNotFoundError(f"snapshot {snapshot} is gone; pass an existing ckpt_path")
             snapshot = restored
-            keys = [RNG_STATE_KEY]  # the saver writes it into every snapshot
         else:
             keys = restoring.restore(
                 snapshot,

@@ -273,6 +273,7 @@ def restore_from_latest(
     weights_only: bool = True,
     rest: Optional[dict[str, Any]] = None,
     newest: Optional[str] = None,
+    loaded_keys: Optional[list[str]] = None,
 ) -> Optional[str]:
     """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
 
@@ -288,7 +289,9 @@ def restore_from_latest(
     that is intact but does not fit ``app_state`` (StateMismatchError), or an error raised by an
     entry's own ``load_state_dict``, is raised at once: an older snapshot would not fit either.
     ``weights_only`` and ``rest``: as :func:`restore`. ``newest``: a snapshot name; only it and
-    the snapshots before it are tried.
+    the snapshots before it are tried. ``loaded_keys``: a list that gets the keys :func:`restore`
+    loaded from the snapshot restored (the RNG state's only if it was restored: not after a
+    world-size change).
     """
     coll = collectives or Collectives(None)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
@@ -329,6 +332,8 @@ def restore_from_latest(
                 if damaged:
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
                     _reset_unloaded(app_state, before, loaded, path)
+                if loaded_keys is not None:
+                    loaded_keys.extend(loaded)
                 return path
             except SnapshotCorruptError as exc:
                 if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
