@@ -208,6 +208,18 @@ def test_a_flipped_digit_in_the_metadata_falls_back(copy):
     assert other["step"] == 1
 
 
+def test_a_flipped_digit_in_the_metadata_is_caught_restoring_by_path(copy):
+    """restore(path) checks the metadata's checksum too (it restored step 7 silently)."""
+    dirpath, _ = copy
+    newest = dirpath / "epoch_0_step_2"
+    metadata = newest / ".snapshot_metadata"
+    metadata.write_text(metadata.read_text().replace('"serialized_value": "2"', '"serialized_value": "7"', 1))
+    other = Holder(zeros_like(other_state(0)))
+    with pytest.raises(SnapshotCorruptError, match=r"epoch_0_step_2/\.snapshot_metadata: .*checksum"):
+        restore(str(newest), {"model": Holder(zeros_like(model_state(0))), "other": other})
+    assert_identical(other.state, zeros_like(other_state(0)))  # nothing was loaded
+
+
 def rng_entry(snapshot: Path) -> str:
     paths = [p for p, e in manifest(snapshot).items() if p.startswith("0/rng_state/") and e.get("location")]
     assert paths, "the RNG state has a payload file"

@@ -259,6 +259,26 @@ def test_inspect_of_incomplete_or_corrupt_snapshots_says_what_is_wrong(written, 
     assert code == 2 and "does not exist" in err
 
 
+def test_inspect_diff_and_export_refuse_metadata_that_fails_its_checksum(written, tmp_path):
+    """The metadata holds the primitive values (here the step) themselves: a flipped digit that
+    still parses is damage, not a value to show, compare or export."""
+    run = fresh_copy(written, tmp_path)
+    snap = run / "epoch_1_step_8"
+    metadata = snap / METADATA_FNAME
+    text = metadata.read_text()
+    assert text.count('"serialized_value": "8"') == 1
+    metadata.write_text(text.replace('"serialized_value": "8"', '"serialized_value": "9"'))
+    for args in (
+        ("inspect", str(snap)),
+        ("diff", str(run / "epoch_1_step_5"), str(snap)),
+        ("export", str(snap), str(tmp_path / "model.pt")),
+    ):
+        code, out, err = run_cli(*args)
+        assert code == 1 and out == "", (args, out, err)
+        assert ".snapshot_metadata: bytes 0-" in err and "checksum" in err, (args, err)
+    assert not (tmp_path / "model.pt").exists()
+
+
 # -- verify --------------------------------------------------------------------------------------
 
 

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from tnt_snapshot_plugin import fileio
+from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotWriteError, UnrestorableStateError
 from tnt_snapshot_plugin.format.common import flat_bytes
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.stores import INDEX_FNAME
 from toy import Holder
 from varied import assert_identical, varied_state, zeros_like_state
 
@@ -158,6 +160,11 @@ def snapshot_pointing_outside(tmp_path, numel: int) -> str:
     (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
     entry["location"], entry["byte_range"] = "../../secret.bin", None
     meta_path.write_text(json.dumps(meta))
+    # ... with its checksum recorded to match (a crafted snapshot): the path itself is refused
+    index_path = meta_path.with_name(INDEX_FNAME)
+    index = json.loads(index_path.read_text())
+    index["checksums"][".snapshot_metadata"] = record_views([memoryview(meta_path.read_bytes())])
+    index_path.write_text(json.dumps(index))
     return path
 
 

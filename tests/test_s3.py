@@ -34,8 +34,9 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.restoring import latest_snapshot
-from tnt_snapshot_plugin.stores import WRITER_FNAME, open_store
+from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores import s3 as s3_mod
 from tnt_snapshot_plugin.stores.s3 import S3Store
 from toy import (
@@ -457,7 +458,13 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     meta = json.loads(client.get_object(Bucket=bucket, Key=meta_key)["Body"].read())
     (entry,) = [e for k, e in meta["manifest"].items() if k.endswith("/w")]
     entry["location"], entry["byte_range"] = "../../elsewhere/secret", None
-    client.put_object(Bucket=bucket, Key=meta_key, Body=json.dumps(meta).encode())
+    body = json.dumps(meta).encode()
+    client.put_object(Bucket=bucket, Key=meta_key, Body=body)
+    # ... with its checksum recorded to match (a crafted snapshot): the path itself is refused
+    index_key = f"{prefix}/epoch_0_step_1/{INDEX_FNAME}"
+    index = json.loads(client.get_object(Bucket=bucket, Key=index_key)["Body"].read())
+    index["checksums"][".snapshot_metadata"] = record_views([memoryview(body)])
+    client.put_object(Bucket=bucket, Key=index_key, Body=json.dumps(index).encode())
 
     requested: list[str] = []
     shared = s3_mod.s3_client(options)

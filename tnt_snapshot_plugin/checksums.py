@@ -205,4 +205,12 @@ class Verifier:
         )
 
 
-__all__ = ["ALGO", "Verifier", "new_hasher", "record_views"]
+def check_file(where: str, rel: str, record: Any, data: Any) -> None:
+    """Check ``data``, the whole of file ``rel`` of snapshot ``where``, against ``record`` (its
+    checksum record from the index; anything but a record of this algorithm is not checked).
+    Raises SnapshotCorruptError on a mismatch."""
+    if isinstance(record, dict):
+        Verifier(where, {rel: record}, {}).check(rel, 0, data)
+
+
+__all__ = ["ALGO", "Verifier", "check_file", "new_hasher", "record_views"]

@@ -37,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import retention
-from .errors import ConfigError, SnapshotError, SnapshotNotFoundError
+from .errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .naming import SnapshotName, is_staging_name
 from .stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, LocalStore, Store, open_store
 from .stores.s3 import S3Store
@@ -835,10 +835,21 @@ def _require_metadata(store: Store, name: str) -> dict[str, Any]:
         raise UsageProblem(
             f"{store.child(name)} is not a complete snapshot (no {METADATA_FNAME}: an interrupted write?)"
         )
+    raw = store.read_file(name, METADATA_FNAME)
     try:
-        return parse_metadata(store.read_file(name, METADATA_FNAME))
+        metadata = parse_metadata(raw)
     except ValueError as exc:
         raise SnapshotError(f"{store.child(name)}: {METADATA_FNAME} is unreadable: {exc}") from None
+    if INDEX_FNAME in files:  # it holds the primitive values themselves: checked before they are shown
+        from .checksums import check_file
+
+        try:
+            index = json.loads(store.read_file(name, INDEX_FNAME))
+        except ValueError as exc:
+            raise SnapshotCorruptError(f"{store.child(name)}: {INDEX_FNAME} is unreadable: {exc}") from None
+        record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
+        check_file(store.child(name), METADATA_FNAME, record, raw)
+    return metadata
 
 
 def weight_keys(metadata: dict[str, Any]) -> list[str]:
@@ -858,12 +869,11 @@ def weight_keys(metadata: dict[str, Any]) -> list[str]:
 
 def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
-    from .format import common
     from .format import reader as fmt
-    from .restoring import reading_io
+    from .restoring import read_metadata, reading_io
 
-    meta = fmt.parse_metadata(store.read_file(name, common.METADATA_FNAME), store.child(name))
     read_into, file_size, verifier = reading_io(store, name, store.child(name))
+    meta = fmt.parse_metadata(read_metadata(store, name, verifier), store.child(name))
     return fmt.read_state_dict(
         fmt.rank_view(meta, 0), key, None, read_into, file_size=file_size, verifier=verifier
     )

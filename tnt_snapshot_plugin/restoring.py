@@ -151,8 +151,9 @@ def restore(
 
         from .format import reader as fmt
 
+        read_into, file_size, verifier = reading_io(store, name, path, io_concurrency)
         try:
-            meta = fmt.parse_metadata(store.read_file(name, METADATA_FNAME), path)
+            meta = fmt.parse_metadata(read_metadata(store, name, verifier), path)
             saved_world_size = meta.world_size
             # A rank the snapshot did not have checks against rank 0's entries; the world-size
             # check below decides what it may load.
@@ -162,7 +163,6 @@ def restore(
             raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:
             raise SnapshotCorruptError(f"snapshot {path} has unreadable metadata: {exc}") from exc
-        read_into, file_size, verifier = reading_io(store, name, path, io_concurrency)
         if not manifest:
             raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
         present = fmt.saved_keys(manifest)
@@ -519,6 +519,16 @@ def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = 
         return size if isinstance(size, int) else store.file_size(name, rel)
 
     return functools.partial(store.read_into, name, concurrency=concurrency), file_size, verifier
+
+
+def read_metadata(store: Store, name: str, verifier: Any) -> bytes:
+    """Snapshot ``name``'s metadata, checked against its checksum where the index has one
+    (``verifier``, from :func:`reading_io`): it holds the primitive values (numbers, strings)
+    themselves. SnapshotCorruptError on a mismatch."""
+    data = store.read_file(name, METADATA_FNAME)
+    if verifier is not None:
+        verifier.check(METADATA_FNAME, 0, data)
+    return data
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:

@@ -373,12 +373,10 @@ class Store:
         # The metadata's checksum (a small file; every rank reads it before loading anything).
         record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
         if isinstance(record, dict):
-            from ..checksums import Verifier
+            from ..checksums import check_file
 
             try:
-                Verifier(self.child(name), {METADATA_FNAME: record}, {}).check(
-                    METADATA_FNAME, 0, self.read_file(name, METADATA_FNAME)
-                )
+                check_file(self.child(name), METADATA_FNAME, record, self.read_file(name, METADATA_FNAME))
             except SnapshotError as exc:
                 return str(exc)
         return None
