@@ -548,11 +548,48 @@ def scenario_checksum(rank: int, out: str, record: dict[str, Any]) -> None:
     record["rng_of_step_1"] = rng_digest() == rngs[1]
 
 
+class FailsToLoad:
+    """A user's stateful whose ``load_state_dict`` raises (on the rank that restores into it)."""
+
+    def __init__(self) -> None:
+        self.state = {"x": torch.zeros(8)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError("this rank's own load_state_dict failed")
+
+
+def scenario_own_error(rank: int, out: str, record: dict[str, Any]) -> None:
+    """Rank 1's own ``load_state_dict`` fails while rank 0 loads everything: both ranks raise
+    (rank 0 a DistributedError naming rank 1's error), and neither trains on."""
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore_from_latest
+    from tnt_snapshot_plugin.distributed import Collectives
+    from toy import Holder
+
+    dirpath = os.path.join(out, "run")
+    saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, collective_timeout_s=30))
+    saver.train_start(["a", "b"], 0, 0)
+    saver.save(0, 1, {"a": Holder({"w": torch.full((16,), 1.0)}), "b": Holder({"x": torch.ones(8)})})
+    saver.train_end(0, 1, lambda intra_epoch: {})
+    a = Holder({"w": torch.zeros(16)})
+    b = FailsToLoad() if rank == 1 else Holder({"x": torch.zeros(8)})
+    with Collectives.create(None, 30, for_restore=True) as coll:
+        try:
+            record["restored"] = restore_from_latest(dirpath, {"a": a, "b": b}, collectives=coll)
+        except Exception as exc:
+            record["error"] = type(exc).__name__
+            record["message"] = str(exc)
+        record["after"] = coll.all_gather(rank)  # both ranks still meet: neither was left waiting
+
+
 SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
     "ddp": scenario_ddp,
     "failure": scenario_failure,
     "idiom": scenario_idiom,
     "checksum": scenario_checksum,
+    "own_error": scenario_own_error,
 }
 
 

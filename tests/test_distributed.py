@@ -381,3 +381,18 @@ def test_a_flipped_byte_on_one_rank_makes_every_rank_fall_back_together(tmp_path
         assert len(damaged) == 1 and "epoch_0_step_2" in damaged[0]
         assert "rank 1" in damaged[0] and flipped in damaged[0] and "checksum" in damaged[0]
         assert record["values_of_step_1"] and record["rng_of_step_1"]
+
+
+# ------------------------------------------------------------------------------------------------
+# A user's load_state_dict that fails on one rank stops every rank
+
+
+def test_a_users_load_state_dict_failing_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 0 loaded everything and used to return, to train on alone and wait in training's
+    first collective for the process group's timeout; now it raises DistributedError naming
+    rank 1's error, and rank 1 raises its own, as in one process."""
+    rank0, rank1 = run_ranks("own_error", tmp_path)
+    assert (rank1["error"], rank1["message"]) == ("ValueError", "this rank's own load_state_dict failed")
+    assert rank0["error"] == "DistributedError", rank0
+    assert "rank 1: b.load_state_dict() raised ValueError: this rank's own load_state_dict failed" in rank0["message"]
+    assert rank0["after"] == rank1["after"] == [0, 1]

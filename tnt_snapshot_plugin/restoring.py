@@ -232,6 +232,7 @@ def restore(
             except Exception as exc:  # agreed on below, on every rank
                 read_errors.append((key, exc))
     _agree_on_read_errors(path, read_errors, coll)
+    failure: Optional[BaseException] = None  # a load of the plugin's own (the RNG state, values)
     if own_error is None:
         for key in order:
             target = load[key]
@@ -240,15 +241,20 @@ def restore(
                     target.load_state_dict(states[key], strict=strict)
                 else:
                     target.load_state_dict(states[key])
-            except SnapshotError:
-                raise
-            except Exception as exc:
-                if not _is_users(target):
-                    raise SnapshotCorruptError(
-                        f"could not load snapshot {path}: {key}: {type(exc).__name__}: {exc}"
-                    ) from exc
-                own_error = StatefulError(key, "load_state_dict", target, exc)
+            except SnapshotError as exc:
+                failure = exc
                 break
+            except Exception as exc:
+                if _is_users(target):
+                    own_error = StatefulError(key, "load_state_dict", target, exc)
+                else:
+                    failure = SnapshotCorruptError(f"could not load snapshot {path}: {key}: {type(exc).__name__}: {exc}")
+                    failure.__cause__ = exc
+                break
+    if coll.world_size > 1:
+        _agree_after_loading(path, own_error or failure, coll)
+    if failure is not None:
+        raise failure
     if own_error is not None:
         _raise_own_error(path, own_error)
     if rest is not None:
@@ -442,6 +448,22 @@ def _agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], co
     error = SnapshotCorruptError(f"could not load snapshot {path}{where}: {detail}")
     error.all_ranks = True  # type: ignore[attr-defined]
     raise error from cause
+
+
+def _agree_after_loading(path: str, error: Optional[BaseException], coll: Collectives) -> None:
+    """After the loads: if loading failed on any rank (most often an entry's own
+    ``load_state_dict``), a rank that loaded everything raises DistributedError naming it rather
+    than training on alone, to wait in training's first collective for the process group's
+    timeout. The rank that failed raises its own error afterwards. (A load that runs collectives
+    itself, FSDP's, may still leave the other ranks waiting inside it: the process group's
+    timeout ends that.)"""
+    reports = coll.all_gather(None if error is None else str(error))
+    failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
+    if failed and error is None:
+        raise DistributedError(
+            f"restoring {path} failed on another rank ({'; '.join(failed)}); this rank loaded "
+            "every entry but stops too, so that no rank trains on while another cannot"
+        )
 
 
 def _raise_own_error(path: str, error: Any) -> None:
