@@ -430,8 +430,8 @@ def test_truncated_s3_object_is_an_error_naming_it(options, run_url):
 
 
 def test_a_second_saver_on_a_leased_s3_dirpath_is_refused(options, run_url):
-    """Best effort on S3: the live saver's lease object names it; a second saver is refused while
-    the lease is held, and takes the dirpath once the first run has ended."""
+    """On S3 the live saver's lease object names it; a second saver is refused while the lease is
+    held, and takes the dirpath once the first run has ended."""
     from tnt_snapshot_plugin.config import SnapshotConfig
     from tnt_snapshot_plugin.snapshotter import Snapshotter
 
@@ -479,6 +479,96 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     finally:
         shared.meta.events.unregister("provide-client-params.s3.GetObject", record)
     assert requested and not [key for key in requested if ".." in key or "elsewhere" in key]
+
+
+def _lease_of(options: dict[str, Any], url: str) -> dict[str, Any]:
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    return json.loads(client_for(options).get_object(Bucket=bucket, Key=f"{prefix}/.tnt_snapshot.lease.json")["Body"].read())
+
+
+def test_of_two_savers_taking_an_s3_lease_at_once_exactly_one_gets_it(options, run_url):
+    """The race the lease had no answer for: saver B takes the lease between saver A's read (no
+    lease) and A's write. A's write is conditional (If-None-Match), so it fails; A looks again,
+    finds B's live lease and is refused, and B's lease is left as it is (A overwrote it)."""
+    from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
+
+    store_a, store_b = S3Store(run_url, options), S3Store(run_url, options)
+    a_holder, b_holder = writer_identity(new_run_id()), writer_identity(new_run_id())
+    leases: list[Any] = []
+
+    def take_b_first(parsed: Any, model: Any, **kwargs: Any) -> None:
+        # after A's first read of the lease (none there yet): B takes it before A writes
+        if not leases and model.name == "GetObject" and not parsed.get("Body"):
+            leases.append(None)
+            leases.append(s3_mod.S3Lease(store_b, b_holder))
+
+    client = store_a.client
+    client.meta.events.register("after-call.s3.GetObject", take_b_first)
+    try:
+        with pytest.raises(ConfigError, match=rf"in use by another saver \(.* run {b_holder['run_id']!r}"):
+            s3_mod.S3Lease(store_a, a_holder)
+    finally:
+        client.meta.events.unregister("after-call.s3.GetObject", take_b_first)
+    assert len(leases) == 2 and _lease_of(options, run_url)["run_id"] == b_holder["run_id"]
+    leases[1].release()
+    assert ".tnt_snapshot.lease.json" not in keys_under(options, run_url)
+
+
+def test_a_renewal_that_finds_the_s3_lease_taken_over_warns_and_lets_it_be(options, run_url):
+    """After a stall longer than the lease, another saver took it over: this run's renewal (a
+    conditional write on the version it wrote) fails; it warns and no longer renews or deletes."""
+    from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
+
+    store = S3Store(run_url, options)
+    lease = s3_mod.S3Lease(store, writer_identity(new_run_id()))
+    other = {**writer_identity(new_run_id()), "expires_at": time.time() + 300}
+    bucket, _, prefix = run_url[len("s3://"):].partition("/")
+    client_for(options).put_object(Bucket=bucket, Key=f"{prefix}/.tnt_snapshot.lease.json", Body=json.dumps(other).encode())
+    with pytest.warns(UserWarning, match=rf"was taken over by another saver \(.*run {other['run_id']!r}"):
+        lease._renew()
+    lease.release()
+    assert _lease_of(options, run_url)["run_id"] == other["run_id"]
+
+
+class _NoConditionalWrites:
+    """A boto3 client for an object store that refuses S3's conditional writes (If-None-Match,
+    If-Match), as some S3-compatible stores do."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def put_object(self, **kwargs: Any) -> Any:
+        if "IfNoneMatch" in kwargs or "IfMatch" in kwargs:
+            from botocore.exceptions import ClientError
+
+            raise ClientError(
+                {"Error": {"Code": "NotImplemented", "Message": "conditional writes (injected)"},
+                 "ResponseMetadata": {"HTTPStatusCode": 501}},
+                "PutObject",
+            )
+        return self._client.put_object(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_an_s3_lease_on_a_store_without_conditional_writes_is_written_plainly_with_a_warning(
+    options, run_url, monkeypatch
+):
+    from tnt_snapshot_plugin.config import SnapshotConfig
+    from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+    real_client = s3_mod.s3_client
+    monkeypatch.setattr(s3_mod, "s3_client", lambda opts: _NoConditionalWrites(real_client(opts)))
+    config = SnapshotConfig.build(storage_options=options, preemption_signals=[])
+    first, second = Snapshotter(run_url, config), Snapshotter(run_url, config)
+    with pytest.warns(UserWarning, match="refuses conditional writes .*injected.*within the same second"):
+        first.train_start(["m"])
+    assert ".tnt_snapshot.lease.json" in keys_under(options, run_url)
+    with pytest.raises(ConfigError, match="in use by another saver"):
+        second.train_start(["m"])
+    first.train_end(0, 0, lambda intra: {"m": torch.nn.Linear(2, 2)})
+    assert ".tnt_snapshot.lease.json" not in keys_under(options, run_url)
 
 
 @pytest.mark.parametrize("entry", ["big", "transposed"])  # a ranged GET into the target; the plugin's read

@@ -36,9 +36,9 @@ from .base import (
     Read,
     Store,
 )
-from .writers import busy_error, writer_gone
+from .writers import busy_error, holder_text, writer_gone
 
-#: How long an S3 lease lasts without renewal (it is renewed at every commit and every minute).
+#: How long an S3 lease lasts without renewal (it is renewed every minute).
 LEASE_S = 300.0
 
 S3_OPTION_KEYS = frozenset(
@@ -213,42 +213,122 @@ def fetch_ranges(
         return sum(pool.map(one, jobs))
 
 
+class _LeaseChanged(Exception):
+    """The lease object is not the version a conditional write expected (another saver wrote it)."""
+
+
+#: Tries to take the lease when other savers keep writing it between this one's read and write.
+_LEASE_TAKE_ATTEMPTS = 5
+
+
 class S3Lease(DirLock):
-    """Best effort on S3 (no compare-and-swap): the lease object ``dirpath/.tnt_snapshot.lease.json``
-    names the live saver and when its lease expires (``LEASE_S``); a thread renews it every
-    minute. A second saver is refused while an unexpired lease of another run is there, unless
-    that run's process is provably dead on this host. Two jobs starting within the same second
-    can both miss each other's lease; jobs that overlap longer are refused."""
+    """The live saver's lease on an S3 dirpath: the object ``dirpath/.tnt_snapshot.lease.json``
+    names it and when the lease expires (``LEASE_S``); a thread renews it every minute. A second
+    saver is refused while an unexpired lease of another run is there, unless that run's process is
+    provably dead on this host.
+
+    The lease is written with S3's conditional writes: created with ``If-None-Match: *``, replaced
+    and renewed with ``If-Match`` on the version read or last written. Of two savers starting at
+    once, one takes it and the other, finding a newer lease than the one it read, looks again and
+    is refused; a renewal that finds the lease taken over (this run's had expired) warns and stops.
+    An object store that refuses conditional writes gets plain ones, with a warning: there, two
+    jobs starting within the same second can both miss each other's lease."""
 
     def __init__(self, store: S3Store, holder: dict[str, Any]) -> None:
         self._store = store
         self._holder = dict(holder)
         self._stop = threading.Event()
+        self._etag: Optional[str] = None  # the version of the lease this run last wrote
+        self._conditional = True
         try:
-            current = store._read_json("", LEASE_FNAME)
+            self._take()
+        except ConfigError:
+            raise  # another live saver holds it
         except Exception as exc:  # best effort: never stop training over the lease
-            _lease_warning(store, exc)
-            current = None
-        if (
-            current is not None
-            and current.get("run_id") != holder.get("run_id")
-            and isinstance(current.get("expires_at"), (int, float))
-            and current["expires_at"] > time.time()
-            and writer_gone(current, stale_after=float("inf")) is None
-        ):
-            raise busy_error(store.url, current)
-        try:
-            self._renew()
-        except Exception as exc:
             _lease_warning(store, exc)
         self._thread = threading.Thread(target=self._keep, name="tnt-snapshot-lease", daemon=True)
         self._thread.start()
 
-    def _renew(self) -> None:
-        body = json.dumps({**self._holder, "expires_at": time.time() + LEASE_S}).encode()
-        self._store.client.put_object(
-            Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME), Body=body
+    def _take(self) -> None:
+        for _ in range(_LEASE_TAKE_ATTEMPTS):
+            current, etag = self._read()
+            if current is not None and self._held_by_another(current):
+                raise busy_error(self._store.url, current)
+            try:
+                self._write(etag)  # create it (no lease read), or replace the version read
+                return
+            except _LeaseChanged:
+                continue  # another saver wrote it meanwhile: look again
+        raise ConfigError(
+            f"{self._store.url} is being taken by other savers: its lease "
+            f"{self._store.child(LEASE_FNAME)} changed {_LEASE_TAKE_ATTEMPTS} times while this one "
+            "tried to take it; give each job its own dirpath"
         )
+
+    def _held_by_another(self, lease: dict[str, Any]) -> bool:
+        return (
+            lease.get("run_id") != self._holder.get("run_id")
+            and isinstance(lease.get("expires_at"), (int, float))
+            and lease["expires_at"] > time.time()
+            and writer_gone(lease, stale_after=float("inf")) is None
+        )
+
+    def _read(self) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """The lease (None if there is none or it is not a JSON object) and its version (ETag)."""
+        from botocore.exceptions import ClientError
+
+        store = self._store
+        try:
+            response = store.client.get_object(Bucket=store.bucket, Key=store._key(LEASE_FNAME))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None, None
+            raise
+        try:
+            value = json.loads(response["Body"].read())
+        except ValueError:
+            value = None
+        return (value if isinstance(value, dict) else None), response.get("ETag")
+
+    def _write(self, match: Optional[str]) -> None:
+        """Write this run's lease over version ``match`` (None: create it); _LeaseChanged if the
+        object is not that version (or, creating, exists)."""
+        from botocore.exceptions import ClientError
+
+        store = self._store
+        body = json.dumps({**self._holder, "expires_at": time.time() + LEASE_S}).encode()
+        condition = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
+        try:
+            response = store.client.put_object(
+                Bucket=store.bucket, Key=store._key(LEASE_FNAME), Body=body,
+                **(condition if self._conditional else {}),
+            )
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise _LeaseChanged() from exc
+            if not (self._conditional and (error.get("Code") == "NotImplemented" or status == 501)):
+                raise
+            self._conditional = False  # a store without conditional writes: plain ones from now on
+            _lease_warning(store, exc, conditional=True)
+            response = store.client.put_object(Bucket=store.bucket, Key=store._key(LEASE_FNAME), Body=body)
+        self._etag = response.get("ETag")
+
+    def _renew(self) -> None:
+        try:
+            self._write(self._etag)
+        except _LeaseChanged:
+            self._stop.set()  # another run holds it now: leave it be
+            current, _ = self._read()
+            import warnings
+
+            warnings.warn(
+                f"the lease {self._store.child(LEASE_FNAME)} of this run was taken over by another "
+                f"saver ({holder_text(current)}) after it expired (a stall of over {LEASE_S:.0f} s?); "
+                "two jobs may now write this dirpath at once: stop one of them",
+                stacklevel=2,
+            )
 
     def _keep(self) -> None:
         while not self._stop.wait(min(60.0, LEASE_S / 5)):
@@ -262,7 +342,7 @@ class S3Lease(DirLock):
             return
         self._stop.set()
         try:
-            current = self._store._read_json("", LEASE_FNAME)
+            current, _ = self._read()
             if current is not None and current.get("run_id") == self._holder.get("run_id"):
                 self._store.client.delete_object(
                     Bucket=self._store.bucket, Key=self._store._key(LEASE_FNAME)
@@ -271,9 +351,17 @@ class S3Lease(DirLock):
             pass
 
 
-def _lease_warning(store: S3Store, exc: BaseException) -> None:
+def _lease_warning(store: S3Store, exc: BaseException, conditional: bool = False) -> None:
     import warnings
 
+    if conditional:
+        warnings.warn(
+            f"the object store of {store.url} refuses conditional writes ({type(exc).__name__}: "
+            f"{exc}); the lease {store.child(LEASE_FNAME)} is written without them: two jobs "
+            "starting within the same second could both miss each other's lease",
+            stacklevel=6,
+        )
+        return
     warnings.warn(
         f"could not read or write the lease {store.child(LEASE_FNAME)} ({type(exc).__name__}: "
         f"{exc}); another job writing {store.url} at the same time would not be detected",

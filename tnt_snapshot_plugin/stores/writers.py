@@ -120,7 +120,8 @@ def writer_gone(
     return None
 
 
-def _holder_text(holder: Any) -> str:
+def holder_text(holder: Any) -> str:
+    """Who holds a lock or lease (``holder``: its record), for messages."""
     if not isinstance(holder, dict):
         return "an unknown process"
     since = holder.get("started_at")
@@ -135,7 +136,7 @@ def _holder_text(holder: Any) -> str:
 def busy_error(url: str, holder: Any) -> ConfigError:
     """The error for a dirpath held by another saver (``holder``: its lock's or lease's record)."""
     return ConfigError(
-        f"dirpath {url!r} is in use by another saver ({_holder_text(holder)}): two jobs writing "
+        f"dirpath {url!r} is in use by another saver ({holder_text(holder)}): two jobs writing "
         "one dirpath would mix their snapshots and delete each other's. Give each job its own "
         "dirpath, or stop the other job first"
     )
