@@ -280,7 +280,9 @@ def test_many_files_are_read_a_few_at_once_and_each_buffer_is_reported_done_once
     """``preadv_into`` reads up to READ_THREADS files at once (each in offset order) and calls
     ``done`` on the reading thread with the buffers each ``preadv`` filled: every index once,
     its bytes already in place."""
-    files = {f"f{i}": bytes([i]) * (3 * fileio.PARALLEL_READ_MIN_BYTES // 8 + i) for i in range(12)}
+    # enough bytes for READ_THREADS threads (PARALLEL_READ_MIN_BYTES each), more files than that
+    files = {f"f{i}": bytes([i]) * (3 * fileio.PARALLEL_READ_MIN_BYTES // 4 + i) for i in range(12)}
+    assert len(files) > fileio.READ_THREADS
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     reads = []

@@ -121,7 +121,7 @@ def restore(
     StateMismatchError naming the entry); only a failure to read or decode the snapshot's files
     raises SnapshotCorruptError. ``io_concurrency``: how many files (object-store ranges) a rank
     reads at once (torchtnt's ``KnobOptions.max_per_rank_io_concurrency``; None: the store's
-    default, 4).
+    default, 8 files on local disk and 4 ranged reads on S3).
     """
     coll = collectives or Collectives(None)
     started = time.perf_counter()
