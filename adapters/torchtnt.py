@@ -334,8 +334,8 @@ class TorchSnapshotSaver(Callback):
 
         torchtnt 0.2.4's signature: ``restore_options=RestoreOptions(restore_train_progress,
         restore_eval_progress, restore_optimizers, restore_lr_schedulers, strict)`` says what to
-        load; ``knob_options.max_per_rank_io_concurrency`` caps the files read at once (default 8 on local disk, 4 ranged
-        reads on S3).
+        load; ``knob_options.max_per_rank_io_concurrency`` caps the files read at once (default 8
+        on local disk, 4 ranged reads on S3).
         The same switches may be passed as keyword arguments (a keyword that contradicts
         ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
         Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).
