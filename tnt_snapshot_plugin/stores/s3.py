@@ -314,6 +314,8 @@ class S3Lease(DirLock):
             _lease_warning(store, exc, conditional=True)
             response = store.client.put_object(Bucket=store.bucket, Key=store._key(LEASE_FNAME), Body=body)
         self._etag = response.get("ETag")
+        if self._etag is None:  # a store that names no versions: nothing to match, plain writes
+            self._conditional = False
 
     def _renew(self) -> None:
         try:
