@@ -207,10 +207,9 @@ def test_core_unit_tests_pass_with_no_framework_installed(tmp_path):
     assert hidden.returncode != 0 and b"No module named 'torchtnt'" in hidden.stderr
 
 
-
 class _Peers:
-    """A stand-in for a process group (pure-core unit tests only): this rank's all_gather
-    returns the other ranks' reports, recorded from earlier calls on them, around its own."""
+    """A stand-in for a process group (pure-core unit tests only): all_gather returns this
+    rank's report among the other ranks' reports, given up front."""
 
     def __init__(self, rank: int, others: dict[int, object]) -> None:
         self.rank, self.others = rank, others
