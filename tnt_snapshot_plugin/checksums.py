@@ -205,10 +205,12 @@ class Verifier:
         )
 
 
-def check_file(where: str, rel: str, record: Any, data: Any) -> None:
-    """Check ``data``, the whole of file ``rel`` of snapshot ``where``, against ``record`` (its
-    checksum record from the index; anything but a record of this algorithm is not checked).
-    Raises SnapshotCorruptError on a mismatch."""
+def check_file(where: str, rel: str, index: Any, data: Any) -> None:
+    """Check ``data``, the whole of file ``rel`` of snapshot ``where``, against the checksum
+    record ``index`` (the snapshot's parsed index) holds for it; a file without one (or an
+    index that is not a JSON object) is not checked. Raises SnapshotCorruptError on a mismatch."""
+    records = index.get("checksums") if isinstance(index, dict) else None
+    record = records.get(rel) if isinstance(records, dict) else None
     if isinstance(record, dict):
         Verifier(where, {rel: record}, {}).check(rel, 0, data)
 

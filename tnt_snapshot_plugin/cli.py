@@ -846,9 +846,10 @@ def _require_metadata(store: Store, name: str) -> dict[str, Any]:
         try:
             index = json.loads(store.read_file(name, INDEX_FNAME))
         except ValueError as exc:
-            raise SnapshotCorruptError(f"{store.child(name)}: {INDEX_FNAME} is unreadable: {exc}") from None
-        record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
-        check_file(store.child(name), METADATA_FNAME, record, raw)
+            raise SnapshotCorruptError(
+                f"{store.child(name)}: {INDEX_FNAME} is unreadable ({exc}): the snapshot is damaged"
+            ) from None
+        check_file(store.child(name), METADATA_FNAME, index, raw)
     return metadata
 
 

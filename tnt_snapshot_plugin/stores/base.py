@@ -371,12 +371,12 @@ class Store:
             if actual != size:
                 return f"file {rel} has {actual} bytes, {size} were written"
         # The metadata's checksum (a small file; every rank reads it before loading anything).
-        record = (index.get("checksums") or {}).get(METADATA_FNAME) if isinstance(index, dict) else None
-        if isinstance(record, dict):
+        checksums = index.get("checksums") if isinstance(index, dict) else None
+        if isinstance(checksums, dict) and METADATA_FNAME in checksums:
             from ..checksums import check_file
 
             try:
-                check_file(self.child(name), METADATA_FNAME, record, self.read_file(name, METADATA_FNAME))
+                check_file(self.child(name), METADATA_FNAME, index, self.read_file(name, METADATA_FNAME))
             except SnapshotError as exc:
                 return str(exc)
         return None

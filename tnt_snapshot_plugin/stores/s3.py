@@ -35,6 +35,7 @@ from .base import (
     MetadataWrittenLast,
     Read,
     Store,
+    is_missing_key,
 )
 from .writers import busy_error, holder_text, writer_gone
 
@@ -281,7 +282,7 @@ class S3Lease(DirLock):
         try:
             response = store.client.get_object(Bucket=store.bucket, Key=store._key(LEASE_FNAME))
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if is_missing_key(exc):
                 return None, None
             raise
         try:
