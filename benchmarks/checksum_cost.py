@@ -87,10 +87,10 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     if on:
         perf = time.perf_counter
 
-        def timed_record(views: Any) -> Any:
+        def timed_record(views: Any, bounds: Any = None) -> Any:
             t = perf()
             try:
-                return real_record(views)
+                return real_record(views, bounds)
             finally:
                 elapsed = perf() - t
                 with timer.lock:
@@ -133,7 +133,7 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
             def record(self) -> Any:
                 return {"algo": "none", "value": ""}
 
-        writer_job.record_views = lambda views: {"algo": "none", "value": ""}
+        writer_job.record_views = lambda views, bounds=None: {"algo": "none", "value": ""}
         writer_job.new_hasher = NoHash
     try:
         yield

@@ -184,6 +184,27 @@ def test_each_packed_tensor_is_verified_on_its_own_in_either_index_form(form):
         verifier.check("f", 0, bytes(damaged[:303]))
 
 
+def test_a_pack_written_as_runs_of_tensors_gets_the_record_of_one_view_a_tensor():
+    """An asynchronous snapshot hands a pack over as a few runs of tensors that lie end to end in
+    its staging arena (``bounds`` says where each tensor ends): the record must be the one the
+    same tensors give one by one, across runs and across the pieces hashed in the CPU's cache."""
+    from tnt_snapshot_plugin.checksums import HASH_PIECE
+
+    rng = random.Random(3)
+    sizes = [rng.randrange(1, 3 * HASH_PIECE // 2) for _ in range(12)] + [1, 2, 3]
+    pieces = [rng.randbytes(n) for n in sizes]
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    runs = [b"".join(pieces[:5]), pieces[5], b"".join(pieces[6:])]  # a run, a tensor alone, a run
+    got = record_views([memoryview(r) for r in runs], bounds)
+    assert got == record_views([memoryview(p) for p in pieces])
+    with pytest.raises(ValueError, match="tensors end at byte"):
+        record_views([memoryview(r) for r in runs[:2]], bounds)  # views short of the tensors
+    with pytest.raises(ValueError, match="do not start where its tensors do"):
+        record_views([memoryview(runs[0][:-1]), memoryview(runs[0][-1:] + runs[1])], bounds)
+
+
 ENTRIES = {
     # entry kind -> manifest path of the entry whose bytes are flipped
     "tensor in a file of its own, read into its target": "0/model/big",
@@ -249,6 +270,35 @@ def test_a_flipped_byte_in_any_entry_falls_back_to_the_previous_snapshot_bitwise
     assert torch.equal(torch_rng, saved_rng[1][0])
     assert py_rng == saved_rng[1][1]
     assert np.array_equal(np_rng, saved_rng[1][2])
+
+
+def test_a_flipped_byte_in_a_pack_an_async_snapshot_wrote_as_one_run_falls_back(tmp_path):
+    """Asynchronous snapshots after the first write a pack of a module's small tensors straight
+    from the staging arena, as one buffer: each tensor still has its own checksum."""
+
+    def layer(step: int) -> dict:  # a dict of small tensors: staged into one arena
+        g = torch.Generator().manual_seed(step)
+        return {f"w{i}": torch.randn(8, 8, generator=g) for i in range(40)}
+
+    saver = Snapshotter(str(tmp_path), SnapshotConfig.build(async_snapshot=True))
+    saver.train_start(["layer"], 0, 0)
+    for step in (1, 2, 3):
+        assert saver.save(0, step, {"layer": Holder(layer(step))})
+        saver.wait()
+    saver.train_end(0, 3, lambda intra_epoch: {})
+    assert saver._writer.plans.runs == 2  # steps 2 and 3: one pack each, written as one run
+    newest = tmp_path / "epoch_0_step_3"
+    file, start, end = payload(newest, "0/layer/w17")
+    assert json.loads((newest / INDEX).read_text())["checksums"][str(file.relative_to(newest))]["bounds"][17:19] == [
+        start, end
+    ]
+    flip(file, start + 3)
+    got = Holder({k: torch.zeros_like(v) for k, v in layer(0).items()})
+    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_3: .*checksum"):
+        assert restore_from_latest(str(tmp_path), {"layer": got}) == str(tmp_path / "epoch_0_step_2")
+    assert_identical(got.state, layer(2))
+    with pytest.raises(SnapshotCorruptError, match=rf"batched/0-0 \(entry layer/w17\): bytes {start}-{end} "):
+        restore(str(newest), {"layer": Holder({k: torch.zeros_like(v) for k, v in layer(0).items()})})
 
 
 def test_restoring_a_damaged_snapshot_by_path_names_the_file_and_the_entry(copy):

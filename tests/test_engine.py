@@ -64,6 +64,7 @@ def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their
             "big": torch.randn(700_000, generator=g),
             "step": step,
             "objects": {"name": f"run {step}", "set": {step}},
+            "layer": {f"w{i}": torch.randn(3, 8 + i, generator=g) for i in range(12)},  # a dict: one arena
         }
 
     holder = Holder(state(0))
@@ -76,6 +77,8 @@ def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their
     saver.train_end(0, 3, lambda intra_epoch: {})
     plans = saver._writer.plans
     assert plans.hits == 2 and plans.misses == 1
+    # asynchronous: the packed tensors lie end to end in the staging arena, written as one run
+    assert plans.runs == (2 if async_snapshot else 0)
     for step, want in wanted.items():
         got = Holder(zeros_like_state(want))
         restore(str(tmp_path / f"epoch_0_step_{step}"), {"h": got})

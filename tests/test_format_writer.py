@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from stock_reader import REPLICATED, same
@@ -313,6 +314,50 @@ def test_replicated_values_and_another_rank_are_planned_in_full():
     other_rank = plan_for({"m": cacheable_state(1)}, pack_bytes=1024, cache=cache, rank=1, world_size=2)
     assert (cache.misses, cache.hits) == (2, 0)
     same_plan(other_rank, plan_for({"m": cacheable_state(1)}, pack_bytes=1024, rank=1, world_size=2))
+
+
+def arena_state(seed: int) -> dict[str, Any]:
+    """Packed tensors of which most lie end to end in one flat tensor (as an asynchronous
+    snapshot's staging arena holds them), broken by one tensor of its own memory and by a
+    bfloat16 arena of its own; each pack of 1024 bytes mixes them."""
+    gen = torch.Generator().manual_seed(seed)
+    arena = torch.randn(30 * 24, generator=gen)
+    halves = torch.randn(4 * 6, generator=gen).to(torch.bfloat16)
+    state: dict[str, Any] = {f"a{i}": arena[i * 24:(i + 1) * 24].view(4, 6) for i in range(30)}  # 96 bytes each
+    state["a7"] = torch.randn(4, 6, generator=gen)  # apart, in the middle of a run
+    state.update({f"h{i}": halves[i * 6:(i + 1) * 6] for i in range(4)})  # 12 bytes each
+    state["step"] = seed
+    return state
+
+
+def test_tensors_end_to_end_in_memory_are_handed_out_as_one_view_with_the_same_bytes_and_checksums():
+    from tnt_snapshot_plugin.checksums import record_views
+
+    (_, plan), cache = full_and_cached([arena_state(0), arena_state(1)])
+    assert (cache.misses, cache.hits) == (1, 1)
+    full = plan_for({"m": arena_state(1)}, pack_bytes=1024)
+    same_plan(plan, full)  # the same records, files and bytes
+    packs = {p.rel: p for p in plan.payloads if p.packed}
+    assert len(packs) == 3 and cache.runs == 3
+    for want in full.payloads:
+        got = packs[want.rel]
+        assert got.bounds is not None and len(got.views) < len(got.bounds) - 1  # runs, not a view a tensor
+        assert record_views(got.views, got.bounds) == record_views(want.views)  # one digest a tensor
+    # the tensor apart from the arena is a view of its own, between two runs
+    first = packs["batched/0-0"]
+    assert [v.nbytes for v in first.views] == [7 * 96, 96, 2 * 96]
+
+
+def test_byte_runs_never_spans_two_storages_that_merely_touch():
+    memory = bytearray(torch.arange(20, dtype=torch.float32).numpy().tobytes())
+    left = torch.frombuffer(memory, dtype=torch.float32, count=10)
+    right = torch.frombuffer(memory, dtype=torch.float32, count=10, offset=40)  # another storage, end to end
+    assert left.data_ptr() + 40 == right.data_ptr()
+    views = writer.byte_runs([left, right], np.array([40, 40]))
+    assert len(views) == 2 and b"".join(bytes(v) for v in views) == bytes(memory)
+    one = torch.arange(20, dtype=torch.float32)  # one storage: one view
+    views = writer.byte_runs([one[:10], one[10:]], np.array([40, 40]))
+    assert len(views) == 1 and bytes(views[0]) == one.numpy().tobytes()
 
 
 def test_unsupported_dtype_is_a_config_error_naming_the_path():

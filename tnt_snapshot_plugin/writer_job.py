@@ -202,10 +202,10 @@ class SnapshotWriter:
         # From the bytes in hand: a file of one payload hashed piece by piece as it is written
         # (in the CPU's cache), packed tensors each on its own just before (they are small).
         hasher = None
-        if len(payload.views) == 1:
+        if not payload.packed:
             hasher = new_hasher()
         else:
-            checksum = record_views(payload.views)
+            checksum = record_views(payload.views, payload.bounds)
         with _writing(store, staging, payload.rel):
             store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
         if hasher is not None:
@@ -313,11 +313,11 @@ class _Writes:
         writer, staging = self._writer, self._staging
         if self._pool is None:
             self._done.append(writer._write_payload(staging, payload))
-        elif len(payload.views) > 1:
+        elif payload.packed:
             # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
             # on the planning thread; an I/O thread only waits for the disk (store.start_payload).
             store, rel = writer.store, payload.rel
-            checksum = record_views(payload.views)
+            checksum = record_views(payload.views, payload.bounds)
             with _writing(store, staging, rel):
                 finish = store.start_payload(staging, rel, payload.views)
             result = (rel, sum(v.nbytes for v in payload.views), checksum)
