@@ -107,13 +107,23 @@ def _flatten_into(value: Any, path: str, containers: dict[str, dict], leaves: di
     elif (kind is dict or kind is OrderedDict) and _is_flattenable(value):
         containers[path] = {"type": "dict" if kind is dict else "OrderedDict", "keys": list(value)}
         for name, item in value.items():
-            _flatten_into(item, f"{path}/{encode(str(name))}", containers, leaves)
+            sub = f"{path}/{encode(name if type(name) is str else str(name))}"
+            if type(item) in _CONTAINERS:
+                _flatten_into(item, sub, containers, leaves)
+            else:  # a leaf (most of a state: its tensors), without a call of its own
+                leaves[sub] = item
     else:
         leaves[path] = value
 
 
+_CONTAINERS = frozenset((list, dict, OrderedDict))
+_STR_ONLY = {str}
+
+
 def _is_flattenable(mapping: Mapping[Any, Any]) -> bool:
     """A dict is a container when its keys are str/int with distinct ``str()`` (else one object)."""
+    if set(map(type, mapping)) == _STR_ONLY:
+        return True  # distinct keys of type str are their own distinct str()
     if not all(isinstance(name, (str, int)) for name in mapping):
         return False
     return len({str(name) for name in mapping}) == len(mapping)
