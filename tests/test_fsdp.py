@@ -5,6 +5,9 @@ group (``save``), then restores the snapshots in new processes: 2 of them (``res
 (``world1``) and 3 (``world3``). Each launch covers every wrapping; the tests assert on what each
 rank recorded. The whole state (parameters and Adam's exp_avg, exp_avg_sq and step) is compared
 gathered whole, so it means the same on any world size.
+
+tests/hybrid_mesh_worker.py saves DTensors laid out on a 2 x 2 mesh (sharded over one dimension,
+replicated over the other) on 4 processes, and restores them on 4, 2 and 1.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import pytest
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
+HYBRID_WORKER = Path(__file__).with_name("hybrid_mesh_worker.py")
 WRAPPINGS = ("fsdp1_sharded", "fsdp1_full", "fsdp2", "ddp")
 LAUNCH_DEADLINE_S = 180
 FAILURE_GRACE_S = 10
@@ -27,14 +31,15 @@ FAILURE_GRACE_S = 10
 pytestmark = pytest.mark.slow
 
 
-def launch(phase: str, world_size: int, out: Path) -> list[dict[str, Any]]:
-    """Run ``phase`` on ``world_size`` new processes; every rank's record, or a test failure."""
+def launch(phase: str, world_size: int, out: Path, worker: Path = WORKER) -> list[dict[str, Any]]:
+    """Run ``phase`` of ``worker`` on ``world_size`` new processes; every rank's record, or a
+    test failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     env.pop("FSDP_WORKER_WRAPPINGS", None)
     logs = [open(out / f"{phase}{rank}.log", "w+") for rank in range(world_size)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), phase, str(rank), str(world_size), str(out / f"rendezvous_{phase}"), str(out)],
+            [sys.executable, str(worker), phase, str(rank), str(world_size), str(out / f"rendezvous_{phase}"), str(out)],
             stdout=logs[rank],
             stderr=subprocess.STDOUT,
             env=env,
@@ -168,3 +173,44 @@ def test_a_damaged_copy_on_another_world_size_falls_back_on_every_rank(runs, pha
         assert result["restored"] is True and result["steps"] == 2
         skipped = [w for w in result["warnings"] if w.startswith("skipping damaged snapshot")]
         assert len(skipped) == 1 and "epoch_0_step_4" in skipped[0] and "checksum" in skipped[0], skipped
+
+
+# --- a hybrid mesh: sharded over one mesh dimension, replicated over the other ------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("hybrid")
+    runs = {"hybrid_save": launch("hybrid_save", 4, out, HYBRID_WORKER)}
+    for phase, world_size in (("hybrid_restore", 4), ("hybrid_world2", 2), ("hybrid_world1", 1)):
+        runs[phase] = launch(phase, world_size, out, HYBRID_WORKER)
+    return runs
+
+
+def test_a_shard_held_by_a_replica_group_is_written_once_and_every_rank_records_it(hybrid):
+    """On a 2 x 2 mesh with (Replicate(), Shard(0)), ranks 0 and 2 hold rows 0-3 of ``w`` and
+    ranks 1 and 3 rows 4-7: each shard is written by one rank of its group, and the records of
+    both ranks point at that one file. The fully replicated ``n`` is written once, under 0/."""
+    assert [r["local_rows"]["w"] for r in hybrid["hybrid_save"]] == [[4, 3]] * 4
+    assert [r["local_rows"]["b"] for r in hybrid["hybrid_save"]] == [[3], [2], [3], [2]]  # uneven rows
+    rank0 = hybrid["hybrid_save"][0]
+    locations = rank0["locations"]
+    for key in ("w", "b"):
+        per_rank = [locations[f"{rank}/model/{key}"] for rank in range(4)]
+        assert per_rank[0] == per_rank[2] and per_rank[1] == per_rank[3] and per_rank[0] != per_rank[1], key
+        files = {location for shards in per_rank for location in shards}
+        assert len(files) == 2 and files <= set(rank0["files"]), key
+    assert [path for path in locations if path.endswith("/model/n")] == ["0/model/n"]
+    assert not [f for f in rank0["files"] if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("phase", ["hybrid_restore", "hybrid_world2", "hybrid_world1"])
+def test_a_hybrid_mesh_snapshot_restores_exactly_on_the_same_mesh_and_resharded(hybrid, phase):
+    """The step-2 snapshot (taken asynchronously) restores into zeros on the same 2 x 2 mesh, on
+    2 ranks sharded over a 1-D mesh, and into plain tensors in one process: every local value
+    equals step 2's (which differs from step 1's everywhere)."""
+    for record in hybrid[phase]:
+        assert record["restored"].endswith("epoch_0_step_2")
+        assert record["equal"] == {"w": True, "b": True, "n": True}, record
+        assert all(record["wrong_before"].values())
+        assert record["types"] == (["Tensor"] if phase == "hybrid_world1" else ["DTensor"])
