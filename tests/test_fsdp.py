@@ -214,3 +214,27 @@ def test_a_hybrid_mesh_snapshot_restores_exactly_on_the_same_mesh_and_resharded(
         assert record["equal"] == {"w": True, "b": True, "n": True}, record
         assert all(record["wrong_before"].values())
         assert record["types"] == (["Tensor"] if phase == "hybrid_world1" else ["DTensor"])
+
+
+def test_the_cli_diffs_sharded_values_whole_once_each(hybrid):
+    """``tnt-snapshot diff`` reads a DTensor whole (every rank's shards) and reports it once, with
+    how far apart the two steps' values are; a snapshot against itself has no differences."""
+    from click.testing import CliRunner
+    from hybrid_mesh_worker import full_state
+
+    from tnt_snapshot_plugin.cli import cli
+
+    newest = Path(hybrid["hybrid_restore"][0]["restored"])
+    older = newest.with_name("epoch_0_step_1")
+    result = CliRunner().invoke(cli, ["diff", str(older), str(newest), "--json"], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    before, after = full_state(1), full_state(2)
+    want = {
+        f"0/model/{key}": f"max |a-b| = {(before[key].double() - after[key].double()).abs().max().item():.6g}"
+        for key in ("b", "n", "w")
+    }
+    assert {d["path"]: d["detail"] for d in report["differences"]} == want
+    assert all(d["change"] == "changed" for d in report["differences"])
+    result = CliRunner().invoke(cli, ["diff", str(newest), str(newest), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and json.loads(result.output)["identical"] is True
