@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import logging
 import os
 import random
 import sys
 import time
-import traceback
 import warnings
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from gloo_worker import run_rank
 from torch.nn.parallel import DistributedDataParallel
 from torchtnt.framework.train import train
 
@@ -596,7 +595,6 @@ SCENARIOS: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
 def main() -> None:
     scenario, rank_s, world_s, rendezvous, out = sys.argv[1:6]
     rank, world = int(rank_s), int(world_s)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo connects over loopback only
     backend = "gloo"
     if scenario == "ddp":
 
@@ -605,27 +603,10 @@ def main() -> None:
 
         dist.Backend.register_backend(TRAINING_BACKEND, create, devices=["cpu"])
         backend = TRAINING_BACKEND
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{rendezvous}",  # a FileStore: no port to pick, none to collide
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
+    run_rank(
+        rank, world, rendezvous, os.path.join(out, f"rank{rank}.json"),
+        lambda record: SCENARIOS[scenario](rank, out, record), backend=backend,
     )
-    record: dict[str, Any] = {"rank": rank}
-    started = time.perf_counter()
-    try:
-        SCENARIOS[scenario](rank, out, record)
-        record["ok"] = True
-    except BaseException:
-        record["ok"] = False
-        record["traceback"] = traceback.format_exc()
-    record["seconds"] = time.perf_counter() - started
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    if record["ok"]:
-        dist.destroy_process_group()
-    sys.exit(0 if record["ok"] else 1)
 
 
 if __name__ == "__main__":

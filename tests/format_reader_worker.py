@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch
@@ -182,26 +180,13 @@ def read_resharded(snapdir: str, rank: int, record: dict) -> None:
 
 
 def sharded(snapdir: str, out: str, rank: int, world: int, rendezvous: str) -> None:
-    import torch.distributed as dist
+    from gloo_worker import run_rank
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    record: dict = {"rank": rank}
-    try:
+    def body(record: dict) -> None:
         take_sharded(snapdir, rank)
         read_resharded(snapdir, rank, record)
-        record["ok"] = True
-    except BaseException:
-        record["ok"] = False
-        record["traceback"] = traceback.format_exc()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f)
-    if record["ok"]:
-        dist.destroy_process_group()
-    sys.exit(0 if record["ok"] else 1)
+
+    run_rank(rank, world, rendezvous, os.path.join(out, f"rank{rank}.json"), body)
 
 
 if __name__ == "__main__":

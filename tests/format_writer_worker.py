@@ -9,15 +9,13 @@ did to ``OUTDIR/writer{RANK}.json`` (per snapshot: its records' paths, its files
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from gloo_worker import run_rank
 from stock_reader import REPLICATED, dist_state
 
 from tnt_snapshot_plugin.format import writer
@@ -73,25 +71,12 @@ def save(root: str, state: dict[str, dict[str, Any]], rank: int, world: int, rec
 def main() -> None:
     root, outdir, rank_s, world_s, rendezvous = sys.argv[1:6]
     rank, world = int(rank_s), int(world_s)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    record: dict[str, Any] = {"rank": rank}
-    try:
+
+    def body(record: dict[str, Any]) -> None:
         save(root, dist_state(rank, fill=True), rank, world, record)
         save(root + "_rep", replicated_dtensor_state(), rank, world, record)
-        record["ok"] = True
-    except BaseException:
-        record["ok"] = False
-        record["traceback"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"writer{rank}.json"), "w") as f:
-        json.dump(record, f)
-    dist.destroy_process_group()
+
+    run_rank(rank, world, rendezvous, os.path.join(outdir, f"writer{rank}.json"), body, timeout_s=60)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,17 @@ byte in every file of rank 1's (``ddp_damaged``).
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
 import shutil
 import sys
-import time
-import traceback
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from gloo_worker import run_rank
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -273,28 +271,8 @@ PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
 def main() -> None:
     phase, rank_s, world_s, rendezvous, out = sys.argv[1:6]
     rank, world = int(rank_s), int(world_s)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    record: dict[str, Any] = {"rank": rank}
-    started = time.perf_counter()
-    try:
-        PHASES[phase](rank, out, record)
-        record["ok"] = True
-    except BaseException:
-        record["ok"] = False
-        record["traceback"] = traceback.format_exc()
-    record["seconds"] = time.perf_counter() - started
-    with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    if record["ok"]:
-        dist.destroy_process_group()
-    sys.exit(0 if record["ok"] else 1)
+    run_rank(rank, world, rendezvous, os.path.join(out, f"{phase}_rank{rank}.json"),
+             lambda record: PHASES[phase](rank, out, record))
 
 
 if __name__ == "__main__":

@@ -17,18 +17,15 @@ torchsnapshot understands what the plugin's writer wrote. Two modes:
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
-import traceback
 from collections import OrderedDict
 from typing import Any
 from urllib.parse import unquote
 
 import torch
-import torch.distributed as dist
 import torchsnapshot
+from gloo_worker import run_rank
 from torchsnapshot.io_preparers.tensor import TensorBufferConsumer
 
 #: The logical paths the 2-rank test saves as replicated (every rank holds the same value).
@@ -160,16 +157,7 @@ def _zeros(value: Any) -> Any:
 
 
 def distributed(path: str, outdir: str, rank: int, world: int, rendezvous: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    record: dict[str, Any] = {"rank": rank}
-    try:
+    def body(record: dict[str, Any]) -> None:
         targets = dist_state(rank, fill=False)
         app_state = {key: torchsnapshot.StateDict(values) for key, values in targets.items()}
         torchsnapshot.Snapshot(path).restore(app_state)
@@ -181,24 +169,24 @@ def distributed(path: str, outdir: str, rank: int, world: int, rendezvous: str) 
             for name, value in values.items()
             if not same(value, app_state[key][name])
         ]
-        record["ok"] = True
-    except BaseException:
-        record["ok"] = False
-        record["traceback"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"stock{rank}.json"), "w") as f:
-        json.dump(record, f)
-    dist.destroy_process_group()
+        _never_imported_the_plugin()
+
+    run_rank(rank, world, rendezvous, os.path.join(outdir, f"stock{rank}.json"), body, timeout_s=60)
+
+
+def _never_imported_the_plugin() -> None:
+    if "tnt_snapshot_plugin" in sys.modules:
+        sys.exit("stock_reader imported tnt_snapshot_plugin: the check would prove nothing")
 
 
 def main() -> None:
     mode, path = sys.argv[1:3]
     if mode == "single":
         single(path, sys.argv[3:])
+        _never_imported_the_plugin()
     else:
         outdir, rank, world, rendezvous = sys.argv[3:7]
-        distributed(path, outdir, int(rank), int(world), rendezvous)
-    if "tnt_snapshot_plugin" in sys.modules:
-        sys.exit("stock_reader imported tnt_snapshot_plugin: the check would prove nothing")
+        distributed(path, outdir, int(rank), int(world), rendezvous)  # exits
 
 
 if __name__ == "__main__":
