@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+import launching
 import pytest
 import torch.distributed as dist
 from torchtnt.framework.train import train
@@ -26,60 +24,19 @@ from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weight
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 WORLD_SIZE = 2
-#: Hard limit for one 2-process launch (the scenarios take ~10 s; collective timeouts are 30 s).
-LAUNCH_DEADLINE_S = 180
-FAILURE_GRACE_S = 10
 
 pytestmark = pytest.mark.slow
 
 
 def run_ranks(scenario: str, out: Path) -> list[dict[str, Any]]:
     """Run ``scenario`` on WORLD_SIZE processes; every rank's record, or a test failure."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    logs = [open(out / f"rank{rank}.log", "w+") for rank in range(WORLD_SIZE)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(WORLD_SIZE), str(out / "rendezvous"), str(out)],
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    killed = False
-    deadline = time.monotonic() + LAUNCH_DEADLINE_S
-    first_failure: Optional[float] = None
-    try:
-        while any(proc.poll() is None for proc in procs):
-            now = time.monotonic()
-            if first_failure is None and any(proc.poll() not in (None, 0) for proc in procs):
-                first_failure = now
-            # One deadline for the whole group; a rank that failed leaves its peers a short
-            # grace period to record their side, then they are stopped instead of waiting out
-            # their collective timeouts.
-            if now > deadline or (first_failure is not None and now > first_failure + FAILURE_GRACE_S):
-                killed = now > deadline
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    output = []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        output.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-4000:]}")
-        log.close()
-    if killed:
-        pytest.fail(f"scenario {scenario!r} hung past {LAUNCH_DEADLINE_S}s; killed\n" + "\n".join(output))
-    paths = [out / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
-    records = [json.loads(p.read_text()) for p in paths if p.exists()]
-    for record in records:  # the rank that failed first explains why its peers were stopped
-        assert record["ok"], f"rank {record['rank']} failed:\n{record['traceback']}\n" + "\n".join(output)
-    if len(records) < WORLD_SIZE:
-        pytest.fail("a rank wrote no record\n" + "\n".join(output))
-    return records
+    return launching.run_ranks(
+        lambda rank: [str(WORKER), scenario, str(rank), str(WORLD_SIZE), str(out / "rendezvous"), str(out)],
+        WORLD_SIZE,
+        lambda rank: out / f"rank{rank}.log",
+        lambda rank: out / f"rank{rank}.json",
+        f"scenario {scenario!r}",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
+import launching
 import numpy as np
 import pytest
 import torch
@@ -394,18 +394,13 @@ def test_malformed_metadata_is_corruption(data):
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("sharded")
-    procs = [_worker("sharded", str(out / "snap"), str(out), str(rank), "2", str(out / "rendezvous")) for rank in range(2)]
-    deadline = time.monotonic() + 240
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=max(1, deadline - time.monotonic()))[0].decode())
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("the 2-rank snapshot hung")
-    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2) if (out / f"rank{rank}.json").exists()]
-    assert len(records) == 2 and all(r["ok"] for r in records), "\n".join(logs) + json.dumps(records)
+    records = launching.run_ranks(
+        lambda rank: [str(WORKER), "sharded", str(out / "snap"), str(out), str(rank), "2", str(out / "rendezvous")],
+        2,
+        lambda rank: out / f"rank{rank}.log",
+        lambda rank: out / f"rank{rank}.json",
+        "the 2-rank snapshot",
+    )
     return out / "snap", records
 
 

@@ -10,17 +10,16 @@ torchsnapshot's own ``flatten`` and check that locations stay inside the snapsho
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 import subprocess
 import sys
-import time
 import warnings
 from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import launching
 import numpy as np
 import pytest
 import torch
@@ -32,7 +31,6 @@ from tnt_snapshot_plugin.format import writer
 from tnt_snapshot_plugin.format.common import DTYPE_NAMES, METADATA_FNAME, RAW, TORCH_SAVE
 
 HERE = Path(__file__).parent
-LAUNCH_DEADLINE_S = 180
 
 
 def write_snapshot(root: Path, plans: list[writer.Plan], world_size: int = 1) -> dict[str, dict]:
@@ -149,7 +147,7 @@ def single_rank(tmp_path_factory) -> tuple[dict[str, Any], dict[str, Any], dict[
         [sys.executable, str(HERE / "stock_reader.py"), "single", str(out), str(root / "snap"), str(root / "snap_q")],
         capture_output=True,
         text=True,
-        timeout=LAUNCH_DEADLINE_S,
+        timeout=launching.DEADLINE_S,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr  # torchsnapshot logs failed reads and goes on
@@ -441,47 +439,22 @@ def test_merge_refuses_two_ranks_recording_one_path_differently():
 # --- two gloo ranks: replicated values, DTensor, ShardedTensor --------------------------------
 
 
-def launch(script: str, args: list[str], out: Path, name: str) -> None:
-    """Run ``script`` as 2 ranks (args + RANK 2 RENDEZVOUS) under a deadline."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    logs = [open(out / f"{name}{rank}.log", "w+") for rank in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / script), *args, str(rank), "2", str(out / f"{name}.rendezvous")],
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    deadline = time.monotonic() + LAUNCH_DEADLINE_S
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    output = ""
-    for log in logs:
-        log.seek(0)
-        output += log.read()[-3000:]
-        log.close()
-    assert all(p.returncode == 0 for p in procs), output
+def launch(script: str, args: list[str], out: Path, name: str) -> list[dict[str, Any]]:
+    """Run ``script`` as 2 ranks (args + RANK 2 RENDEZVOUS), each recording to ``out/NAME{RANK}.json``."""
+    return launching.run_ranks(
+        lambda rank: [str(HERE / script), *args, str(rank), "2", str(out / f"{name}.rendezvous")],
+        2,
+        lambda rank: out / f"{name}{rank}.log",
+        lambda rank: out / f"{name}{rank}.json",
+        script,
+    )
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("two_ranks")
-    launch("format_writer_worker.py", [str(out / "snap"), str(out)], out, "writer")
-    writers = [json.loads((out / f"writer{rank}.json").read_text()) for rank in range(2)]
-    for record in writers:
-        assert record["ok"], record.get("traceback")
-    launch("stock_reader.py", ["dist", str(out / "snap"), str(out)], out, "stock")
-    stocks = [json.loads((out / f"stock{rank}.json").read_text()) for rank in range(2)]
-    for record in stocks:
-        assert record["ok"], record.get("traceback")
+    writers = launch("format_writer_worker.py", [str(out / "snap"), str(out)], out, "writer")
+    stocks = launch("stock_reader.py", ["dist", str(out / "snap"), str(out)], out, "stock")
     return out, writers, stocks
 
 

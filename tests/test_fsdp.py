@@ -13,20 +13,15 @@ replicated over the other) on 4 processes, and restores them on 4, 2 and 1.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import launching
 import pytest
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 HYBRID_WORKER = Path(__file__).with_name("hybrid_mesh_worker.py")
 WRAPPINGS = ("fsdp1_sharded", "fsdp1_full", "fsdp2", "ddp")
-LAUNCH_DEADLINE_S = 180
-FAILURE_GRACE_S = 10
 
 pytestmark = pytest.mark.slow
 
@@ -34,47 +29,13 @@ pytestmark = pytest.mark.slow
 def launch(phase: str, world_size: int, out: Path, worker: Path = WORKER) -> list[dict[str, Any]]:
     """Run ``phase`` of ``worker`` on ``world_size`` new processes; every rank's record, or a
     test failure."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env.pop("FSDP_WORKER_WRAPPINGS", None)
-    logs = [open(out / f"{phase}{rank}.log", "w+") for rank in range(world_size)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), phase, str(rank), str(world_size), str(out / f"rendezvous_{phase}"), str(out)],
-            stdout=logs[rank],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(world_size)
-    ]
-    deadline = time.monotonic() + LAUNCH_DEADLINE_S
-    first_failure = None
-    try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-                first_failure = now
-            if now > deadline or (first_failure is not None and now > first_failure + FAILURE_GRACE_S):
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    output = []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        output.append(f"--- {phase} rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-4000:]}")
-        log.close()
-    records = []
-    for rank in range(world_size):
-        path = out / f"{phase}_rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"{phase}: rank {rank} wrote no record (hung or crashed)\n" + "\n".join(output))
-        record = json.loads(path.read_text())
-        assert record["ok"], f"{phase} rank {rank} failed:\n{record['traceback']}\n" + "\n".join(output)
-        records.append(record)
-    return records
+    return launching.run_ranks(
+        lambda rank: [str(worker), phase, str(rank), str(world_size), str(out / f"rendezvous_{phase}"), str(out)],
+        world_size,
+        lambda rank: out / f"{phase}{rank}.log",
+        lambda rank: out / f"{phase}_rank{rank}.json",
+        phase,
+    )
 
 
 @pytest.fixture(scope="module")
