@@ -117,7 +117,7 @@ def _flatten_into(value: Any, path: str, containers: dict[str, dict], leaves: di
 
 
 _CONTAINERS = frozenset((list, dict, OrderedDict))
-_STR_ONLY = {str}
+_STR_ONLY = frozenset((str,))
 
 
 def _is_flattenable(mapping: Mapping[Any, Any]) -> bool:
