@@ -211,18 +211,24 @@ def test_train_into_s3_writes_every_snapshot(options, run_url):
     )
 
 
-def test_restore_from_latest_on_s3_keeps_the_scheme_and_resumes_bitwise(options, run_url):
+@pytest.mark.parametrize("async_snapshot", [False, True], ids=["sync", "async"])
+def test_restore_from_latest_on_s3_keeps_the_scheme_and_resumes_bitwise(options, run_url, async_snapshot):
     """torchtnt's own restore_from_latest drops the s3:// scheme (fsspec lists "bucket/...") and
-    then reads a local path; here the latest snapshot is an s3:// URL and resume is bitwise."""
+    then reads a local path; here the latest snapshot is an s3:// URL and resume is bitwise.
+    Asynchronous snapshots after the first write each pack of the model's small tensors from the
+    staging arena as one buffer."""
     seed_everything(7)
     reference = ToyUnit(seed=0)
     train(reference, StatefulLoader(make_data(40), seed=3), max_epochs=2)
 
     seed_everything(7)
     interrupted = ToyUnit(seed=0, fail_at_step=13)
-    saver = TorchSnapshotSaver(run_url, save_every_n_train_steps=4, storage_options=options)
+    saver = TorchSnapshotSaver(
+        run_url, save_every_n_train_steps=4, storage_options=options, async_snapshot=async_snapshot
+    )
     with pytest.raises(RuntimeError, match="injected failure at step 13"):
         train(interrupted, StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
+    assert (saver.snapshotter._writer.plans.runs > 0) is async_snapshot
 
     assert latest_snapshot(run_url, storage_options=options) == f"{run_url}/epoch_1_step_12"
     seed_everything(99)
