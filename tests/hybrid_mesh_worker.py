@@ -89,10 +89,10 @@ def phase_save(rank: int, world: int, out: str, record: dict[str, Any]) -> None:
 def phase_restore(rank: int, world: int, out: str, record: dict[str, Any]) -> None:
     target = Holder(laid_out({k: torch.zeros_like(v) for k, v in full_state(0).items()}, world))
     record["restored"] = restore_from_latest(os.path.join(out, "snapshots"), {"model": target})
-    want = laid_out(full_state(2), world)
+    want, before = laid_out(full_state(2), world), laid_out(full_state(1), world)
     record["types"] = sorted({type(value).__name__ for value in target.state.values()})
     record["equal"] = {key: torch.equal(local(target.state[key]), local(want[key])) for key in want}
-    record["wrong_before"] = {key: not torch.equal(local(want[key]), local(laid_out(full_state(1), world)[key])) for key in want}
+    record["wrong_before"] = {key: not torch.equal(local(want[key]), local(before[key])) for key in want}
 
 
 PHASES: dict[str, Callable[[int, int, str, dict[str, Any]], None]] = {

@@ -172,11 +172,15 @@ def _replicated_writers(leaves: Mapping[str, Any], replicated: Set[str], world_s
     return writers
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _write_cost(value: Any) -> int:
     if type(value) in _PRIMITIVES:
         return 0
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return _nbytes(value)
     return NOMINAL_OBJECT_BYTES
 
 
@@ -299,10 +303,6 @@ class _PlanLayout:
     others: list[str]  # the leaves that are not tensors (planned again every time)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def byte_runs(tensors: list[torch.Tensor], sizes: np.ndarray) -> list[np.ndarray]:
     """Flat byte views of ``tensors`` (CPU, contiguous, of raw dtypes, ``sizes`` bytes each),
     in order, with one view for each run of tensors that lie end to end in one storage (an
@@ -387,7 +387,7 @@ class PlanCache:
                 views = byte_runs(tensors, sizes)
                 apart[i] = len(views) == len(tensors)
                 self.runs += not apart[i]
-            builder.add_file(rel, views, bounds)
+            builder.add_file(rel, views, None if apart[i] else bounds)  # bounds: views are runs
         builder.entries.update(zip(layout.manifest_paths, layout.records, strict=True))
         rank = builder.rank
         for path in layout.others:
@@ -478,7 +478,7 @@ class _Builder:
         where its views are runs of several tensors (``Payload.bounds``)."""
         self._files += 1
         self.nbytes += sum(v.nbytes for v in views)
-        self._emit(Payload(rel, views, bounds if bounds is not None and len(views) < len(bounds) - 1 else None))
+        self._emit(Payload(rel, views, bounds))
 
     def _record(self, path: str, tensor: torch.Tensor, text: str) -> None:
         """Tell the recorder where the plain tensor at ``path``, just planned, went."""
