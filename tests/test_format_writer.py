@@ -28,7 +28,7 @@ from torchsnapshot.flatten import flatten as stock_flatten
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
 from tnt_snapshot_plugin.format import writer
-from tnt_snapshot_plugin.format.common import DTYPE_NAMES, METADATA_FNAME, RAW, TORCH_SAVE
+from tnt_snapshot_plugin.format.common import DTYPE_NAMES, FORMAT_VERSION, METADATA_FNAME, RAW, TORCH_SAVE
 
 HERE = Path(__file__).parent
 
@@ -434,6 +434,25 @@ def test_replicable_matches_globs_and_leaves_sharded_values_out():
 def test_merge_refuses_two_ranks_recording_one_path_differently():
     with pytest.raises(SnapshotError, match="0/m/x"):
         writer.merge([{"0/m/x": '{"type": "int", "serialized_value": "1"}'}, {"0/m/x": '{"type": "int", "serialized_value": "2"}'}])
+
+
+def test_metadata_of_a_manifest_longer_than_a_chunk_reads_back_as_json_and_as_torchsnapshots_yaml():
+    """.snapshot_metadata is built a chunk of records at a time: the chunks join into one
+    document, and YAML-hostile characters are escaped in whichever chunk they fall."""
+    import yaml
+
+    count = 3 * writer.METADATA_CHUNK + 5
+    manifest = {
+        f"0/m/{'é😀' if i % 700 == 3 else ''}{chr(0x2028) if i == count - 1 else ''}x{i}": writer._text(
+            {"type": "str", "serialized_value": "\x85 😀" if i == writer.METADATA_CHUNK else str(i), "replicated": False}
+        )
+        for i in range(count)
+    }
+    data = writer.metadata_bytes(manifest, 2)
+    want = {"version": FORMAT_VERSION, "world_size": 2, "manifest": {p: json.loads(r) for p, r in manifest.items()}}
+    assert json.loads(bytes(data)) == want
+    assert yaml.load(bytes(data), Loader=yaml.CSafeLoader) == want  # as stock torchsnapshot reads it
+    assert list(json.loads(bytes(data))["manifest"]) == list(manifest)  # in order
 
 
 # --- two gloo ranks: replicated values, DTensor, ShardedTensor --------------------------------

@@ -87,7 +87,7 @@ class CommitProtocol:
         """Where to write snapshot ``final`` before its commit (``token``: the writer's, alnum)."""
         raise NotImplementedError
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         """Make ``final`` complete: index, then metadata last (and the rename, where staged)."""
         raise NotImplementedError
 
@@ -105,7 +105,7 @@ class AtomicRename(CommitProtocol):
 
         return staging_name(final, token)
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         # Every file written must still be there: a directory removed during the write (and
         # recreated by a later file's write) would otherwise commit a snapshot with holes.
         for rel, size in json.loads(index)["files"].items():
@@ -132,7 +132,7 @@ class MetadataWrittenLast(CommitProtocol):
         # A leftover of the plugin's under the same name is removed before the write begins.
         return final
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         if staging != final:
             raise SnapshotWriteError(
                 f"{store.child(staging)}: an object store writes a snapshot under its final name "
@@ -244,7 +244,7 @@ class Store:
         """Where to write snapshot ``final`` before its commit (``token``: the writer's, alnum)."""
         return self.protocol.staging_for(final, token)
 
-    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    def commit(self, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         """Make ``final`` complete: index, then metadata last (and the rename, on disk). A
         snapshot of the plugin's already named ``final`` (another run's) is replaced."""
         self.protocol.commit(self, staging, final, metadata, index)

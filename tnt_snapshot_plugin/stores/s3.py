@@ -526,7 +526,7 @@ class S3Store(Store):
         )
 
     @translated
-    def commit(self, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    def commit(self, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         super().commit(staging, final, metadata, index)
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
