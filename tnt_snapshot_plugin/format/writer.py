@@ -276,6 +276,8 @@ class _Recorder:
     def __init__(self) -> None:
         #: logical path -> record (JSON text), for every tensor, in the order of the leaves
         self.records: dict[str, str] = {}
+        #: ... and their manifest paths (the builder's own str objects), in the same order
+        self.manifest_paths: list[str] = []
         #: the files holding them (in the order each was first used) -> the logical paths of
         #: their tensors, in the order of their bytes (a pack stays open past a file of its own)
         self.files: dict[str, list[str]] = {}
@@ -405,6 +407,7 @@ class PlanCache:
         tensor_paths = tuple(records)
         tensors = [leaves[path] for path in tensor_paths]
         files: list[tuple[str, list[str], Optional[np.ndarray], Optional[list[int]]]] = []
+        distinct: dict[torch.Size, torch.Size] = {}  # one torch.Size object of each shape is kept
         for rel, paths in recorder.files.items():
             if len(paths) == 1:
                 files.append((rel, paths, None, None))
@@ -416,9 +419,9 @@ class PlanCache:
             paths=tuple(leaves),
             types=list(map(type, leaves.values())),
             tensor_paths=tensor_paths,
-            manifest_paths=tuple(f"{builder.rank}/{path}" for path in tensor_paths),
+            manifest_paths=tuple(recorder.manifest_paths),
             dtypes=list(map(_DTYPE, tensors)),
-            shapes=list(map(_SHAPE, tensors)),
+            shapes=[distinct.setdefault(shape, shape) for shape in map(_SHAPE, tensors)],
             records=tuple(records.values()),
             files=files,
             apart=[False] * len(files),
@@ -458,7 +461,7 @@ class _Builder:
         if kind in _PLAIN_TENSOR_TYPES:
             text = self.entries[manifest_path] = self.tensor(path, value, None, replicated)
             if self.recorder is not None:
-                self._record(path, value, text)
+                self._record(path, manifest_path, value, text)
         elif kind in _PRIMITIVES:
             try:
                 record = _primitive_record(_PRIMITIVES[kind], value, replicated)
@@ -481,7 +484,7 @@ class _Builder:
         self.nbytes += sum(v.nbytes for v in views)
         self._emit(Payload(rel, views, bounds))
 
-    def _record(self, path: str, tensor: torch.Tensor, text: str) -> None:
+    def _record(self, path: str, manifest_path: str, tensor: torch.Tensor, text: str) -> None:
         """Tell the recorder where the plain tensor at ``path``, just planned, went."""
         recorder = self.recorder
         assert recorder is not None
@@ -489,6 +492,7 @@ class _Builder:
             recorder.reusable = False  # planned in full every time: a copy, or torch.save bytes
             return
         recorder.records[path] = text
+        recorder.manifest_paths.append(manifest_path)
         recorder.files.setdefault(self._last_rel, []).append(path)
 
     def _not_reusable(self) -> None:
