@@ -79,10 +79,48 @@ def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their
     assert plans.hits == 2 and plans.misses == 1
     # asynchronous: the packed tensors lie end to end in the staging arena, written as one run
     assert plans.runs == (2 if async_snapshot else 0)
+    assert plans.gathered == 0  # its packs mix dtypes
     for step, want in wanted.items():
         got = Holder(zeros_like_state(want))
         restore(str(tmp_path / f"epoch_0_step_{step}"), {"h": got})
         assert_identical(got.state, want)
+
+
+@pytest.mark.parametrize("where", ["local disk", "memory store"])
+def test_synchronous_packs_are_gathered_into_one_buffer_only_where_the_store_has_copied_them(tmp_path, where):
+    """A synchronous snapshot's packs of model parameters (each its own memory) are copied
+    into one reused buffer where the store has taken the bytes before the next pack is planned
+    (local disk: into the page cache); a store that reads them later (the memory store writes
+    each file on an I/O thread) gets a view a tensor. Either way each snapshot restores its own
+    values."""
+    import uuid
+
+    from tnt_snapshot_plugin.stores.fakes import MemoryStore, register, unregister
+
+    name = f"gather-{uuid.uuid4().hex[:8]}"
+    dirpath = str(tmp_path) if where == "local disk" else register(name, MemoryStore())
+    try:
+        saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False))
+        saver.train_start(["model"], 0, 0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(200)])  # 400 tensors: one pack
+        wanted = {}
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            assert saver.save(0, step, {"model": model})
+            wanted[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        saver.train_end(0, 3, lambda intra_epoch: {})
+        plans = saver._writer.plans
+        assert (plans.misses, plans.hits) == (1, 2)
+        assert plans.gathered == (2 if where == "local disk" else 0)  # one pack a snapshot
+        for step, want in wanted.items():
+            target = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(200)])
+            restore(f"{dirpath}/epoch_0_step_{step}", {"model": target})
+            got = target.state_dict()
+            assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        unregister(name)
 
 
 def test_an_int_too_long_for_str_is_refused_before_it_is_written(tmp_path):

@@ -9,6 +9,7 @@ torchsnapshot's own ``flatten`` and check that locations stay inside the snapsho
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import subprocess
@@ -344,6 +345,61 @@ def test_tensors_end_to_end_in_memory_are_handed_out_as_one_view_with_the_same_b
     # the tensor apart from the arena is a view of its own, between two runs
     first = packs["batched/0-0"]
     assert [v.nbytes for v in first.views] == [7 * 96, 96, 2 * 96]
+
+
+def apart_state(seed: int) -> dict[str, Any]:
+    """Packs (of 1024 bytes) of tensors that each have memory of their own (a model's
+    parameters): float32 1-D, float32 2-D, bfloat16, and one pack that mixes dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {f"v{i}": torch.randn(40, generator=gen) for i in range(12)}  # 2 packs of 6 x 160 B
+    state.update({f"g{i}": torch.randn(4, 6, generator=gen) for i in range(12)})  # 10 x 96 B, then 2 ...
+    state["mixed"] = torch.arange(400, dtype=torch.int16)  # ... with 800 B of int16: dtypes mixed
+    state.update({f"h{i}": torch.randn(100, generator=gen).to(torch.bfloat16) for i in range(5)})  # 5 x 200 B
+    state["step"] = seed
+    return state
+
+
+def test_a_reused_plan_gathers_packs_of_tensors_apart_into_one_buffer_with_the_same_bytes_and_checksums():
+    """Each pack of one dtype is copied into the PackBuffer (reused from pack to pack: the
+    emit consumes each at once); the files, their bytes and their checksum records are those of
+    a plan made in full, with a view a tensor."""
+    from tnt_snapshot_plugin.checksums import record_views
+
+    def take(files: dict[str, tuple[bytes, Any, int]], p: writer.Payload) -> None:  # as written: at once
+        files[p.rel] = (b"".join(bytes(v) for v in p.views), record_views(p.views, p.bounds), len(p.views))
+
+    cache, buffer = writer.PlanCache(), writer.PackBuffer()
+    for seed in range(3):
+        files: dict[str, tuple[bytes, Any, int]] = {}  # rel -> (bytes, checksum record, views)
+        plan = plan_for({"m": apart_state(seed)}, pack_bytes=1024, cache=cache, pack_buffer=buffer,
+                        emit=functools.partial(take, files))
+        full = plan_for({"m": apart_state(seed)}, pack_bytes=1024)
+        assert {p: json.loads(r) for p, r in plan.entries.items()} == {p: json.loads(r) for p, r in full.entries.items()}
+        assert {rel: f[:2] for rel, f in files.items()} == {
+            p.rel: (b"".join(bytes(v) for v in p.views), record_views(p.views)) for p in full.payloads
+        }
+    assert (cache.misses, cache.hits, cache.runs) == (1, 2, 0)
+    assert cache.gathered == 2 * 4  # per reused plan: every pack but the one of mixed dtypes
+    assert [files[f"batched/0-{n}"][2] for n in range(5)] == [1, 1, 1, 3, 1]  # the mixed one: a view a tensor
+
+
+def test_a_pack_buffer_is_filled_in_and_out_of_inference_mode_from_parameters_and_several_dtypes():
+    """The buffer made inside torch.inference_mode() (a hook run during evaluation) is a normal
+    tensor that later gathers outside it fill, and the other way round; parameters (which need
+    grad) are copied without autograd; a pack of two dtypes is two runs."""
+    buffer = writer.PackBuffer()
+    for inference in (True, False, True, False):
+        with torch.inference_mode(inference):
+            tensors = [torch.nn.Parameter(torch.randn(6)), *(torch.randn(2, 3) for _ in range(6))]
+            tensors.append(torch.arange(4, dtype=torch.int64))
+            bounds = [0, 24, 48, 72, 96, 120, 144, 168, 200]
+            segments = writer._segments(tensors, bounds)
+            assert segments == [(0, 7, torch.float32, False), (7, 8, torch.int64, True)]
+            got = buffer.gather(tensors, segments, bounds)
+        assert bytes(got) == b"".join(t.detach().numpy().tobytes() for t in tensors)
+    assert writer._segments(tensors[6:] * 4, [0, 24, 56, 80, 112, 136, 168, 192, 224]) is None  # a run a tensor
+    odd = [torch.arange(3, dtype=torch.int8), *(torch.ones(2) for _ in range(7))]  # float32 from byte 3
+    assert writer._segments(odd, [0, 3, 11, 19, 27, 35, 43, 51, 59]) is None  # not viewable in place
 
 
 def test_byte_runs_never_spans_two_storages_that_merely_touch():

@@ -62,9 +62,13 @@ class SnapshotWriter:
         self._pool: Optional[ThreadPoolExecutor] = None
         #: the last plan's tensor layout, reused while the state's layout is unchanged
         self.plans = fmt.PlanCache()
+        #: where a reused plan gathers packs of tensors apart in memory (fmt.PackBuffer)
+        self._pack_buffer = fmt.PackBuffer()
 
     def close(self) -> None:
-        """Let the I/O threads go (training is over); a later snapshot starts them again."""
+        """Let the I/O threads and the pack buffer go (training is over); a later snapshot
+        makes them again."""
+        self._pack_buffer = fmt.PackBuffer()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
@@ -116,6 +120,10 @@ class SnapshotWriter:
         replicated = self._agree_replicated(job, leaves if error is None else {})
         if error is None:
             writes = _Writes(self, job.staging)
+            # A pack is gathered into one buffer, reused by the next pack, only where nothing
+            # reads it after submit() returns: written at once, or the store's start_payload
+            # has copied it (local disk: into the page cache).
+            gather = writes.pool is None or store.start_payload_copies
             try:
                 entries = fmt.plan(
                     containers,
@@ -125,6 +133,7 @@ class SnapshotWriter:
                     replicated=replicated,
                     emit=writes.submit,
                     cache=self.plans,
+                    pack_buffer=self._pack_buffer if gather else None,
                 ).entries
             except Exception as exc:
                 error = _write_error(job, exc)
@@ -305,13 +314,13 @@ class _Writes:
     def __init__(self, writer: SnapshotWriter, staging: str) -> None:
         self._writer = writer
         self._staging = staging
-        self._pool = writer._io_pool()
+        self.pool = writer._io_pool()
         self._pending: list[Future[tuple[str, int, dict[str, Any]]]] = []
         self._done: list[tuple[str, int, dict[str, Any]]] = []
 
     def submit(self, payload: fmt.Payload) -> None:
         writer, staging = self._writer, self._staging
-        if self._pool is None:
+        if self.pool is None:
             self._done.append(writer._write_payload(staging, payload))
         elif payload.packed:
             # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
@@ -327,9 +336,9 @@ class _Writes:
                     finish()
                 return result
 
-            self._pending.append(self._pool.submit(complete))
+            self._pending.append(self.pool.submit(complete))
         else:  # a file of its own: written (and hashed as it is written) on an I/O thread
-            self._pending.append(self._pool.submit(writer._write_payload, staging, payload))
+            self._pending.append(self.pool.submit(writer._write_payload, staging, payload))
 
     def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         """Wait for every write; the files' sizes and checksum records. Raises the first

@@ -152,6 +152,9 @@ class Store:
     url: str
     #: The commit strategy (:class:`AtomicRename` or :class:`MetadataWrittenLast`).
     protocol: CommitProtocol = AtomicRename()
+    #: Whether :meth:`start_payload` is done with the buffers it was given when it returns (it
+    #: wrote them, or a copy of them, somewhere of its own): the writer may then reuse them.
+    start_payload_copies = False
 
     @property
     def atomic_rename(self) -> bool:

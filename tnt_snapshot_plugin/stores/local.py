@@ -94,6 +94,7 @@ class FileLock(DirLock):
 
 class LocalStore(Store):
     protocol = AtomicRename()
+    start_payload_copies = True  # written into the page cache before start_payload returns
 
     def __init__(self, dirpath: str) -> None:
         self.url = dirpath
