@@ -355,8 +355,10 @@ class PlanCache:
     """The tensors' manifest records and files of the last plan, reused by the next plan while
     the state's layout is the same: the same leaves in the same order, of the same types, every
     tensor a CPU contiguous one of the same dtype and shape (checked in a few passes in C, about
-    0.2 us a tensor). A snapshot of an unchanged layout then only makes a byte view of each
-    tensor (its bytes are new); other leaves (numbers, objects) are planned again every time.
+    0.2 us a tensor). A snapshot of an unchanged layout then only hands out the tensors' new
+    bytes: a view of each run of them that lie end to end in memory (:func:`byte_runs`), a
+    pack of them that lie apart copied into the ``PackBuffer`` where the plan has one, or else
+    a view a tensor; other leaves (numbers, objects) are planned again every time.
 
     A state with sharded tensors, GPU or non-contiguous tensors, tensors stored with
     ``torch.save`` (empty ones, other dtypes), or replicated values is planned in full every time.
