@@ -129,8 +129,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
         monitor: a logged metric (``trainer.callback_metrics``, read when a snapshot is taken)
             that ranks the snapshots, as ``ModelCheckpoint``'s ``monitor``: the name carries it
-            (``epoch_E_step_S_<monitor>=<value>``, so it must be a name usable in a directory
-            name: ``val_loss``, not ``val/loss``) and ``best_model_path`` /
+            (``epoch_E_step_S_<monitor>=<value>``: letters, digits, ``_``, ``.`` and ``/``,
+            a ``/`` written ``%2F`` there, as in ``..._val%2Floss=0.25``) and ``best_model_path`` /
             ``best_model_score`` / ``ckpt_path="best"`` follow it. A metric not logged yet when
             a snapshot is taken before any validation ran is warned about and the snapshot saved
             without it; once validation has run, it is a :class:`MonitorNotFoundError`.

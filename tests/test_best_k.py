@@ -217,6 +217,6 @@ def test_best_checkpoint_config_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="best_checkpoint_config.mode must be 'min' or 'max'"):
         TorchSnapshotSaver(str(tmp_path), best_checkpoint_config=BestCheckpointConfig("m", "lowest"))
     with pytest.raises(ConfigError, match="best_checkpoint_config.monitored_metric"):
-        TorchSnapshotSaver(str(tmp_path), best_checkpoint_config=BestCheckpointConfig("val/loss", "min"))
+        TorchSnapshotSaver(str(tmp_path), best_checkpoint_config=BestCheckpointConfig("val loss", "min"))
     with pytest.raises(ConfigError, match="must be a BestCheckpointConfig"):
         TorchSnapshotSaver(str(tmp_path), best_checkpoint_config="val_loss")

@@ -45,6 +45,19 @@ def test_parses_torchtnt_phase_aware_and_metric_names(text, epoch, step, eval_st
     assert parsed.phase_aware == ("train_step" in text)
 
 
+def test_a_slash_in_a_metric_name_is_written_percent_2f_and_read_back():
+    """Lightning's ``val/loss``: a ``/`` in a directory name would make a subdirectory."""
+    name = SnapshotName.of(1, 6, None, ("val/loss", 0.25))
+    assert name.text == "epoch_1_step_6_val%2Floss=0.25" and "/" not in name.text
+    assert SnapshotName.parse(name.text) == name
+    assert (name.metric, name.metric_value) == ("val/loss", 0.25)
+    assert SnapshotName.parse("epoch_1_step_6_train%2Fepoch%2Facc=1.0").metric == "train/epoch/acc"
+    for text in ("epoch_1_step_6_val%loss=0.25", "epoch_1_step_6_val%2floss=0.25", "epoch_1_step_6_val/loss=0.25"):
+        assert SnapshotName.parse(text) is None
+    with pytest.raises(ValueError, match="letters, digits, '_', '.' and '/'"):
+        SnapshotName.of(1, 6, None, ("val loss", 0.25))
+
+
 def test_eval_name_round_trip_and_order():
     name = SnapshotName.of(epoch=1, step=3, eval_step=2)
     assert name.text == "epoch_1_step_3_eval_2"

@@ -114,6 +114,28 @@ def test_save_top_k_with_keep_last_n_and_ckpt_path_best_for_fit_validate_test(tm
     assert trainer.global_step == 9
 
 
+class SlashScored(Scored):
+    """Logs the same values as ``val/loss`` (a name TensorBoard groups, as users log it)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", VAL_LOSS[self.trainer.current_epoch])
+        self.validated = weights(self)
+
+
+def test_a_monitor_with_a_slash_ranks_and_restores_the_best_like_any_other(tmp_path):
+    d = tmp_path / "snaps"
+    saver = TorchSnapshotSaver(str(d), save_every_n_epochs=1, monitor="val/loss", save_top_k=1)
+    make_trainer(tmp_path, [saver], max_epochs=3, limit_val_batches=1).fit(SlashScored(), loader(), loader(4))
+    best = "epoch_2_step_6_val%2Floss=0.3"  # one directory: the best (0.3) and the newest
+    assert snapshots(d) == [best, "epoch_3_step_9_val%2Floss=0.4"]
+    assert saver.best_model_path == str(d / best) and float(saver.best_model_score) == pytest.approx(0.3)
+    fresh = TorchSnapshotSaver(str(d), monitor="val/loss")
+    assert fresh.best_model_path == str(d / best)
+    module = SlashScored(seed=5)
+    make_trainer(tmp_path, [fresh], limit_val_batches=1).validate(module, loader(4), ckpt_path="best")
+    torch.testing.assert_close(module.validated, restored_weights(str(d / best)), rtol=0, atol=0)
+
+
 def test_save_top_k_minus_one_keeps_all_and_max_mode_ranks_the_highest(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_epochs=1, monitor="val_loss", mode="max", save_top_k=-1)
     make_trainer(tmp_path, [saver], max_epochs=3, limit_val_batches=1).fit(Scored(), loader(), loader(4))
@@ -151,7 +173,7 @@ def test_monitor_arguments_are_validated(tmp_path):
     with pytest.raises(ConfigError, match="mode must be 'min' or 'max'"):
         TorchSnapshotSaver(str(tmp_path), monitor="val_loss", mode="lowest")
     with pytest.raises(ConfigError, match="monitor must be a metric name usable in a directory name"):
-        TorchSnapshotSaver(str(tmp_path), monitor="val/loss")
+        TorchSnapshotSaver(str(tmp_path), monitor="val loss")
     # without monitor there is no best snapshot: Lightning's own error for ckpt_path="best"
     saver = TorchSnapshotSaver(str(tmp_path))
     assert saver.best_model_path == "" and saver.best_model_score is None

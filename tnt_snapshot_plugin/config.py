@@ -126,7 +126,7 @@ def _best(metric: Any, mode: Any, k: Any, names: dict[str, str]) -> Optional[Bes
     if not is_metric_name(metric):
         raise ConfigError(
             f"{metric_name} must be a metric name usable in a directory name (letters, digits, "
-            f"'_' and '.', starting with a letter or '_'), got {metric!r}"
+            f"'_', '.' and '/', starting with a letter or '_'), got {metric!r}"
         )
     if mode not in MODES:
         raise ConfigError(f"{names.get('best_mode', 'best_mode')} must be 'min' or 'max', got {mode!r}")

@@ -8,6 +8,8 @@ when the snapshot was taken and ``step`` the number of train steps completed acr
 A snapshot taken after an eval epoch under ``fit()`` is ``epoch_{epoch}_step_{step}_eval_{eval}``
 (``eval``: eval steps completed across all eval epochs): it never collides with the train snapshot
 of the same step, and orders after it (the eval runs after that train step).
+A monitored metric's name and value follow as ``_{name}={value}``; a ``/`` in the name (Lightning's
+``val/loss``) is written ``%2F`` there, which no other name character makes.
 It also reads the phase-aware names torchtnt's own savers write
 (``epoch_E_train_step_T``, ``epoch_E_train_step_T_eval_step_V``, each optionally followed by
 ``_metric=value``), so a run can resume from snapshots torchtnt wrote.
@@ -23,10 +25,13 @@ _NAME = re.compile(
     r"^epoch_(?P<epoch>\d+)_"
     r"(?:step_(?P<step>\d+)(?:_eval_(?P<eval>\d+))?"
     r"|train_step_(?P<train_step>\d+)(?:_eval_step_(?P<eval_step>\d+))?)"
-    r"(?:_(?P<metric>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>[-+0-9.eE]+|nan|inf|-inf))?$"
+    r"(?:_(?P<metric>[A-Za-z_](?:[A-Za-z0-9_.]|%2F)*)=(?P<value>[-+0-9.eE]+|nan|inf|-inf))?$"
 )
 
-_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./]*")
+
+#: How a ``/`` of a metric's name is written in a directory name.
+_SLASH = "%2F"
 
 #: Prefix of the directories the plugin writes before a snapshot is committed.
 STAGING_PREFIX = ".tnt_staging."
@@ -71,7 +76,7 @@ class SnapshotName:
         if not is_metric_name(metric_name):
             raise ValueError(
                 f"metric name {metric_name!r} cannot be part of a snapshot's directory name: use "
-                "letters, digits, '_' and '.', starting with a letter or '_'"
+                "letters, digits, '_', '.' and '/', starting with a letter or '_'"
             )
         value = float(value)
         return cls(
@@ -80,7 +85,7 @@ class SnapshotName:
             eval_step=eval_step,
             metric=metric_name,
             metric_value=value,
-            text=f"{text}_{metric_name}={value!r}",
+            text=f"{text}_{metric_name.replace('/', _SLASH)}={value!r}",
         )
 
     @classmethod
@@ -97,7 +102,7 @@ class SnapshotName:
             epoch=int(match["epoch"]),
             step=int(step),
             eval_step=int(eval_step) if eval_step is not None else None,
-            metric=match["metric"],
+            metric=None if match["metric"] is None else match["metric"].replace(_SLASH, "/"),
             metric_value=float(value) if value is not None else None,
             text=text,
             phase_aware=match["step"] is None,
