@@ -115,7 +115,7 @@ class SnapshotWriter:
                 containers.update(c)
                 leaves.update(leaf)
         except Exception as exc:  # recorded, and raised on every rank below
-            error = _write_error(job, exc)
+            error = _unencodable(job, exc, leaves)
         # Collective, made by every rank whatever happened above.
         replicated = self._agree_replicated(job, leaves if error is None else {})
         if error is None:
@@ -136,7 +136,9 @@ class SnapshotWriter:
                     pack_buffer=self._pack_buffer if gather else None,
                 ).entries
             except Exception as exc:
-                error = _write_error(job, exc)
+                # A failure of the storage comes out of writes.submit (it remembers it); any
+                # other is the format's, encoding the state.
+                error = _write_error(job, exc) if exc is writes.failed else _unencodable(job, exc, leaves)
             try:  # every write submitted is waited for, even after a failure (then discarded)
                 sizes, sums = writes.finish()
             except Exception as exc:
@@ -145,7 +147,8 @@ class SnapshotWriter:
         # collective, and no rank but rank 0 holds the others' records.
         gathered = coll.gather((entries, sizes, sums) if error is None else None)
         try:
-            raise_if_any_failed(coll, error, f"writing snapshot {job.name}")
+            # the state's own fault on every rank that failed: the same on every rank
+            raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
         except SnapshotError:
             if coll.rank == 0:
                 try:
@@ -176,6 +179,8 @@ class SnapshotWriter:
             self.load_check.check(job.frozen)
         except SnapshotError as exc:
             error = exc
+        except Exception as exc:  # an object torch.save cannot even encode (pickle refuses it)
+            error = _unencodable(job, exc, None)
         coll = self.coll
         if coll.world_size > 1:
             reports = coll.all_gather(None if error is None else str(error))
@@ -317,8 +322,17 @@ class _Writes:
         self.pool = writer._io_pool()
         self._pending: list[Future[tuple[str, int, dict[str, Any]]]] = []
         self._done: list[tuple[str, int, dict[str, Any]]] = []
+        #: the exception submit() raised, if any: a failure to store, not to encode
+        self.failed: Optional[BaseException] = None
 
     def submit(self, payload: fmt.Payload) -> None:
+        try:
+            self._submit(payload)
+        except BaseException as exc:
+            self.failed = exc
+            raise
+
+    def _submit(self, payload: fmt.Payload) -> None:
         writer, staging = self._writer, self._staging
         if self.pool is None:
             self._done.append(writer._write_payload(staging, payload))
@@ -365,6 +379,53 @@ def _writing(store: Store, staging: str, rel: str) -> Iterator[None]:
         raise SnapshotWriteError(
             f"writing {rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _unencodable(job: Any, exc: BaseException, leaves: Optional[dict[str, Any]]) -> BaseException:
+    """The error for ``exc``, raised while the state of ``job`` was encoded (flattened, pickled,
+    laid out): UnrestorableStateError naming the entry and its type when encoding that entry
+    alone fails too (the state's own fault: every snapshot of it would fail the same way), else
+    the write error it always was (a transient failure, such as memory)."""
+    if isinstance(exc, UnrestorableStateError):
+        return exc
+    found = _culprit(job, leaves)
+    if found is None:
+        return _write_error(job, exc)
+    path, value, cause = found
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    error = UnrestorableStateError(
+        f"snapshot {job.name}: the app-state entry {path!r} holds a {kind} that cannot be "
+        f"encoded into a snapshot ({type(cause).__name__}: {cause}). Nothing was committed, and "
+        "training stops whatever on_save_error says: every snapshot of this state would fail "
+        "the same way. Store it as tensors or plain values (numbers, strings, lists, dicts), or "
+        "make it picklable (a class defined at module level, a function by name, not a lambda)"
+    )
+    error.__cause__ = cause
+    return error
+
+
+def _discard(payload: fmt.Payload) -> None:
+    """An ``emit`` that keeps nothing (the encoding alone is tried)."""
+
+
+def _culprit(job: Any, leaves: Optional[dict[str, Any]]) -> Optional[tuple[str, Any, BaseException]]:
+    """The first (path, value, error) of the state of ``job`` whose encoding alone fails; None if
+    each entry encodes on its own. ``leaves``: the flattened state, if flattening got that far."""
+    if leaves is None:
+        leaves = {}
+        for key, frozen in job.frozen.items():
+            try:
+                leaves.update(fmt.flatten(key, frozen.state_dict())[1])
+            except Exception as exc:
+                return key, frozen.state_dict(), exc
+    for path, value in leaves.items():
+        try:
+            fmt.plan({}, {path: value}, rank=0, world_size=1, replicated=set(), emit=_discard)
+        except MemoryError:
+            continue  # not the value's fault
+        except Exception as exc:
+            return path, value, exc
+    return None
 
 
 def _write_error(job: Any, exc: BaseException) -> BaseException:
