@@ -22,7 +22,8 @@ that restore would pick is left behind. Cadence, staging copies and reaping stay
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
+import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -35,9 +36,12 @@ from .distributed import Collectives, raise_if_any_failed
 from .errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
 from .format import writer as fmt
 from .format.common import METADATA_FNAME
+from .index import seal as seal_index
 from .loading import LoadCheck
 from .stores import Store
 from .stores.writers import writer_identity
+
+logger = logging.getLogger(__name__)
 
 #: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
 DEFAULT_IO_THREADS = 4
@@ -58,12 +62,16 @@ class SnapshotWriter:
         self.load_check = load_check
         self.last_seq: Optional[int] = None
         self.committed: set[str] = set()
+        #: names retention never deletes (Snapshotter.protected)
+        self.protected: set[str] = set()
         #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
         self._pool: Optional[ThreadPoolExecutor] = None
         #: the last plan's tensor layout, reused while the state's layout is unchanged
         self.plans = fmt.PlanCache()
         #: where a reused plan gathers packs of tensors apart in memory (fmt.PackBuffer)
         self._pack_buffer = fmt.PackBuffer()
+        #: whether this run has warned that it deleted snapshots early to make room
+        self._space_warned = False
 
     def close(self) -> None:
         """Let the I/O threads and the pack buffer go (training is over); a later snapshot
@@ -78,6 +86,7 @@ class SnapshotWriter:
         self.last_seq = None
         self.committed = set()
         self.plans.clear()
+        self._space_warned = False
 
     # -- one snapshot -----------------------------------------------------------------------
 
@@ -85,7 +94,91 @@ class SnapshotWriter:
         """Write and commit ``job`` (snapshotter._Job); raise on every rank if any rank failed.
 
         ``locked``: this run holds the dirpath lock (no one else commits meanwhile).
+
+        A write that fails for lack of space (ENOSPC, EDQUOT on any rank), with retention set,
+        is written once more after the snapshots retention would delete once this one commits
+        are deleted (never the newest committed one): room for exactly ``keep_last_n_snapshots``
+        snapshots is then enough.
         """
+        try:
+            self._write_once(job, run_id, locked=locked)
+        except Exception as exc:
+            if not self._free_space_for(job, exc):
+                raise
+            self._write_once(job, run_id, locked=locked)
+
+    def _free_space_for(self, job: Any, exc: BaseException) -> bool:
+        """After the failed write of ``job`` (failed on every rank): whether it ran out of space
+        on some rank, and rank 0 deleted snapshots retention would delete once ``job`` commits
+        (collective); the write may then be tried again."""
+        config, coll = self.config, self.coll
+        if config.keep_last_n_snapshots is None and config.best is None:
+            return False
+        no_space = _is_no_space(exc)
+        if coll.world_size > 1:
+            no_space = any(coll.all_gather(no_space))
+        if not no_space:
+            return False
+
+        def free() -> bool:
+            try:
+                return self._free_early(job)
+            except Exception as error:  # the write's own failure is the one reported
+                job.warnings.append(
+                    f"could not make room for snapshot {job.name} in {self.store.url}: "
+                    f"{type(error).__name__}: {error}"
+                )
+                return False
+
+        return coll.on_rank0(free)
+
+    def _free_early(self, job: Any) -> bool:
+        """Rank 0: delete what retention would delete once ``job`` commits, sparing the newest
+        committed snapshot; whether anything was deleted."""
+        store = self.store
+        listed = [r for r in store.listed() if r.text != job.name.text]
+        if not listed:
+            return False
+        newest = listed[-1]  # commit order: never freed, whatever retention would say
+        this = retention.Listed(
+            job.name,
+            seq=retention.next_seq(listed),
+            ours=True,
+            indexed_metric=(
+                (job.name.metric, job.name.metric_value)
+                if job.name.metric is not None and job.name.metric_value is not None
+                else None
+            ),
+        )
+        doomed = retention.to_delete(
+            listed + [this],
+            self.config.keep_last_n_snapshots,
+            protect=[job.name.text, newest.text],
+            best=self.config.best,
+        )
+        if not doomed:
+            return False
+        problems = retention.apply(store, doomed)
+        freed = [r.text for r in doomed if r.text not in store.list_names()]
+        job.warnings.extend(problems)
+        if not freed:
+            return False
+        message = (
+            f"{store.url} ran out of space writing snapshot {job.name}; deleted "
+            f"{', '.join(freed)} before its commit (retention deletes them once it is committed) "
+            "and wrote it again"
+        )
+        if self._space_warned:
+            logger.info("%s", message)
+        else:
+            self._space_warned = True
+            job.warnings.append(
+                message + ". Later snapshots of this run do the same, logged at INFO; give "
+                "dirpath room for one snapshot more than it keeps to write them only once"
+            )
+        return True
+
+    def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
         coll, store = self.coll, self.store
         self._check_loadable(job)
         writer = writer_identity(run_id)
@@ -275,7 +368,7 @@ class SnapshotWriter:
         if job.name.metric is not None and job.name.metric_value is not None:
             value = job.name.metric_value
             fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
-        index = json.dumps(fields, sort_keys=True).encode()
+        index = seal_index(fields)  # its own digest: an index changed after the commit is told apart
         try:
             store.commit(job.staging, job.name.text, metadata, index)
         except Exception:
@@ -308,7 +401,7 @@ class SnapshotWriter:
         keep = self.config.keep_last_n_snapshots
         if keep is None and self.config.best is None:
             return
-        doomed = retention.to_delete(listed, keep, protect=[job.name.text], best=self.config.best)
+        doomed = retention.to_delete(listed, keep, protect=[job.name.text, *self.protected], best=self.config.best)
         job.warnings.extend(retention.apply(self.store, doomed))
 
 
@@ -426,6 +519,24 @@ def _culprit(job: Any, leaves: Optional[dict[str, Any]]) -> Optional[tuple[str, 
         except Exception as exc:
             return path, value, exc
     return None
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a lack of space (ENOSPC, EDQUOT)."""
+    seen: set[int] = set()
+    stack: list[Optional[BaseException]] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _NO_SPACE:
+            return True
+        stack += [current.__cause__, current.__context__]
+    return False
+
+
+_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
 
 def _write_error(job: Any, exc: BaseException) -> BaseException:

@@ -10,6 +10,7 @@ snapshot with files missing.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -254,11 +255,24 @@ class LocalStore(Store):
             doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
             os.mkdir(doomed)
             marker = {"deleting": name, "host": socket.gethostname(), "pid": os.getpid()}
-            fileio.write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
-            os.rename(path, os.path.join(doomed, name))
+            try:
+                fileio.write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE:
+                    raise
+                # No room for the marker (the disk is full, which is when deleting matters most):
+                # the snapshot's directory itself is renamed to the deletion's staging name; its
+                # index, removed last, proves it the plugin's until the end.
+                shutil.rmtree(doomed, ignore_errors=True)
+                os.rename(path, doomed)
+            else:
+                os.rename(path, os.path.join(doomed, name))
             fileio.fsync_dir(self.root)
             path = doomed
         rmtree_proof_last(path)
+
+
+_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
 
 def rmtree_proof_last(path: str) -> None:
