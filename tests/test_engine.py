@@ -19,8 +19,14 @@ import torch
 from tnt_snapshot_plugin import fileio
 from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotWriteError, UnrestorableStateError
+from tnt_snapshot_plugin.errors import (
+    SnapshotCorruptError,
+    SnapshotWriteError,
+    StateMismatchError,
+    UnrestorableStateError,
+)
 from tnt_snapshot_plugin.format.common import flat_bytes
+from tnt_snapshot_plugin.index import seal as seal_index
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import INDEX_FNAME
@@ -139,13 +145,22 @@ def test_an_int_too_long_for_str_is_refused_before_it_is_written(tmp_path):
     assert got.state == {"n": 10**4000, "small": 12}
 
 
-def test_targets_that_differ_from_the_saved_tensor_get_the_saved_value(tmp_path):
+def test_targets_of_another_shape_get_the_saved_value(tmp_path):
     saved = {"a": torch.arange(12.0), "b": torch.arange(6, dtype=torch.int32)}
     path = take(tmp_path, saved)
-    # another dtype, another shape: the reader allocates what was saved; load_state_dict decides
-    got = Holder({"a": torch.zeros(12, dtype=torch.float64), "b": torch.zeros(3, 2, dtype=torch.int32)})
+    # another shape: the reader allocates what was saved; load_state_dict decides
+    got = Holder({"a": torch.zeros(3, 4), "b": torch.zeros(3, 2, dtype=torch.int32)})
     restore(path, {"h": got})
     assert_identical(got.state, saved)
+
+
+def test_a_target_of_another_dtype_is_a_state_mismatch_and_nothing_is_loaded(tmp_path):
+    saved = {"a": torch.arange(12.0), "b": torch.arange(6, dtype=torch.int32)}
+    path = take(tmp_path, saved)
+    got = Holder({"a": torch.zeros(12, dtype=torch.float64), "b": torch.zeros(6, dtype=torch.int32)})
+    with pytest.raises(StateMismatchError, match=r"'h/a'.*torch\.float32.*torch\.float64.*not cast"):
+        restore(path, {"h": got})
+    assert not got.state["a"].any() and not got.state["b"].any()
 
 
 @pytest.mark.parametrize("victim", ["big", "packed"])
@@ -205,7 +220,8 @@ def snapshot_pointing_outside(tmp_path, numel: int) -> str:
     index_path = meta_path.with_name(INDEX_FNAME)
     index = json.loads(index_path.read_text())
     index["checksums"][".snapshot_metadata"] = record_views([memoryview(meta_path.read_bytes())])
-    index_path.write_text(json.dumps(index))
+    del index["seal"]
+    index_path.write_bytes(seal_index(index))  # sealed again: only the manifest's check is left
     return path
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tnt_snapshot_plugin import checksums
-from tnt_snapshot_plugin.errors import SnapshotCorruptError
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, StateMismatchError
 from tnt_snapshot_plugin.format.common import flat_bytes
 from tnt_snapshot_plugin.format.reader import (
     Metadata,
@@ -168,14 +168,24 @@ def test_without_target_tensors_every_kind_reads_into_new_tensors(dense):
     assert_same(read_value(rank_view(_meta(root), 0), "model/chunked", files.read_into), expected["model"]["chunked"])
 
 
-def test_a_target_of_another_shape_or_dtype_gets_the_saved_value(dense):
+def test_a_target_of_another_shape_gets_the_saved_value(dense):
     root, expected = dense
-    target = {"f32": torch.zeros(2, 2), "chunked": torch.zeros(3), "i64": torch.zeros(5, dtype=torch.int32)}
+    target = {"f32": torch.zeros(2, 2), "chunked": torch.zeros(3)}
     out, _ = _read(root, "model", target)
     for name in target:
         assert out[name] is not target[name]
         assert_same(out[name], expected["model"][name])
         assert not target[name].any()
+
+
+@pytest.mark.parametrize("name,dtype", [("i64", torch.int32), ("f32", torch.float64), ("chunked", torch.float16)])
+def test_a_target_of_another_dtype_is_a_mismatch_never_a_cast(dense, name, dtype):
+    root, expected = dense
+    shape = expected["model"][name].shape
+    target = {name: torch.zeros(shape, dtype=dtype)}
+    with pytest.raises(StateMismatchError, match=rf"'model/{name}'.*holds a torch\.\w+ tensor.*{dtype}.*not cast"):
+        _read(root, "model", target)
+    assert not target[name].any()
 
 
 def test_parameters_with_grad_are_filled_in_place(dense):

@@ -71,6 +71,13 @@ def begin(store: Store, final: str) -> str:
     return staging
 
 
+#: The metadata of a snapshot holding one int, as torchsnapshot writes it.
+TINY_METADATA = (
+    b'{"version": "0.1.0", "world_size": 1, "manifest": '
+    b'{"0/n": {"type": "int", "serialized_value": "1", "replicated": false, "readable": null}}}'
+)
+
+
 def index_of(store: Store, staging: str, rels: list[str]) -> bytes:
     return json.dumps({"format": 1, "files": {r: store.file_size(staging, r) for r in rels}}).encode()
 
@@ -91,7 +98,7 @@ def write_snapshot(store: Store, final: str = "epoch_0_step_1") -> None:
     staging = begin(store, final)
     for rel, parts in FILES.items():
         store.write_payload(staging, rel, parts)
-    store.commit(staging, final, b'{"manifest": {}}', index_of(store, staging, list(FILES)))
+    store.commit(staging, final, TINY_METADATA, index_of(store, staging, list(FILES)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def test_a_started_payload_is_complete_once_its_step_has_run_on_another_thread(s
     finishes = [store.start_payload(staging, rel, parts) for rel, parts in FILES.items()]
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda finish: finish(), finishes)) == [None] * len(FILES)
-    store.commit(staging, "epoch_0_step_1", b'{"manifest": {}}', index_of(store, staging, list(FILES)))
+    store.commit(staging, "epoch_0_step_1", TINY_METADATA, index_of(store, staging, list(FILES)))
     for rel, parts in FILES.items():
         assert store.read_file("epoch_0_step_1", rel) == contents(parts)
 
@@ -206,7 +213,7 @@ def test_begin_commit_list_verify_remove(store):
     write_snapshot(store, "epoch_0_step_2")
     assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_1", "epoch_0_step_2"]
     assert store.is_complete("epoch_0_step_2")
-    assert store.read_file("epoch_0_step_2", METADATA_FNAME) == b'{"manifest": {}}'
+    assert store.read_file("epoch_0_step_2", METADATA_FNAME) == TINY_METADATA
     assert store.read_index("epoch_0_step_2")["files"]["batched/abc"] == 16
     assert store.read_writer("epoch_0_step_2")["run_id"] == "0123456789ab"
     assert store.occupant("epoch_0_step_2") == "ours" and store.occupant("epoch_9_step_9") is None

@@ -106,7 +106,7 @@ def record_views(views: list[Any], bounds: Optional[list[int]] = None) -> dict[s
     return {"algo": ALGO, "value": whole.hexdigest(), "bounds": bounds, "digests": "".join(digests)}
 
 
-def _packed_ranges(rec: dict[str, Any]) -> Optional[list[Any]]:
+def packed_ranges(rec: dict[str, Any]) -> Optional[list[Any]]:
     """A record's per-tensor ranges, ``[(start, end, digest), ...]`` (from either form), or None."""
     bounds, digests = rec.get("bounds"), rec.get("digests")
     if isinstance(bounds, list) and isinstance(digests, str):
@@ -137,7 +137,7 @@ class Verifier:
             self._records[rel] = (size, rec["value"], [], [])
             if size is not None:
                 self._exact[rel, 0, size] = rec["value"]
-            ranges = _packed_ranges(rec)
+            ranges = packed_ranges(rec)
             if ranges:
                 self._raw[rel] = ranges
                 exact = self._exact
@@ -243,4 +243,4 @@ def check_file(where: str, rel: str, index: Any, data: Any) -> None:
         Verifier(where, {rel: record}, {}).check(rel, 0, data)
 
 
-__all__ = ["ALGO", "Verifier", "check_file", "new_hasher", "record_views"]
+__all__ = ["ALGO", "Verifier", "check_file", "new_hasher", "packed_ranges", "record_views"]

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import pluggy
 
+from . import verify
 from .app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
 from .distributed import Collectives, raise_if_any_failed
 from .errors import (
@@ -54,7 +55,7 @@ def latest_snapshot(
 
     def newest() -> Optional[str]:
         for found in reversed(store.complete_snapshots()):
-            problem = store.verify(found.text) if verified else None
+            problem = verify.check(store, found.text).problem if verified else None
             if problem is None:
                 return store.child(found.text)
             warnings.warn(
@@ -102,6 +103,7 @@ def restore(
     rest: Optional[dict[str, Any]] = None,
     io_concurrency: Optional[int] = None,
     weights_only: bool = True,
+    _checked: Optional[verify.Verdict] = None,
 ) -> list[str]:
     """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the RNG state last.
 
@@ -153,7 +155,10 @@ def restore(
 
         read_into, file_size, verifier = reading_io(store, name, path, io_concurrency)
         try:
-            meta = fmt.parse_metadata(read_metadata(store, name, verifier), path)
+            if _checked is not None and _checked.metadata is not None:
+                meta = _checked.metadata  # read and checked by restore_from_latest, on this rank
+            else:
+                meta = fmt.parse_metadata(read_metadata(store, name, verifier), path)
             saved_world_size = meta.world_size
             # A rank the snapshot did not have checks against rank 0's entries; the world-size
             # check below decides what it may load.
@@ -318,7 +323,8 @@ def restore_from_latest(
     before: dict[str, Any] = {}
     for name in candidates:
         path = store.child(name)
-        problem = coll.on_rank0(functools.partial(store.verify, name))
+        checked: list[verify.Verdict] = []  # rank 0's: its metadata is not read twice
+        problem = coll.on_rank0(functools.partial(_check, store, name, checked))
         if problem is None:
             if not damaged:
                 before = _optional_state(app_state, optional)
@@ -334,6 +340,7 @@ def restore_from_latest(
                     io_concurrency=io_concurrency,
                     rest=rest,
                     weights_only=weights_only,
+                    _checked=checked[0] if checked else None,
                 )
                 if damaged:
                     logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
@@ -363,6 +370,12 @@ def restore_from_latest(
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _check(store: Store, name: str, out: list[verify.Verdict]) -> Optional[str]:
+    """``verify.check``'s problem with snapshot ``name``, or None; the verdict goes to ``out``."""
+    out.append(verify.check(store, name))
+    return out[-1].problem
 
 
 def _optional_state(app_state: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
@@ -517,8 +530,7 @@ def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = 
     File sizes come from the plugin's index where it has one (one read), else from the store
     (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
     for a snapshot without them)."""
-    import json
-
+    from . import index as index_file
     from .checksums import Verifier
 
     try:
@@ -527,10 +539,7 @@ def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = 
         index = None
     parsed: Any = None
     if index is not None:
-        try:
-            parsed = json.loads(index)
-        except ValueError as exc:
-            raise SnapshotCorruptError(f"the index of {path} is unreadable ({exc}): the snapshot is damaged") from exc
+        parsed = index_file.parse(index, path)
     listed = parsed.get("files") if isinstance(parsed, dict) else None
     sizes: dict[str, Any] = listed if isinstance(listed, dict) else {}
     records = parsed.get("checksums") if isinstance(parsed, dict) else None

@@ -43,6 +43,9 @@ class Listed:
     writer: Optional[dict[str, Any]] = None
     #: the index's ``metric`` as (name, value) when it has one (value None: not finite)
     indexed_metric: Optional[tuple[str, Optional[float]]] = None
+    #: why its index is damaged (missing while its writer marker is there, unreadable, changed
+    #: after the commit); None when it is intact or the plugin did not write the snapshot
+    problem: Optional[str] = None
 
     def metric_value(self, metric: str) -> Optional[float]:
         """This snapshot's value of ``metric`` (its name's, else its index's), or None."""
@@ -135,8 +138,21 @@ def best(listed: Iterable[Listed], metric: str, mode: str) -> Optional[Listed]:
 
 
 def commit_order(listed: Iterable[Listed]) -> list[Listed]:
-    """``listed`` oldest first: by commit sequence number, those without one first by (epoch, step)."""
-    return sorted(listed, key=lambda r: r.order_key)
+    """``listed`` oldest first: by commit sequence number, those without one first by (epoch, step).
+
+    A snapshot whose index is damaged (``problem``) has no sequence number to trust: it goes
+    right after the last snapshot whose (epoch, step) is not greater than its own, so that the
+    newest snapshot of a run is still tried (and found damaged, with a warning) rather than
+    passed over for an older one."""
+    listed = list(listed)
+    ordered = sorted((r for r in listed if r.problem is None), key=lambda r: r.order_key)
+    for record in sorted((r for r in listed if r.problem is not None), key=lambda r: r.name.sort_key):
+        position = 0
+        for i, other in enumerate(ordered):
+            if (other.name.epoch, other.name.step) <= (record.name.epoch, record.name.step):
+                position = i + 1
+        ordered.insert(position, record)
+    return ordered
 
 
 def next_seq(listed: Iterable[Listed]) -> int:

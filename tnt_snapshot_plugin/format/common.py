@@ -50,11 +50,12 @@ RAW_DTYPES: frozenset[torch.dtype] = frozenset(
         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     )
 )
-RAW = "buffer_protocol"
-TORCH_SAVE = "torch_save"
+# The primitive types stored inline in the manifest (exact types: a subclass is an object), and
+# the serializers' names: format/manifest.py, the metadata's one home.
+from .manifest import DTYPE_SIZES, PRIMITIVE_TYPES, RAW, RAW_DTYPE_NAMES, TORCH_SAVE  # noqa: E402, F401
 
-#: The primitive types stored inline in the manifest (exact types: a subclass is an object).
-PRIMITIVE_TYPES: frozenset[str] = frozenset({"int", "str", "bool", "bytes", "float"})
+assert set(DTYPE_SIZES) == set(DTYPES_BY_NAME), "manifest.DTYPE_SIZES and DTYPE_NAMES disagree"
+assert RAW_DTYPE_NAMES == {DTYPE_NAMES[d] for d in RAW_DTYPES}, "manifest.RAW_DTYPE_NAMES and RAW_DTYPES disagree"
 
 
 def flat_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -3,10 +3,9 @@
 A snapshot is a directory: ``.snapshot_metadata`` (JSON, or YAML from older torchsnapshot) holds
 the manifest, ``{"RANK/KEY/sub/path": ENTRY}``, next to the payload files the entries name.
 
-* :func:`parse_metadata` turns the metadata's bytes into :class:`Metadata`, checking its shape.
-* :func:`rank_view` is what one rank restores: its own entries, rank 0's replicated ones, and
-  every sharded entry (``ShardedTensor``, ``DTensor``) with the shards of all ranks merged, so a
-  rank can read any part of it (resharding).
+* :func:`parse_metadata` and :func:`rank_view` come from ``format/manifest.py``, the one reader of
+  the metadata: the metadata validated once, and what one rank restores (its own entries, rank 0's
+  replicated ones, every sharded entry with the shards of all ranks merged, for resharding).
 * :func:`read_state_dict` rebuilds one app-state key's state dict. Tensors are read straight into
   the target's CPU tensors where dtype and shape match (no intermediate buffer); everything else is
   read into new memory and copied or deserialized afterwards. All the bytes of one key are asked
@@ -15,8 +14,9 @@ the manifest, ``{"RANK/KEY/sub/path": ENTRY}``, next to the payload files the en
 
 What the bytes say is checked before anything is read (locations stay inside the snapshot, byte
 ranges match the tensors they hold, dtypes are known): anything wrong with the metadata or the
-payloads raises :class:`SnapshotCorruptError` naming the file and the entry. A target whose
-shape or dtype differs from what was saved is not damage: the saved value is returned, and the
+payloads raises :class:`SnapshotCorruptError` naming the file and the entry. A tensor target whose
+dtype differs from the saved one raises :class:`StateMismatchError` naming the entry: the saved
+bytes are never reinterpreted or cast. A target whose shape differs gets the saved value, and the
 stateful's ``load_state_dict`` reports the mismatch.
 
 Containers are rebuilt as torchsnapshot's ``inflate`` rebuilds them (dicts keep the saved key
@@ -26,20 +26,28 @@ dict read here equals the one torchsnapshot's restore would hand to ``load_state
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import pickle
-import struct
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
+from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError, UnrestorableStateError
 from ..loading import load_object, refusal
-from .common import DTYPES_BY_NAME, PRIMITIVE_TYPES, RAW, RAW_DTYPES, TORCH_SAVE, decode, encode, flat_bytes
+from .common import DTYPES_BY_NAME, RAW_DTYPES, decode, encode, flat_bytes
+from .manifest import (
+    CONTAINER_TYPES,
+    PRIMITIVE_TYPES,
+    RAW,
+    SHARDED_TYPES,
+    TORCH_SAVE,
+    Metadata,
+    parse_metadata,
+    primitive_value,
+    rank_view,
+    saved_keys,
+)
+from .manifest import corrupt as _corrupt
 
 #: (file, offset, destination: a flat writable byte buffer, a numpy array or a memoryview)
 Read = tuple[str, int, Any]
@@ -47,142 +55,9 @@ Read = tuple[str, int, Any]
 ReadInto = Callable[..., None]
 FileSize = Callable[[str], Optional[int]]
 
-CONTAINER_TYPES = frozenset({"dict", "OrderedDict", "list"})
-SHARDED_TYPES = frozenset({"ShardedTensor", "DTensor"})
-
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32})
-
-
-@dataclass
-class Metadata:
-    """The parsed ``.snapshot_metadata``: ``manifest`` maps ``RANK/logical/path`` to its entry."""
-
-    version: str
-    world_size: int
-    manifest: dict[str, dict]
-    #: the snapshot, as error messages name it
-    where: str = ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Metadata
-
-
-def _corrupt(where: str, what: str) -> SnapshotCorruptError:
-    return SnapshotCorruptError(
-        f"{where}: {what}: the snapshot is damaged or was not written by torchsnapshot or this "
-        "plugin. Restore an older snapshot (restore_from_latest falls back to one by itself)"
-    )
-
-
-def _load_text(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        pass
-    try:  # older torchsnapshot releases wrote YAML (JSON is YAML, not the other way round)
-        import yaml
-
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        return yaml.load(data, Loader=loader)  # noqa: S506 - a safe loader
-    except ImportError as exc:
-        raise _corrupt(where, "the metadata is not JSON (install PyYAML to read YAML metadata)") from exc
-    except Exception as exc:
-        raise _corrupt(where, f"the metadata is neither JSON nor YAML ({exc})") from exc
-
-
-def parse_metadata(data: bytes, where: str) -> Metadata:
-    """The metadata of the snapshot at ``where`` (named in errors) from its bytes.
-
-    Checks the shape: a ``version``, a positive ``world_size``, and a manifest whose paths start
-    with a rank below the world size and whose entries are dicts with a ``type``.
-    """
-    doc = _load_text(data, f"{where}/.snapshot_metadata")
-    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
-        raise _corrupt(f"{where}/.snapshot_metadata", "it holds no manifest")
-    world_size = doc.get("world_size")
-    if type(world_size) is not int or world_size < 1:
-        raise _corrupt(f"{where}/.snapshot_metadata", f"world_size is {world_size!r}")
-    manifest = doc["manifest"]
-    ranks = {str(rank) for rank in range(world_size)}
-    for path, entry in manifest.items():
-        rank, sep, logical = path.partition("/") if isinstance(path, str) else ("", "", "")
-        if rank not in ranks or not sep or not logical:
-            raise _corrupt(f"{where}/.snapshot_metadata", f"the manifest path {path!r} names no rank below {world_size}")
-        if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
-            raise _corrupt(f"{where}/.snapshot_metadata", f"the entry {path!r} has no type")
-    return Metadata(str(doc.get("version", "")), world_size, manifest, where)
-
-
-# ---------------------------------------------------------------------------------------------
-# The view of one rank
-
-
-def _fully_replicated_dtensor(entry: dict) -> bool:
-    dim_map = entry.get("dim_map")
-    return isinstance(dim_map, list) and all(isinstance(d, list) and d[:1] == [-1] for d in dim_map)
-
-
-def _merge_sharded(entries: list[dict]) -> dict:
-    """One sharded entry holding the shards of every rank's entry, sorted by offsets; shards
-    written by several replicas of a DTensor (same offsets and sizes) kept once."""
-    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    shards = []
-    for entry in entries:
-        for shard in entry.get("shards") or ():
-            box = (tuple(shard.get("offsets") or ()), tuple(shard.get("sizes") or ()))
-            if box not in seen:
-                seen.add(box)
-                shards.append(shard)
-    shards.sort(key=lambda shard: list(shard.get("offsets") or ()))
-    merged = {k: v for k, v in entries[0].items() if k != "shards"}
-    merged["shards"] = shards
-    return merged
-
-
-def rank_view(meta: Metadata, rank: int) -> dict[str, dict]:
-    """Logical path (``KEY/sub/path``) -> the entry ``rank`` restores.
-
-    A rank of the saving world gets its own entries, rank 0's replicated ones (written once, under
-    rank 0) and every sharded entry merged over the ranks. A rank beyond the saving world gets
-    rank 0's containers, the replicated entries and the sharded ones, as torchsnapshot gives it.
-    """
-    mine = str(rank)
-    own: dict[str, dict] = {}
-    shared: dict[str, dict] = {}  # rank 0's containers and replicated entries
-    sharded: dict[str, list[dict]] = {}
-    for path, entry in meta.manifest.items():
-        owner, _, logical = path.partition("/")
-        kind = entry["type"]
-        if kind in SHARDED_TYPES and not (kind == "DTensor" and _fully_replicated_dtensor(entry)):
-            sharded.setdefault(logical, []).append(entry)
-            continue
-        if owner == mine:
-            own[logical] = entry
-        if owner == "0" and (  # a DTensor here is a fully replicated one
-            kind in CONTAINER_TYPES or entry.get("replicated") is True or kind == "DTensor"
-        ):
-            shared[logical] = entry
-    if rank < meta.world_size:
-        for logical, entry in shared.items():
-            if entry["type"] not in CONTAINER_TYPES:
-                own[logical] = entry
-        view = own
-    else:
-        view = shared
-    for logical, group in sharded.items():
-        try:
-            view[logical] = _merge_sharded(group)
-        except (TypeError, AttributeError) as exc:
-            raise _corrupt(f"{meta.where}/.snapshot_metadata", f"the shards of {logical!r} are malformed ({exc})") from exc
-    return view
-
-
-def saved_keys(view: dict[str, dict]) -> set[str]:
-    """The app-state keys (decoded) that ``view`` holds entries for."""
-    return {decode(path.partition("/")[0]) for path in view}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +106,18 @@ def _sharded_kind(target: Any) -> Optional[str]:
     if isinstance(target, DTensor):
         return "DTensor"
     return None
+
+
+def _check_dtype(path: str, target: Any, dtype: torch.dtype) -> None:
+    """StateMismatchError if ``target`` is a tensor of another dtype than the saved ``dtype``: the
+    saved bytes are never cast (a quantized tensor saved may fill a float target: dequantized)."""
+    if isinstance(target, torch.Tensor) and target.dtype != dtype and dtype not in _QUANTIZED:
+        raise StateMismatchError(
+            f"entry {path!r}: the snapshot holds a {dtype} tensor, the state to restore into a "
+            f"{target.dtype} one; the snapshot's values are not cast. Restore into a state of the "
+            "saved dtypes (convert after restoring), or check the snapshot: a dtype that "
+            "contradicts the state may mean its metadata is damaged"
+        )
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -420,6 +307,7 @@ class _Plan:
                 return
         dtype = self.dtype(entry, path)
         shape = self.shape(entry.get("shape"), path)
+        _check_dtype(path, target, dtype)
         if _sharded_kind(target) is not None:  # a whole tensor saved, a sharded one to fill
             self.spread(path, [([0] * len(shape), shape, entry)], dtype, shape, target)
             return
@@ -452,6 +340,7 @@ class _Plan:
         local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
         pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
         filled whole; anything else gets a new tensor (the whole saved one)."""
+        _check_dtype(path, target, dtype)
         kind = _sharded_kind(target)
         if kind == "ShardedTensor" and list(target.size()) == shape:
             for shard in target.local_shards():
@@ -543,25 +432,7 @@ class _Plan:
         self.after.append(lambda: self.values.__setitem__(path, self.unpickle(path, rel, buf)))
 
     def primitive(self, path: str, entry: dict) -> None:
-        kind, text = entry["type"], entry.get("serialized_value")
-        if not isinstance(text, str):
-            raise self.corrupt(path, f"its serialized value is {text!r}")
-        try:
-            if kind == "int":
-                value: Any = int(text)
-            elif kind == "str":
-                value = text
-            elif kind == "bool":
-                if text not in ("True", "False"):
-                    raise ValueError(text)
-                value = text == "True"
-            elif kind == "bytes":
-                value = base64.b64decode(text, validate=True)
-            else:
-                value = struct.unpack("d", base64.b64decode(text, validate=True))[0]
-        except (ValueError, binascii.Error, struct.error) as exc:
-            raise self.corrupt(path, f"its {kind} value {text!r} cannot be decoded") from exc
-        self.values[path] = value
+        self.values[path] = primitive_value(entry, path, self.what)
 
     def entry(self, path: str, entry: dict, target: Any) -> None:
         kind = entry["type"]

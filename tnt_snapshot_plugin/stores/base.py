@@ -29,14 +29,13 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from ..index import INDEX_FNAME
 from ..naming import SnapshotName, is_staging_name
 from ..retention import Listed, commit_order, from_index
 from .writers import staged_by_this_process
 
 #: torchsnapshot's commit marker: the manifest, written last.
 METADATA_FNAME = ".snapshot_metadata"
-#: The plugin's index of a snapshot (file sizes, checksums, writer), written just before the metadata.
-INDEX_FNAME = ".tnt_snapshot_index.json"
 #: Written first into every write (staging directory, or the final name on object stores): who
 #: writes it ({"host", "pid", "run_id", "started_at"}). Proves the directory is the plugin's.
 WRITER_FNAME = ".tnt_writer.json"
@@ -290,6 +289,33 @@ class Store:
         index = self._read_json(name, INDEX_FNAME)
         return index if index is not None and "format" in index else None
 
+    def checked_index(self, name: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """(the index of snapshot ``name``, checked by ``index.parse``; or None, why it is
+        damaged): (None, None) for a snapshot the plugin did not write (no index and no writer
+        marker: torchtnt's, torchsnapshot's), (None, reason) for one whose index is missing
+        while its writer marker says the plugin wrote it, or that is unreadable or changed."""
+        from .. import index as index_file
+
+        try:
+            data = self.read_file(name, INDEX_FNAME)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            data = None
+        except Exception as exc:
+            if not (is_missing_key(exc) or is_missing_key(exc.__cause__)):  # type: ignore[arg-type]
+                raise
+            data = None
+        if data is None:
+            if self._read_json(name, WRITER_FNAME) is not None:
+                return None, (
+                    f"its index {INDEX_FNAME} is missing, though its writer marker says this plugin "
+                    "wrote it: its files cannot be checked"
+                )
+            return None, None
+        try:
+            return index_file.parse(data, self.child(name)), None
+        except SnapshotCorruptError as exc:
+            return None, getattr(exc, "reason", str(exc))
+
     def read_writer(self, name: str) -> Optional[dict[str, Any]]:
         """Who wrote child ``name``: its writer marker, else its index's ``writer``; or None."""
         marker = self._read_json(name, WRITER_FNAME)
@@ -311,12 +337,18 @@ class Store:
 
     def listed(self) -> list[Listed]:
         """Complete snapshots in ``dirpath`` with what their indexes say, in commit order (oldest
-        first): one listing, then one read of each index and one existence check each."""
+        first): one listing, then one read of each index and one existence check each. A
+        snapshot whose index is damaged is listed with the reason (``Listed.problem``), in its
+        place by (epoch, step)."""
         found = []
         for text in self.list_names():
             parsed = SnapshotName.parse(text)
             if parsed is not None and self.is_complete(text):
-                found.append(from_index(parsed, None if parsed.phase_aware else self.read_index(text)))
+                if parsed.phase_aware:
+                    found.append(from_index(parsed, None))
+                    continue
+                index, problem = self.checked_index(text)
+                found.append(from_index(parsed, index) if problem is None else Listed(parsed, problem=problem))
         return commit_order(found)
 
     def complete_snapshots(self) -> list[SnapshotName]:
@@ -356,33 +388,11 @@ class Store:
         self._remove(name)
 
     def verify(self, name: str) -> Optional[str]:
-        """Why snapshot ``name`` is damaged (a file missing or of the wrong size), or None.
+        """Why snapshot ``name`` is damaged, or None: ``verify.check``'s verdict without reading
+        the payloads (what restore_from_latest asks before it restores a snapshot)."""
+        from ..verify import check
 
-        Only snapshots this plugin wrote carry the size index; others are trusted as complete.
-        """
-        if not self.has_file(name, INDEX_FNAME):
-            return None
-        try:
-            index = json.loads(self.read_file(name, INDEX_FNAME))
-            files = index["files"]
-        except (ValueError, KeyError, TypeError) as exc:
-            return f"its index {INDEX_FNAME} is unreadable ({exc})"
-        for rel, size in files.items():
-            actual = self.file_size(name, rel)
-            if actual is None:
-                return f"file {rel} is missing"
-            if actual != size:
-                return f"file {rel} has {actual} bytes, {size} were written"
-        # The metadata's checksum (a small file; every rank reads it before loading anything).
-        checksums = index.get("checksums") if isinstance(index, dict) else None
-        if isinstance(checksums, dict) and METADATA_FNAME in checksums:
-            from ..checksums import check_file
-
-            try:
-                check_file(self.child(name), METADATA_FNAME, index, self.read_file(name, METADATA_FNAME))
-            except SnapshotError as exc:
-                return str(exc)
-        return None
+        return check(self, name).problem
 
 
 def is_missing_key(exc: BaseException) -> bool:

@@ -1,0 +1,216 @@
+"""Whether a snapshot is intact: the one answer that restore_from_latest, ``tnt-snapshot ls``,
+``verify`` and ``prune`` use.
+
+:func:`check` reads a committed snapshot's index (``index.parse``: sealed, so an edited index is
+damage) and its metadata (``format.manifest.parse_metadata``: every entry validated) and finds:
+
+* its index missing (where the writer marker says the plugin wrote it), unreadable or changed;
+* a file the index lists missing, or of another size than was written;
+* the metadata unreadable, invalid, or different from the checksum the index records for it;
+* a file the metadata reads missing, or shorter than the byte range it reads;
+* with ``checksums=True``: a payload whose bytes differ from a checksum record of the index, the
+  whole file's or one packed tensor's (the records restore verifies as it reads).
+
+restore_from_latest restores the newest snapshot :func:`check` finds intact (without
+``checksums``: restore verifies every byte it reads against the same records, and falls back from
+a snapshot whose bytes do not match); ``tnt-snapshot ls`` marks the same one, after checking its
+checksums as the restore would; ``tnt-snapshot verify`` checks every snapshot with ``checksums``.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+from .errors import SnapshotError
+from .format.manifest import (
+    CONTAINER_TYPES,
+    METADATA_FNAME,
+    PRIMITIVE_TYPES,
+    Metadata,
+    locations,
+    parse_metadata,
+)
+from .index import INDEX_FNAME
+
+#: Bytes read at once when a payload's checksum is computed.
+READ_CHUNK = 16 << 20
+
+
+@dataclass
+class Verdict:
+    """What :func:`check` found of one snapshot."""
+
+    name: str
+    #: what is damaged, each naming its file; empty: intact
+    problems: list[str] = field(default_factory=list)
+    #: what could not be checked (a snapshot without an index, an unknown checksum algorithm)
+    notes: list[str] = field(default_factory=list)
+    #: the checked index, or None (none, or damaged)
+    index: Optional[dict[str, Any]] = None
+    #: the parsed metadata, or None (unreadable)
+    metadata: Optional[Metadata] = None
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    @property
+    def problem(self) -> Optional[str]:
+        """The problems in one line, or None when intact."""
+        return "; ".join(self.problems) if self.problems else None
+
+
+def check(
+    store: Any,
+    name: str,
+    *,
+    sizes: Optional[dict[str, int]] = None,
+    checksums: bool = False,
+    progress: Optional[Callable[[int], None]] = None,
+) -> Verdict:
+    """The verdict on committed snapshot ``name`` of ``store``.
+
+    ``sizes``: the snapshot's files and sizes from a listing the caller already made (else each
+    file is asked for). ``checksums``: also read every payload with a checksum record and compare;
+    ``progress(nbytes)`` is called as bytes are read.
+    """
+    verdict = Verdict(name)
+    where = store.child(name)
+
+    def size_of(rel: str) -> Optional[int]:
+        if sizes is not None:
+            return sizes.get(rel)
+        return store.file_size(name, rel)
+
+    index, problem = store.checked_index(name)
+    if problem is not None:
+        verdict.problems.append(problem)
+    verdict.index = index
+    files: dict[str, int] = index["files"] if index is not None else {}
+    for rel, size in files.items():
+        actual = size_of(rel)
+        if actual is None:
+            verdict.problems.append(f"file {rel} is missing")
+        elif actual != size:
+            verdict.problems.append(f"file {rel} has {actual} bytes, {size} were written")
+    records: dict[str, Any] = (index or {}).get("checksums") or {}
+    try:
+        data = store.read_file(name, METADATA_FNAME)
+    except SnapshotError as exc:
+        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc})")
+        return verdict
+    except OSError as exc:
+        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc.strerror or exc})")
+        return verdict
+    if isinstance(records.get(METADATA_FNAME), dict):
+        from .checksums import check_file
+
+        try:
+            check_file(where, METADATA_FNAME, index, data)
+        except SnapshotError:
+            verdict.problems.append(f"{METADATA_FNAME} differs from the checksum recorded when it was written")
+            return verdict
+    try:
+        verdict.metadata = parse_metadata(data, where)
+    except SnapshotError as exc:
+        verdict.problems.append(f"{METADATA_FNAME}: {getattr(exc, 'reason', exc)}")
+        return verdict
+    if not verdict.metadata.manifest:
+        verdict.problems.append(f"{METADATA_FNAME}: an empty manifest: it holds no entries")
+    _check_locations(verdict, files if index is not None else None, size_of)
+    if index is None and problem is None:
+        verdict.notes.append(f"no {INDEX_FNAME}: not written by this plugin; sizes and checksums not recorded")
+    if checksums and index is not None:
+        _check_checksums(store, verdict, records, files, progress)
+    return verdict
+
+
+def _check_locations(
+    verdict: Verdict, files: Optional[dict[str, int]], size_of: Callable[[str], Optional[int]]
+) -> None:
+    """Every file the metadata reads is there and long enough (``files``: the index's record of
+    them; None: ask the store)."""
+    assert verdict.metadata is not None
+    needed: dict[str, int] = {}  # file -> the end of the furthest byte range read from it
+    for entry in verdict.metadata.manifest.values():
+        if entry["type"] in CONTAINER_TYPES or entry["type"] in PRIMITIVE_TYPES:
+            continue
+        for rel, byte_range in locations(entry):
+            end = byte_range[1] if byte_range is not None else 0
+            if needed.get(rel, -1) < end:
+                needed[rel] = end
+    for rel, end in sorted(needed.items()):
+        size = files.get(rel) if files is not None else size_of(rel)
+        if size is None:
+            what = "the index does not list it" if files is not None else "it is missing"
+            verdict.problems.append(f"the metadata reads file {rel}, but {what}")
+        elif size < end:
+            verdict.problems.append(f"file {rel} has {size} bytes, the metadata reads up to byte {end}")
+
+
+def _check_checksums(
+    store: Any, verdict: Verdict, records: dict[str, Any], files: dict[str, int],
+    progress: Optional[Callable[[int], None]],
+) -> None:
+    from . import checksums as sums
+
+    reported = {p.split(" ", 2)[1] for p in verdict.problems if p.startswith("file ")}
+    for rel, record in sorted(records.items()):
+        if rel == METADATA_FNAME or rel in reported or rel not in files:
+            continue
+        if not isinstance(record, dict) or record.get("algo") != sums.ALGO:
+            verdict.notes.append(f"cannot check {rel}: checksum record {record!r} is not one this version knows")
+            continue
+        verifier = sums.Verifier(verdict.name, {rel: record}, {rel: files[rel]})
+        ranges = sums.packed_ranges(record)
+        try:
+            if ranges:  # a pack of small tensors: each checked as restore reads it, then the whole
+                data = store.read_file(verdict.name, rel)
+                for start, end, _digest in ranges:
+                    verifier.check(rel, start, memoryview(data)[start:end])
+                verifier.check(rel, 0, data)
+                if progress is not None:
+                    progress(len(data))
+            else:
+                streaming = sums.new_hasher()
+                for chunk in _chunks(store, verdict.name, rel, files[rel]):
+                    streaming.update(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+                if streaming.record()["value"] != record.get("value"):
+                    verdict.problems.append(f"file {rel} differs from the checksum recorded when it was written")
+        except SnapshotError as exc:
+            text = str(exc)
+            verdict.problems.append(
+                f"file {rel} differs from the checksum recorded when it was written"
+                if "do not match" in text else f"file {rel} cannot be read ({text})"
+            )
+
+
+def _chunks(store: Any, name: str, rel: str, size: int) -> Iterator[memoryview]:
+    """The bytes of file ``rel``, ``READ_CHUNK`` at a time."""
+    buf = bytearray(min(READ_CHUNK, size))
+    view = memoryview(buf)
+    offset = 0
+    while offset < size:
+        n = min(READ_CHUNK, size - offset)
+        store.read_into(name, [(rel, offset, view[:n])])
+        yield view[:n]
+        offset += n
+
+
+def pick(store: Any, names_newest_first: list[str], *, checksums: bool = False) -> tuple[Optional[str], dict[str, Verdict]]:
+    """The snapshot restore_from_latest restores among ``names_newest_first`` (the store's
+    complete snapshots, newest first in commit order): the first intact one; and the verdicts
+    of those checked on the way."""
+    verdicts: dict[str, Verdict] = {}
+    for name in names_newest_first:
+        verdict = verdicts[name] = check(store, name, checksums=checksums)
+        if verdict.intact:
+            return name, verdicts
+    return None, verdicts
+
+
+__all__ = ["Verdict", "check", "pick"]
