@@ -4,7 +4,8 @@
 
     from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 
-    saver = TorchSnapshotSaver("/ckpts/run1", save_every_n_train_steps=100, save_every_n_epochs=1)
+    # ModelCheckpoint's arguments, with ModelCheckpoint's meanings
+    saver = TorchSnapshotSaver("/ckpts/run1", monitor="val_loss", save_top_k=2, every_n_epochs=1)
     trainer = Trainer(max_epochs=10, callbacks=[saver])
     trainer.fit(model, datamodule=dm, ckpt_path="last")  # resumes if /ckpts/run1 holds a snapshot
 
@@ -17,11 +18,15 @@ that Lightning's checkpoints lack. Each rank saves its own copy unless ``replica
 
 How ``fit(ckpt_path=...)`` reaches a snapshot:
 
-* ``ckpt_path="last"``: Lightning resolves it, before any callback runs, from the ``ckpt_path``
-  attribute of its ``OnExceptionCheckpoint`` callbacks and ``ModelCheckpoint``'s last files. The
-  saver is an ``OnExceptionCheckpoint``; its ``ckpt_path`` is the newest complete snapshot of
-  ``dirpath`` (damaged ones skipped). When several candidates exist (a ``ModelCheckpoint``'s
-  ``last.ckpt``, say), Lightning takes the most recently modified one.
+* ``ckpt_path="last"``: Lightning resolves it, before any callback's ``setup``, from the last
+  checkpoints that its ``ModelCheckpoint`` callbacks report (``_find_last_checkpoints``) and the
+  ``ckpt_path`` of its ``OnExceptionCheckpoint`` callbacks. The saver is a ``ModelCheckpoint``
+  (none of whose hooks it inherits); it reports the newest complete snapshot of ``dirpath``
+  (damaged ones skipped). When several candidates exist (a ``ModelCheckpoint``'s ``last.ckpt``,
+  say), Lightning takes the most recently modified one.
+* ``ckpt_path=None`` (the default): training starts from scratch, as with ``ModelCheckpoint``.
+  Only when another callback is an ``OnExceptionCheckpoint`` does Lightning turn ``None`` into
+  ``"last"``; the saver then warns, in one line, which snapshot the run resumes from.
 * ``ckpt_path="best"`` (``fit``, ``validate``, ``test``): Lightning reads the saver's
   ``best_model_path``, the best complete snapshot by ``monitor`` found in ``dirpath``.
 * In ``setup()`` the saver wraps the strategy's ``CheckpointIO`` in a :class:`SnapshotCheckpointIO`,
@@ -33,6 +38,8 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
 from __future__ import annotations
 
 import datetime
+import logging
+import math
 import os
 import signal
 import warnings
@@ -45,13 +52,15 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.callbacks import Checkpoint, OnExceptionCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value
-from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.config import SnapshotConfig, resolve_alias
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
 from tnt_snapshot_plugin.errors import (
     ConfigError,
@@ -77,35 +86,100 @@ LIGHTNING_KEYS = (
 #: Entries that can differ between ranks (per-rank loader positions, callback states).
 NEVER_REPLICATED = ("loops", "callbacks")
 
+#: ``ModelCheckpoint`` arguments that have no meaning for a snapshot saver, and what to do instead.
+NOT_APPLICABLE = {
+    "filename": (
+        "snapshot names are fixed (epoch_{E}_step_{S}, then _<monitor>=<value> when monitor is "
+        'set) so that ckpt_path="last", retention and restore can parse them; leave it out'
+    ),
+    "save_weights_only": (
+        "a snapshot always holds the whole training state; leave it out, and load only the "
+        "weights with TorchSnapshotSaver.restore(path, model)"
+    ),
+    "auto_insert_metric_name": (
+        "the monitored metric's name is always in the snapshot's name (..._<monitor>=<value>, a "
+        "'/' written %2F); leave it out"
+    ),
+    "enable_version_counter": (
+        "snapshot names never collide (a state already saved is not written again); leave it out"
+    ),
+    "save_on_exception": (
+        "on an exception the pending snapshot is finished and every committed snapshot kept; "
+        "leave it out, and use preemption_signals for a snapshot when the job is preempted"
+    ),
+}
+
 _NOT_ASKED = "<not asked>"
+#: Lightning's advice when ``ckpt_path="last"`` finds nothing, which names ModelCheckpoint's
+#: ``save_last``; the saver says what applies instead (see ``_find_last_checkpoints``).
+_LAST_HINT = r'\.\w+\(ckpt_path="last"\) is set, but there is no last checkpoint available'
+_log = logging.getLogger(__name__)
 
 
-class TorchSnapshotSaver(OnExceptionCheckpoint):
+class InvalidArgumentError(ConfigError, MisconfigurationException):
+    """An argument value that Lightning's ``ModelCheckpoint`` refuses too (with a
+    ``MisconfigurationException``, which this error also is)."""
+
+
+class TorchSnapshotSaver(ModelCheckpoint):
     """Snapshot a Lightning run's whole training state in torchsnapshot's format; resume it exactly.
 
     Use it when a run must survive crashes and preemption without losing more than a few steps,
-    and without stalling training while a checkpoint is written. Snapshots are written to
-    ``dirpath/epoch_{epoch}_step_{step}`` (``epoch``: epochs completed; ``step``:
-    ``trainer.global_step``, the optimizer steps taken), asynchronously by default, and become
-    visible to restore only once complete. Resume with a new Trainer holding a saver on the same
-    ``dirpath``: ``trainer.fit(model, ckpt_path="last")`` (the newest complete snapshot) or
-    ``ckpt_path="<dirpath>/epoch_E_step_S"``.
+    and without stalling training while a checkpoint is written. It takes ``ModelCheckpoint``'s
+    arguments with ``ModelCheckpoint``'s meanings (the differences are listed below and in the
+    README), so replacing ``ModelCheckpoint(...)`` by ``TorchSnapshotSaver(...)`` is the switch.
+    Snapshots are written to ``dirpath/epoch_{epoch}_step_{step}`` (``epoch``: epochs completed;
+    ``step``: ``trainer.global_step``, the optimizer steps taken), asynchronously by default, and
+    become visible to restore only once complete. Resume with a new Trainer holding a saver on the
+    same ``dirpath``: ``trainer.fit(model, ckpt_path="last")`` (the newest complete snapshot) or
+    ``ckpt_path="<dirpath>/epoch_E_step_S"``. ``trainer.fit(model)`` without ``ckpt_path``
+    trains from scratch, as with ``ModelCheckpoint``.
 
     Args:
-        dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``).
-        save_every_n_train_steps: snapshot when ``trainer.global_step`` reaches a multiple of N
-            (None: no mid-epoch snapshots). ``global_step`` counts optimizer steps: with
+        dirpath: parent directory of the snapshots (local path, ``file://`` or ``s3://``). None
+            (default): as ``ModelCheckpoint``, resolved at ``setup``:
+            ``<logger save_dir>/<name>/<version>/checkpoints`` with a logger, else
+            ``<trainer.default_root_dir>/checkpoints``.
+        monitor: a logged metric (``trainer.callback_metrics``, read when a snapshot is taken)
+            that ranks the snapshots, as ``ModelCheckpoint``'s ``monitor``; ``"epoch"`` and
+            ``"step"`` are always available (``trainer.current_epoch`` / ``trainer.global_step``
+            unless logged). The name carries it (``epoch_E_step_S_<monitor>=<value>``: letters,
+            digits, ``_``, ``.`` and ``/``, a ``/`` written ``%2F`` there, as in
+            ``..._val%2Floss=0.25``) and ``best_model_path`` / ``best_model_score`` /
+            ``ckpt_path="best"`` follow it. A metric not logged yet when a snapshot is taken
+            before any validation ran is warned about and the snapshot saved without it; once
+            validation has run, it is a :class:`MonitorNotFoundError`.
+        verbose: log a line through Lightning's logger for each committed snapshot.
+        save_last: accepted for ``ModelCheckpoint`` compatibility (None, True, False or
+            ``"link"``): ``ckpt_path="last"`` always resolves to the newest complete snapshot,
+            which retention never deletes; no ``last`` copy or link is written.
+        save_top_k: with ``monitor``: keep the k best snapshots (default 1; -1: keep every one;
+            NaN ranks worst; an equal value does not replace an older one). Without ``monitor``:
+            1 keeps the newest snapshot only, -1 (or None, the default) keeps every one. 0
+            (``ModelCheckpoint``: save nothing) is refused. With ``keep_last_n_snapshots`` the
+            newest n are kept too. The newest snapshot, and the one the run resumed from, are
+            always kept.
+        mode: ``"min"`` (default) or ``"max"``: whether a lower or a higher value is better.
+        every_n_train_steps: snapshot when ``trainer.global_step`` reaches a multiple of N (0 or
+            None: no mid-epoch snapshots). ``global_step`` counts optimizer steps: with
             ``accumulate_grad_batches=K`` one step per K batches (and one at the end of an epoch
             whose last window is shorter); under manual optimization, every ``optimizer.step()``
             of every optimizer. Snapshots are only taken at batches that stepped the optimizer,
             so no accumulated gradient is ever lost.
-        save_every_n_epochs: snapshot at the end of every N-th training epoch.
         train_time_interval: snapshot at the first batch end (that stepped the optimizer) after
             this much training time since the fit started or since the last snapshot of any
-            cadence, as ``ModelCheckpoint``'s ``train_time_interval`` (rank 0's clock; under DDP
-            every rank snapshots one optimizer step later, together). Unlike
-            ``ModelCheckpoint``, it combines with the step and epoch cadences: any of them due
-            takes a snapshot.
+            cadence (rank 0's clock; under DDP every rank snapshots one optimizer step later,
+            together).
+        every_n_epochs: snapshot at the end of every N-th training epoch (0: never). When none of
+            ``every_n_epochs``, ``every_n_train_steps`` and ``train_time_interval`` is given,
+            every epoch, as ``ModelCheckpoint``. Unlike ``ModelCheckpoint``, the cadences
+            combine: any of them due takes a snapshot.
+        save_on_train_epoch_end: as ``ModelCheckpoint``'s: False takes the epoch cadence's
+            snapshots at the end of validation (each validation of a due epoch, also mid-epoch
+            with ``val_check_interval``); True or None (default) at the end of the training
+            epoch, after that epoch's validation.
+        save_every_n_train_steps, save_every_n_epochs: torchtnt's names of
+            ``every_n_train_steps`` / ``every_n_epochs`` (>= 1).
         replicated: glob patterns of entries identical on every rank, saved once instead of once
             per rank (``["state_dict/**", "optimizer_states/**"]`` under DDP). ``loops``,
             ``callbacks`` and the RNG state are never replicated.
@@ -114,7 +188,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         keep_last_n_snapshots: delete older snapshots once a newer one is committed
             (``keep_last_n_checkpoints`` is accepted as torchtnt's name for it).
         async_snapshot: write in the background; training waits only for an in-memory copy.
-        save_on_train_end: take a final snapshot when training ends (unless already saved).
+        save_on_train_end: take a final snapshot when training ends, unless the last optimizer
+            step is already saved.
         on_save_error: ``"warn"`` (training goes on, every hook warns until a snapshot succeeds)
             or ``"raise"`` (the next hook raises SnapshotWriteError).
         preemption_signals: on these signals, finish the batch (with gradient accumulation: up
@@ -125,27 +200,21 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             ``on_exception`` hooks and teardown. Default ``[SIGTERM]``; ``[]`` leaves the
             signals to Lightning (which finishes the epoch, then exits).
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
-        collective_timeout_s: how long a checkpoint collective waits for a failed rank.
+        collective_timeout_s: how long a checkpoint collective (also those of resuming through
+            ``ckpt_path``) waits for a failed rank.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
-        monitor: a logged metric (``trainer.callback_metrics``, read when a snapshot is taken)
-            that ranks the snapshots, as ``ModelCheckpoint``'s ``monitor``: the name carries it
-            (``epoch_E_step_S_<monitor>=<value>``: letters, digits, ``_``, ``.`` and ``/``,
-            a ``/`` written ``%2F`` there, as in ``..._val%2Floss=0.25``) and ``best_model_path`` /
-            ``best_model_score`` / ``ckpt_path="best"`` follow it. A metric not logged yet when
-            a snapshot is taken before any validation ran is warned about and the snapshot saved
-            without it; once validation has run, it is a :class:`MonitorNotFoundError`.
-        mode: ``"min"`` (default) or ``"max"``: whether a lower or a higher value is better.
-        save_top_k: keep the k best snapshots by ``monitor`` (default 1 when ``monitor`` is set;
-            -1: keep every one; NaN ranks worst; an equal value does not replace an older one).
-            With ``keep_last_n_snapshots`` the newest n are kept too; without it, snapshots
-            taken before the metric was logged are never deleted. The newest snapshot is always
-            kept until a newer one is committed, so ``ckpt_path="last"`` resumes the newest state.
         weights_only: True (default): before each snapshot is written, check that it loads with
             ``torch.load(weights_only=True)`` and the plugin's safe globals (an
             ``argparse.Namespace`` from ``save_hyperparameters(args)`` does); if not, raise
             UnrestorableStateError naming the entry and type, whatever ``on_save_error`` says.
             False: no check, and ``ckpt_path`` snapshots load with full pickle (trusted
             snapshots only), as ``trainer.fit(..., weights_only=False)`` asks for one fit.
+
+    ``ModelCheckpoint``'s ``filename``, ``save_weights_only``, ``auto_insert_metric_name``,
+    ``enable_version_counter`` and ``save_on_exception`` have no meaning here: passing one raises
+    ConfigError saying what to do instead. A value ``ModelCheckpoint`` refuses (``mode="avg"``,
+    ``save_top_k=-2``, ``save_top_k=2`` without ``monitor``, a negative ``every_n_*``) raises
+    :class:`InvalidArgumentError`, a ConfigError and a ``MisconfigurationException``.
 
     Each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
     ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see :mod:`tnt_snapshot_plugin.metrics`)
@@ -154,18 +223,24 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     Lightning treats any ``Checkpoint`` callback as "checkpointing configured": with the saver
     alone, ``Trainer(enable_checkpointing=True)`` adds no default ``ModelCheckpoint`` (add one
     yourself to also get ``.ckpt`` files), and ``enable_checkpointing=False`` is refused by
-    Lightning. As an ``OnExceptionCheckpoint``, the saver also makes Lightning turn
-    ``fit(model)`` without ``ckpt_path`` into ``ckpt_path="last"``: a run whose ``dirpath``
-    already holds snapshots resumes from them (Lightning warns); use a new ``dirpath`` per run.
+    Lightning.
     """
 
     def __init__(
         self,
-        dirpath: str,
+        dirpath: Optional[str] = None,
         *,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Optional[Union[bool, str]] = None,
+        save_top_k: Optional[int] = None,
+        mode: str = "min",
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[datetime.timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
         save_every_n_train_steps: Optional[int] = None,
         save_every_n_epochs: Optional[int] = None,
-        train_time_interval: Optional[datetime.timedelta] = None,
         replicated: Optional[list[str]] = None,
         storage_options: Optional[dict[str, Any]] = None,
         keep_last_n_snapshots: Optional[int] = None,
@@ -178,18 +253,35 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
-        monitor: Optional[str] = None,
-        mode: str = "min",
-        save_top_k: Optional[int] = None,
+        **not_applicable: Any,
     ) -> None:
-        # OnExceptionCheckpoint.__init__ only sets the .ckpt file this class replaces by snapshots.
-        Checkpoint.__init__(self)
+        # ModelCheckpoint.__init__ configures the .ckpt files this class replaces by snapshots.
+        Callback.__init__(self)
+        refused = sorted(set(not_applicable) & set(NOT_APPLICABLE))
+        if refused:
+            name = refused[0]
+            raise ConfigError(
+                f"TorchSnapshotSaver({name}=...): ModelCheckpoint's {name} has no meaning for a "
+                f"snapshot saver: {NOT_APPLICABLE[name]}"
+            )
+        if not_applicable:
+            raise TypeError(
+                f"TorchSnapshotSaver() got an unexpected keyword argument {sorted(not_applicable)[0]!r}"
+            )
         # What a copy in another process is rebuilt from (strategy="ddp_spawn" pickles callbacks).
         self._arguments = dict(
             dirpath=dirpath,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            mode=mode,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
             save_every_n_train_steps=save_every_n_train_steps,
             save_every_n_epochs=save_every_n_epochs,
-            train_time_interval=train_time_interval,
             replicated=replicated,
             storage_options=storage_options,
             keep_last_n_snapshots=keep_last_n_snapshots,
@@ -200,15 +292,36 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
             weights_only=weights_only,
-            monitor=monitor,
-            mode=mode,
-            save_top_k=save_top_k,
         )
+        if mode not in ("min", "max"):
+            raise InvalidArgumentError(f"mode must be 'min' or 'max', got {mode!r}")
+        for name, flag in (("verbose", verbose),):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if save_last not in (None, True, False, "link"):
+            raise ConfigError(f"save_last must be None, True, False or 'link', got {save_last!r}")
+        if save_on_train_epoch_end not in (None, True, False):
+            raise ConfigError(
+                f"save_on_train_epoch_end must be None, True or False, got {save_on_train_epoch_end!r}"
+            )
+        steps = _every("every_n_train_steps", every_n_train_steps, "save_every_n_train_steps", save_every_n_train_steps)
+        epochs = _every("every_n_epochs", every_n_epochs, "save_every_n_epochs", save_every_n_epochs)
+        if steps is None and epochs is None and train_time_interval is None:
+            epochs = 1  # ModelCheckpoint's default: every epoch
+        best_k, keep_last_n_snapshots, keep_last_n_checkpoints = _retention(
+            monitor, save_top_k, keep_last_n_snapshots, keep_last_n_checkpoints
+        )
+        self.verbose = verbose
+        self.save_last = save_last
+        self.save_top_k = save_top_k
+        self._save_on_train_epoch_end = save_on_train_epoch_end
+        #: the epoch cadence, when it runs at validation end (save_on_train_epoch_end=False)
+        self._val_every_n_epochs = (epochs or None) if save_on_train_epoch_end is False else None
         self._weights_only = weights_only
         self._portable = process_group is None and plugin_manager is None
-        config = SnapshotConfig.build(
-            save_every_n_train_steps=save_every_n_train_steps,
-            save_every_n_epochs=save_every_n_epochs,
+        self._config = SnapshotConfig.build(
+            save_every_n_train_steps=steps or None,
+            save_every_n_epochs=(epochs or None) if save_on_train_epoch_end is not False else None,
             save_every_n_seconds=_seconds(train_time_interval),
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
@@ -221,20 +334,15 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
             collective_timeout_s=collective_timeout_s,
             best_metric=monitor,
             best_mode=mode,
-            best_k=_top_k(monitor, save_top_k),
+            best_k=best_k,
             names={"best_metric": "monitor", "best_mode": "mode", "best_k": "save_top_k"},
         )
         self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
-        self._snapshotter = Snapshotter(
-            self._given_dirpath,
-            config,
-            process_group=process_group,
-            plugin_manager=plugin_manager,
-            never_replicated=NEVER_REPLICATED,
-            on_preempted=_stop_like_lightning,
-            weights_only=weights_only,
-            metric=self._monitored_value if monitor is not None else None,
-        )
+        self._process_group = process_group
+        self._plugin_manager = plugin_manager
+        self._engine: Optional[Snapshotter] = None
+        if self._given_dirpath is not None:
+            self._make_engine(self._given_dirpath)
         self._trainer: Optional[pl.Trainer] = None
         self._collect: Callable[[bool], dict[str, Value]] = _not_started
         self._warned_unlogged = False
@@ -242,7 +350,50 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         self._last_step: Optional[int] = None
         self._last_committed: Optional[str] = None
         self._resolved_last: Optional[str] = _NOT_ASKED
+        self._hint_filter: Optional[Any] = None
+        #: the snapshot ckpt_path="last" resolved to for this fit (announced at train start)
+        self._last_asked: Optional[str] = None
         self._rng_after_first_fetch: Optional[dict[str, Any]] = None
+        #: (epoch, step) of the last snapshot this run took (the final one is not taken again)
+        self._saved_at: Optional[tuple[int, int]] = None
+        self._announced = 0
+
+    def _make_engine(self, dirpath: str) -> Snapshotter:
+        self._engine = Snapshotter(
+            dirpath,
+            self._config,
+            process_group=self._process_group,
+            plugin_manager=self._plugin_manager,
+            never_replicated=NEVER_REPLICATED,
+            on_preempted=_stop_like_lightning,
+            weights_only=self._weights_only,
+            metric=self._monitored_value if self._config.best is not None else None,
+        )
+        return self._engine
+
+    def _resolve_dirpath(self, trainer: pl.Trainer) -> Snapshotter:
+        """The engine, made on first use with ``dirpath`` resolved as ``ModelCheckpoint`` does."""
+        if self._engine is None:
+            if trainer.loggers:
+                first = trainer.loggers[0]
+                save_dir = first.save_dir if first.save_dir is not None else trainer.default_root_dir
+                version = first.version if isinstance(first.version, str) else f"version_{first.version}"
+                path = os.path.join(save_dir, str(first.name), version, "checkpoints")
+            else:
+                path = os.path.join(trainer.default_root_dir, "checkpoints")
+            self._make_engine(path)
+        assert self._engine is not None
+        return self._engine
+
+    @property
+    def _snapshotter(self) -> Snapshotter:
+        if self._engine is None:
+            raise ConfigError(
+                "TorchSnapshotSaver(dirpath=None) has no dirpath until the Trainer's setup "
+                "resolves it (under the logger's directory or default_root_dir, as "
+                "ModelCheckpoint does); pass dirpath to use it before training"
+            )
+        return self._engine
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
@@ -252,7 +403,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
                 'the training process, or use strategy="ddp"'
             )
-        if self._snapshotter.stats.committed or self._io is not None:
+        if (self._engine is not None and self._engine.stats.committed) or self._io is not None:
             raise TypeError(
                 "a TorchSnapshotSaver that has already trained cannot be sent to another process; "
                 "create a new one"
@@ -267,9 +418,14 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     # -- what Lightning and users read ----------------------------------------------------------
 
     @property
-    def dirpath(self) -> str:  # type: ignore[override]
-        """Parent directory the snapshots are saved to (rank 0's, once training started)."""
-        return self._snapshotter.dirpath
+    def dirpath(self) -> Optional[str]:  # type: ignore[override]
+        """Parent directory the snapshots are saved to (rank 0's, once training started); None
+        until ``setup`` resolves it when none was given."""
+        return self._engine.dirpath if self._engine is not None else None
+
+    @dirpath.setter
+    def dirpath(self, value: Any) -> None:
+        raise AttributeError("TorchSnapshotSaver.dirpath is set by its constructor (or resolved at setup)")
 
     @property
     def snapshotter(self) -> Snapshotter:
@@ -277,46 +433,72 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         return self._snapshotter
 
     @property
-    @override
-    def ckpt_path(self) -> Optional[str]:  # type: ignore[override]
-        """The newest complete, undamaged snapshot in ``dirpath``, or None.
+    def every_n_epochs(self) -> Optional[int]:  # type: ignore[override]
+        """The epoch cadence (None: no epoch snapshots)."""
+        return self._config.save_every_n_epochs or self._val_every_n_epochs
 
-        This is what Lightning resumes from for ``fit(ckpt_path="last")``. It is read before the
-        process group exists, so each rank lists ``dirpath`` itself; ``setup()`` then checks that
-        every rank found the same snapshot. An ``s3://`` dirpath gives None (Lightning would need
-        s3fs to look at it): pass the snapshot's URL as ``ckpt_path`` instead.
-        """
-        store = open_store(self.dirpath, self._snapshotter.config.storage_options)
+    @property
+    def ckpt_path(self) -> Optional[str]:
+        """The newest complete, undamaged snapshot in ``dirpath``, or None (also while ``dirpath``
+        is not resolved yet, and for an ``s3://`` dirpath: pass the snapshot's URL as
+        ``ckpt_path`` there). What ``fit(ckpt_path="last")`` resumes from."""
+        if self._engine is None:
+            return None
+        store = open_store(self.dirpath, self._config.storage_options)
+        if not isinstance(store, LocalStore):
+            return None
+        return restoring.latest_snapshot(
+            self.dirpath,
+            storage_options=self._config.storage_options,
+            collectives=Collectives(None),
+            verified=True,
+        )
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """What Lightning asks each ``ModelCheckpoint`` for ``ckpt_path="last"`` (before any
+        ``setup``): the newest complete snapshot, read by each rank itself (``setup`` then checks
+        that every rank found the same one)."""
+        self._resolve_dirpath(trainer)
+        store = open_store(self.dirpath, self._config.storage_options)
         if not isinstance(store, LocalStore):
             warnings.warn(
                 f'ckpt_path="last" cannot find snapshots in {self.dirpath}: Lightning only looks at '
                 "local files for it; pass ckpt_path=<the snapshot's URL> to resume from one",
                 stacklevel=2,
             )
-            path = None
-        else:
-            path = restoring.latest_snapshot(
-                self.dirpath,
-                storage_options=self._snapshotter.config.storage_options,
-                collectives=Collectives(None),
-                verified=True,
-            )
+        path = self.ckpt_path
         self._resolved_last = path
-        return path
+        if path is None:
+            rank_zero_info(
+                f'TorchSnapshotSaver: ckpt_path="last": no complete snapshot in {self.dirpath} '
+                "yet; training starts from the beginning."
+            )
+            # Lightning's own message for this case advises ModelCheckpoint(save_last=True),
+            # which does not apply to snapshots; silenced until setup(), which comes next.
+            warnings.filterwarnings("ignore", message=_LAST_HINT)
+            self._hint_filter = warnings.filters[0]
+            return set()
+        return {path}
+
+    def _drop_hint_filter(self) -> None:
+        entry, self._hint_filter = self._hint_filter, None
+        if entry is not None and entry in warnings.filters:
+            warnings.filters.remove(entry)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
 
     @property
-    def monitor(self) -> Optional[str]:
+    def monitor(self) -> Optional[str]:  # type: ignore[override]
         """The metric that ranks the snapshots (None: none)."""
-        best = self._snapshotter.config.best
+        best = self._config.best
         return best.metric if best is not None else None
 
     @property
-    def mode(self) -> str:
-        best = self._snapshotter.config.best
-        return best.mode if best is not None else "min"
+    def mode(self) -> str:  # type: ignore[override]
+        return self._arguments["mode"]
 
     @property
-    def best_model_path(self) -> str:
+    def best_model_path(self) -> str:  # type: ignore[override]
         """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it, or no
         ``monitor`` is set): what Lightning loads for ``ckpt_path="best"``
         (``fit``/``validate``/``test``/``predict``). Read from the directory (the snapshots' names
@@ -324,20 +506,31 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         found = self._best()
         return found[0] if found is not None else ""
 
+    @best_model_path.setter
+    def best_model_path(self, value: str) -> None:
+        """Ignored (``strategy="ddp_spawn"`` hands the worker's value back): it is read from
+        ``dirpath``."""
+
     @property
-    def best_model_score(self) -> Optional[torch.Tensor]:
+    def best_model_score(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         """``monitor``'s value in :attr:`best_model_path` (None if there is none), as a tensor
-        like ``ModelCheckpoint``'s."""
+        like ``ModelCheckpoint``'s; a NaN value reads as +inf (``mode="min"``) or -inf
+        (``"max"``), as ``ModelCheckpoint`` reports it."""
         found = self._best()
-        return torch.tensor(found[1]) if found is not None else None
+        if found is None:
+            return None
+        value = found[1]
+        if math.isnan(value):
+            value = math.inf if self.mode == "min" else -math.inf
+        return torch.tensor(value)
 
     def _best(self) -> Optional[tuple[str, float]]:
-        best = self._snapshotter.config.best
-        if best is None:
+        best = self._config.best
+        if best is None or self._engine is None:
             return None
         from tnt_snapshot_plugin import retention
 
-        store = open_store(self.dirpath, self._snapshotter.config.storage_options)
+        store = open_store(self.dirpath, self._config.storage_options)
         found = retention.best(store.listed(), best.metric, best.mode)
         if found is None:
             return None
@@ -346,11 +539,15 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         return store.child(found.text), value
 
     def _monitored_value(self) -> Optional[tuple[str, float]]:
-        """(monitor, value) from ``trainer.callback_metrics`` now (a snapshot is being taken)."""
+        """(monitor, value) from ``trainer.callback_metrics`` now (a snapshot is being taken);
+        ``epoch`` and ``step`` are the trainer's unless logged, as in ``ModelCheckpoint``."""
         monitor = self.monitor
         trainer = self._trainer
         assert monitor is not None and trainer is not None
-        metrics = trainer.callback_metrics
+        metrics = dict(trainer.callback_metrics)
+        for name, own in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+            if not isinstance(metrics.get(name), torch.Tensor):
+                metrics[name] = torch.tensor(own)
         if monitor not in metrics:
             message = (
                 f"TorchSnapshotSaver(monitor={monitor!r}) could not find the monitored key in the "
@@ -387,7 +584,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         """``dirpath`` and the newest snapshot committed when the state was taken."""
-        committed = self._snapshotter.stats.committed
+        committed = self._engine.stats.committed if self._engine is not None else []
         return {
             "dirpath": self.dirpath,
             "last_committed": committed[-1].path if committed else self._last_committed,
@@ -401,23 +598,28 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Join the process group, install the snapshot-reading CheckpointIO (before Lightning loads
-        ``ckpt_path``) and check that all ranks resolved ``ckpt_path="last"`` alike."""
+        """Resolve ``dirpath`` if none was given, join the process group, install the
+        snapshot-reading CheckpointIO (before Lightning loads ``ckpt_path``), check that all
+        ranks resolved ``ckpt_path="last"`` alike, and say so when the run resumes from a
+        snapshot that ``ckpt_path`` did not name."""
+        self._drop_hint_filter()
         self._trainer = trainer
-        self._snapshotter.attach()
+        snapshotter = self._resolve_dirpath(trainer)
+        snapshotter.attach()
         _check_strategy_can_resume(trainer)
         self._io = SnapshotCheckpointIO.install(
             trainer,
-            storage_options=self._snapshotter.config.storage_options,
+            storage_options=self._config.storage_options,
             collectives=lambda: self._snapshotter.collectives,
-            plugin_manager=self._snapshotter.plugin_manager,
+            plugin_manager=snapshotter.plugin_manager,
             weights_only=self._weights_only,
+            collective_timeout_s=self._config.collective_timeout_s,
         )
         resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
         # ckpt_path="last" resolved to this snapshot: if it cannot be loaded, the ones before it
         # are tried, as restore_from_latest does.
         self._io.fall_back_from = resolved if resolved != _NOT_ASKED else None
-        coll = self._snapshotter.collectives
+        coll = snapshotter.collectives
         answers = coll.all_gather(resolved)
         if len(set(answers)) > 1:
             found = "; ".join(
@@ -428,18 +630,44 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 f'the ranks resolved ckpt_path="last" to different snapshots ({found}); give every '
                 "rank the same dirpath on a shared filesystem, or pass an explicit ckpt_path"
             )
+        self._last_asked = resolved if resolved != _NOT_ASKED else None
+
+    def _announce_resume(self, trainer: pl.Trainer) -> None:
+        """Say, in one line, that this fit resumes from the snapshot that ``"last"`` resolved
+        to; a warning when ``ckpt_path`` did not ask for it (another OnExceptionCheckpoint made
+        Lightning turn ``None`` into ``"last"``)."""
+        resolved, self._last_asked = self._last_asked, None
+        if resolved is None or trainer.ckpt_path != resolved or not trainer.is_global_zero:
+            return
+        others = [
+            type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
+        ]
+        if others:
+            warnings.warn(
+                f"TorchSnapshotSaver: resuming from snapshot {resolved}, the newest in "
+                f'{self.dirpath} (ckpt_path="last", which Lightning also makes of '
+                f"fit(ckpt_path=None) when an OnExceptionCheckpoint is present: "
+                f"{', '.join(others)}); to start fresh, use a new dirpath or remove that callback",
+                stacklevel=3,
+            )
+        else:
+            rank_zero_info(f'TorchSnapshotSaver: ckpt_path="last": resuming from snapshot {resolved}')
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Check the state keys, watch for preemption, and (mid-epoch resume) set the RNG again."""
+        """Check the state keys, watch for preemption, keep the resumed-from snapshot out of
+        retention's reach, and (mid-epoch resume) set the RNG again."""
         self._trainer = trainer
         self._collect = self._collector(trainer)  # built once per run, not on every batch
         self._last_step = trainer.global_step
         self._rng_after_first_fetch = None
-        self._snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
+        self._saved_at = None
+        snapshotter = self._snapshotter
+        self._announce_resume(trainer)
+        snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
         # The staging buffers of asynchronous snapshots, allocated and touched before training, for
         # the bulk of what dump_checkpoint returns (without calling it: it runs the user's hooks).
-        self._snapshotter.prepare(
+        snapshotter.prepare(
             lambda: {
                 "state_dict": Value(pl_module.state_dict()),
                 "optimizer_states": Value([opt.state_dict() for opt in trainer.optimizers]),
@@ -452,8 +680,15 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
                 for lightning_logger in loggers:
                     lightning_logger.log_metrics(metrics, step=step)
 
-            self._snapshotter.report_metrics(log_metrics)
+            snapshotter.report_metrics(log_metrics)
         restored = self._io.take_restored() if self._io is not None else None
+        # As ModelCheckpoint never removes the checkpoint the Trainer resumed from, retention
+        # never deletes the snapshot this run resumed from (if it is one of this dirpath's).
+        snapshotter.protected.clear()
+        if restored is not None:
+            parent, name = split_snapshot_path(restored.path)
+            if parent.rstrip("/") == snapshotter.dirpath.rstrip("/"):
+                snapshotter.protected.add(name)
         if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
             # The snapshot's RNG state was captured at a batch end: after the loader's iterator
             # had started (and drawn its DataLoader base seed, sampler seed... from the global RNG)
@@ -496,6 +731,8 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         if snapshotter.last_step <= step < snapshotter.step_gate:
             return  # nothing to do at this step (Snapshotter.step_gate)
         snapshotter.step_end(trainer.current_epoch, step, self._collect)
+        if self.verbose:
+            self._announce()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -504,26 +741,71 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         # (epoch_progress is a _Progress whose tracker is declared as the base class; the fit
         # loop's is a _ProcessedTracker)
         epochs = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
-        self._snapshotter.epoch_end(epochs, trainer.global_step, self._collector(trainer))
+        self._snapshotter.epoch_end(epochs, trainer.global_step, self._collector(trainer, epochs))
+        if self.verbose:
+            self._announce()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """(``save_on_train_epoch_end=False``) the epoch cadence's snapshot, after each validation
+        of a due epoch while fitting, as ``ModelCheckpoint`` saves then."""
+        n = self._val_every_n_epochs
+        if n is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if (trainer.current_epoch + 1) % n != 0:
+            return
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        epochs = trainer.current_epoch + (1 if last else 0)
+        collect = self._collector(trainer, epochs)
+        self._snapshotter.save(epochs, trainer.global_step, lambda: collect(not last), event="epoch")
+        if self.verbose:
+            self._announce()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Take a final snapshot unless the last state is already saved; wait until it is durable."""
-        self._snapshotter.train_end(trainer.current_epoch, trainer.global_step, self._collector(trainer))
+        """Take a final snapshot unless this run saved the last optimizer step already; wait
+        until it is durable."""
+        epoch, step = trainer.current_epoch, trainer.global_step
+        if self._saved_at is not None and self._saved_at[1] == step:
+            # That state is saved (a step snapshot at the epoch's last batch is named by the
+            # epoch it ran in): the same name, which the engine does not write again, rather
+            # than a copy under the next epoch's number.
+            epoch = self._saved_at[0]
+        self._snapshotter.train_end(epoch, step, self._collector(trainer, epoch))
+        if self.verbose:
+            self._announce()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Wait for the pending snapshot; the newest complete snapshot stays intact."""
-        self._snapshotter.exception()
+        self._drop_hint_filter()
+        if self._engine is not None:
+            self._engine.exception()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Keep every snapshot (``OnExceptionCheckpoint.teardown`` would delete its file)."""
+        """Keep every snapshot."""
+        self._drop_hint_filter()
 
-    def _collector(self, trainer: pl.Trainer) -> Callable[[bool], dict[str, Value]]:
+    def _announce(self) -> None:
+        """(``verbose``) one line through Lightning's logger per snapshot committed since."""
+        from tnt_snapshot_plugin.metrics import log_line
+
+        committed = self._snapshotter.stats.committed
+        for record in committed[self._announced :]:
+            rank_zero_info(f"TorchSnapshotSaver: {log_line(record)}")
+        self._announced = len(committed)
+
+    def _collector(
+        self, trainer: pl.Trainer, epoch: Optional[int] = None
+    ) -> Callable[[bool], dict[str, Value]]:
+        """The Lightning checkpoint dict, collected when a snapshot named by ``epoch`` (None:
+        ``trainer.current_epoch``) and ``trainer.global_step`` is taken."""
+
         def collect(intra_epoch: bool) -> dict[str, Value]:
+            self._saved_at = (trainer.current_epoch if epoch is None else epoch, trainer.global_step)
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             clash = sorted(set(checkpoint) & set(RESERVED_KEYS))
             if clash:
@@ -550,6 +832,7 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         strict: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         """Load snapshot ``path``'s weights into ``module`` (and optimizer / LR scheduler states).
 
@@ -559,10 +842,12 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         order ``configure_optimizers`` returns them. The RNG state is restored too. Raises
         SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError if the
         module or the number of optimizers does not match it. ``weights_only=False`` loads the
-        snapshot's objects with full pickle (trusted snapshots only).
+        snapshot's objects with full pickle (trusted snapshots only). ``collective_timeout_s``:
+        how long a collective of the restore (under torch.distributed) waits for a failed rank.
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
-        with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
+        timeout = _timeout(collective_timeout_s)
+        with Collectives.create(process_group, timeout, for_restore=True) as collectives:
             restoring.restore(
                 path,
                 app_state,
@@ -587,16 +872,18 @@ class TorchSnapshotSaver(OnExceptionCheckpoint):
         fallback: bool = True,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        collective_timeout_s: float = 600.0,
     ) -> bool:
         """:meth:`restore` the newest complete snapshot in ``dirpath``.
 
         Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
         complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-        one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``:
-        as :meth:`restore`.
+        one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``,
+        ``collective_timeout_s``: as :meth:`restore`.
         """
         app_state = _restore_state(module, optimizers, lr_schedulers)
-        with Collectives.create(process_group, 600.0, for_restore=True) as collectives:
+        timeout = _timeout(collective_timeout_s)
+        with Collectives.create(process_group, timeout, for_restore=True) as collectives:
             restored = restoring.restore_from_latest(
                 dirpath,
                 app_state,
@@ -639,8 +926,11 @@ class SnapshotCheckpointIO(CheckpointIO):
         collectives: Optional[Callable[[], Collectives]] = None,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         self.checkpoint_io = checkpoint_io
+        #: how long a collective of a load waits for a failed rank (when ``collectives`` is None)
+        self.collective_timeout_s = _timeout(collective_timeout_s)
         self.storage_options = storage_options
         self._collectives = collectives
         self._own_collectives: Optional[Collectives] = None
@@ -660,6 +950,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         collectives: Optional[Callable[[], Collectives]] = None,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        collective_timeout_s: float = 600.0,
     ) -> "SnapshotCheckpointIO":
         """Wrap ``trainer``'s CheckpointIO in one of these (once), configured as given."""
         strategy = trainer.strategy
@@ -671,6 +962,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         io._collectives = collectives
         io.plugin_manager = plugin_manager
         io.weights_only = weights_only
+        io.collective_timeout_s = _timeout(collective_timeout_s)
         io.fall_back_from = None
         io._restored = None
         return io
@@ -765,7 +1057,8 @@ class SnapshotCheckpointIO(CheckpointIO):
         if self._collectives is not None:
             return self._collectives()
         if self._own_collectives is None or (is_initialized() and not self._own_collectives.distributed):
-            self._own_collectives = Collectives.create(None, 600.0)  # collective: every rank loads
+            # collective: every rank loads
+            self._own_collectives = Collectives.create(None, self.collective_timeout_s)
         return self._own_collectives
 
 
@@ -784,26 +1077,64 @@ def _as_float(value: Any) -> float:
     return float(value)
 
 
-def _top_k(monitor: Optional[str], save_top_k: Any) -> Optional[int]:
-    """``save_top_k`` as the core's best-k count (None: keep all); ConfigError if meaningless."""
-    if monitor is None:
-        if save_top_k is not None:
-            raise ConfigError(
-                f"save_top_k={save_top_k!r} keeps the best snapshots by a monitored metric, but "
-                "monitor is None; pass monitor='<a logged metric>', or keep the newest snapshots "
-                "with keep_last_n_snapshots"
+def _every(name: str, value: Any, torchtnt_name: str, torchtnt_value: Any) -> Optional[int]:
+    """A cadence given under ModelCheckpoint's ``name`` (None: not given, 0: off, n >= 1) or
+    torchtnt's ``torchtnt_name`` (>= 1, checked by the config): the count, 0 (off) or None."""
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(
+                f"{name} must be an int >= 0 (0: no snapshots by it) or None, got {value!r} of "
+                f"type {type(value).__name__}"
             )
-        return None
+        if value < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0 (0: no snapshots by it) or None, got {value}")
+    return resolve_alias(name, value, torchtnt_name, torchtnt_value, None)
+
+
+def _retention(
+    monitor: Optional[str], save_top_k: Any, keep_last: Any, keep_last_alias: Any
+) -> tuple[Optional[int], Any, Any]:
+    """``save_top_k`` as (the core's best-k count, keep_last_n_snapshots, keep_last_n_checkpoints).
+
+    With ``monitor``: k (None for -1: every one); default 1. Without: 1 keeps the newest only
+    (``keep_last_n_snapshots=1``), -1 or None every one. Values ModelCheckpoint refuses raise
+    InvalidArgumentError; 0 (ModelCheckpoint: save nothing) raises ConfigError.
+    """
     if save_top_k is None:
-        return 1  # ModelCheckpoint's default
-    if save_top_k == -1:
-        return None
-    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < 1:
-        raise ConfigError(
-            f"save_top_k must be a positive int or -1 (keep every snapshot), got {save_top_k!r}; "
-            "ModelCheckpoint's save_top_k=0 (save nothing) has no meaning for a snapshot saver"
+        return (1 if monitor is not None else None), keep_last, keep_last_alias
+    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int):
+        raise InvalidArgumentError(
+            f"save_top_k must be an int (-1: keep every snapshot, k >= 1), got {save_top_k!r}"
         )
-    return save_top_k
+    if save_top_k < -1:
+        raise InvalidArgumentError(f"save_top_k must be >= -1, got {save_top_k}")
+    if save_top_k == 0:
+        raise ConfigError(
+            "save_top_k=0 (ModelCheckpoint: save nothing) has no meaning for a snapshot saver; "
+            "to take no snapshots, leave the saver out of the Trainer's callbacks"
+        )
+    if monitor is not None:
+        return (None if save_top_k == -1 else save_top_k), keep_last, keep_last_alias
+    if save_top_k == -1:
+        return None, keep_last, keep_last_alias
+    if save_top_k == 1:
+        given = keep_last if keep_last is not None else keep_last_alias
+        if given is not None and given != 1:
+            raise ConfigError(
+                f"save_top_k=1 without monitor keeps only the newest snapshot, which contradicts "
+                f"keep_last_n_snapshots={given!r}; pass one of them"
+            )
+        return None, 1, None
+    raise InvalidArgumentError(
+        f"save_top_k={save_top_k} with monitor=None: there is no metric to rank snapshots by; "
+        "pass monitor='<a logged metric>', or save_top_k=1 (keep the newest) or -1 (keep every "
+        "one), or keep the newest k with keep_last_n_snapshots=k"
+    )
+
+
+def _timeout(seconds: Any) -> float:
+    """``collective_timeout_s`` validated as the saver's is (ConfigError otherwise)."""
+    return SnapshotConfig.build(collective_timeout_s=seconds, preemption_signals=()).collective_timeout_s
 
 
 def _check_strategy_can_resume(trainer: pl.Trainer) -> None:

@@ -361,18 +361,6 @@ def test_coexists_with_model_checkpoint_and_last_takes_the_newest(tmp_path):
     assert resume(str(tmp_path / "snaps" / "epoch_1_step_3")).global_step == 9
 
 
-def test_fit_without_ckpt_path_resumes_like_an_on_exception_checkpoint(tmp_path):
-    make_trainer(
-        tmp_path, [TorchSnapshotSaver(str(tmp_path / "snaps"), save_every_n_epochs=1)], max_epochs=1
-    ).fit(ToyModule(), loader(12))
-    trainer = make_trainer(tmp_path, [TorchSnapshotSaver(str(tmp_path / "snaps"))], max_epochs=2)
-    trainer.fit(ToyModule(seed=1), loader(12))
-    assert trainer.ckpt_path == str(tmp_path / "snaps" / "epoch_1_step_3")
-    assert trainer.global_step == 6
-    with pytest.raises(ValueError, match="not configured to save the best model"):
-        trainer.validate(ckpt_path="best")
-
-
 def test_checkpoint_io_without_the_saver_and_in_validate(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_epochs=1)
     make_trainer(tmp_path, [saver], max_epochs=1).fit(ToyModule(), loader(12))

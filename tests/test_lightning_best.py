@@ -166,9 +166,10 @@ def test_a_monitored_metric_never_logged_is_modelcheckpoints_error_once_validati
 
 
 def test_monitor_arguments_are_validated(tmp_path):
-    with pytest.raises(ConfigError, match="save_top_k=2 keeps the best snapshots by a monitored metric"):
+    with pytest.raises(MisconfigurationException, match="save_top_k=2 with monitor=None") as caught:
         TorchSnapshotSaver(str(tmp_path), save_top_k=2)
-    with pytest.raises(ConfigError, match="save_top_k must be a positive int or -1"):
+    assert isinstance(caught.value, ConfigError)
+    with pytest.raises(ConfigError, match=r"save_top_k=0 \(ModelCheckpoint: save nothing\) has no meaning"):
         TorchSnapshotSaver(str(tmp_path), monitor="val_loss", save_top_k=0)
     with pytest.raises(ConfigError, match="mode must be 'min' or 'max'"):
         TorchSnapshotSaver(str(tmp_path), monitor="val_loss", mode="lowest")

@@ -245,6 +245,9 @@ class Snapshotter:
         self._warned_ahead = False
         self._writes = 0
         self._writer: SnapshotWriter = None  # type: ignore[assignment]  # made by attach()
+        #: names of snapshots in dirpath that retention never deletes (an adapter adds the one
+        #: the run resumed from, as Lightning's ModelCheckpoint keeps it)
+        self.protected: set[str] = set()
         self.attach()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -279,6 +282,7 @@ class Snapshotter:
             self._store = open_store(dirpath, self.config.storage_options)
         self._coll.on_rank0(self._store.check_writable)
         self._writer = SnapshotWriter(self._store, self._coll, self.config, self._load_check)
+        self._writer.protected = self.protected
 
     def train_start(
         self, unit_keys: Iterable[str], epoch: Optional[int] = None, step: Optional[int] = None
