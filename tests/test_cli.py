@@ -28,6 +28,7 @@ from torchtnt.framework.train import train
 from tnt_snapshot_plugin import retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
+from tnt_snapshot_plugin.index import seal as seal_index
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import INDEX_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
@@ -90,6 +91,12 @@ def age(path: Path, seconds: float = 2 * 3600) -> None:
 
 def index_of(snapshot: Path) -> dict:
     return json.loads((snapshot / INDEX_FNAME).read_text())
+
+
+def write_index(snapshot: Path, index: dict) -> None:
+    """Replace a snapshot's index, sealed again (as the plugin writes it): a deliberate edit."""
+    index.pop("seal", None)
+    (snapshot / INDEX_FNAME).write_bytes(seal_index(index))
 
 
 def biggest_file(snapshot: Path) -> str:
@@ -171,7 +178,7 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
     row = next(line for line in lines if line.startswith("epoch_1_step_8 "))
     assert row.split()[1:4] == ["1", "8", "1"] and row.endswith("complete *")
     assert next(line for line in lines if line.startswith("README.txt")).endswith("foreign")
-    assert f"epoch_2_step_10: {damaged_file} has" in out
+    assert f"epoch_2_step_10: file {damaged_file} has" in out
     assert "* restore_from_latest would restore epoch_1_step_8" in out
     assert "\x1b[" not in out  # no colour off a terminal
     assert all(line == line.rstrip() for line in lines)
@@ -254,7 +261,7 @@ def test_inspect_of_incomplete_or_corrupt_snapshots_says_what_is_wrong(written, 
     assert code == 2 and out == "" and "is not a complete snapshot" in err and err.count("\n") == 1
     (run / "epoch_1_step_5" / METADATA_FNAME).write_text('{"version": "0.1.0", "manif')
     code, _, err = run_cli("inspect", str(run / "epoch_1_step_5"))
-    assert code == 1 and ".snapshot_metadata is unreadable" in err and err.count("\n") == 1
+    assert code == 2 and ".snapshot_metadata" in err and "damaged" in err and err.count("\n") == 1
     code, _, err = run_cli("inspect", str(run / "epoch_7_step_70"))
     assert code == 2 and "does not exist" in err
 
@@ -274,7 +281,7 @@ def test_inspect_diff_and_export_refuse_metadata_that_fails_its_checksum(written
         ("export", str(snap), str(tmp_path / "model.pt")),
     ):
         code, out, err = run_cli(*args)
-        assert code == 1 and out == "", (args, out, err)
+        assert code == 2 and out == "", (args, out, err)
         assert ".snapshot_metadata: bytes 0-" in err and "checksum" in err, (args, err)
     assert not (tmp_path / "model.pt").exists()
 
@@ -293,8 +300,8 @@ def test_verify_names_each_damaged_file_and_exits_1(written, tmp_path):
     (run / "epoch_2_step_10" / METADATA_FNAME).write_bytes(b"\x00\x01garbage")
     code, out, _ = run_cli("verify", str(run))
     assert code == 1
-    assert f"epoch_1_step_5: {truncated} has" in out
-    assert "epoch_2_step_10: .snapshot_metadata is unreadable" in out
+    assert f"epoch_1_step_5: file {truncated} has" in out
+    assert "epoch_2_step_10: .snapshot_metadata differs from the checksum recorded" in out
     assert "2 damaged" in out
     doc = as_json("verify", str(run), expect=1)
     bad = {s["name"]: s["problems"] for s in doc["snapshots"] if s["status"] == "damaged"}
@@ -311,12 +318,6 @@ def test_verify_names_each_damaged_file_and_exits_1(written, tmp_path):
 def test_verify_checks_recorded_checksums(written, tmp_path):
     run = fresh_copy(written, tmp_path)
     snap = run / "epoch_1_step_8"
-    index = index_of(snap)
-    index["checksums"] = {
-        rel: {"algo": "sha256", "value": hashlib.sha256((snap / rel).read_bytes()).hexdigest()}
-        for rel in index["files"]
-    }
-    (snap / INDEX_FNAME).write_text(json.dumps(index))
     code, out, _ = run_cli("verify", str(snap))
     assert code == 0 and "sizes+checksums" in out and "sizes only" not in out
 
@@ -325,7 +326,23 @@ def test_verify_checks_recorded_checksums(written, tmp_path):
     data[len(data) // 2] ^= 0xFF  # same size, other bytes: only a checksum sees it
     (snap / rel).write_bytes(bytes(data))
     code, out, _ = run_cli("verify", str(snap))
-    assert code == 1 and f"{rel} has sha256" in out
+    assert code == 1 and f"file {rel} differs from the checksum recorded" in out
+
+
+def test_records_of_an_unknown_algorithm_are_left_unchecked_by_verify_and_restore_alike(written, tmp_path):
+    run = fresh_copy(written, tmp_path)
+    snap = run / "epoch_2_step_10"
+    index = index_of(snap)
+    index["checksums"] = {
+        rel: {"algo": "sha256", "value": hashlib.sha256((snap / rel).read_bytes()).hexdigest()}
+        for rel in index["files"]
+    }
+    write_index(snap, index)
+    code, out, _ = run_cli("verify", str(snap))
+    assert code == 0 and "cannot check" in out and "sha256" in out
+    fresh = ToyUnit(seed=5)
+    assert TorchSnapshotSaver.restore_from_latest(str(run), fresh)  # no fallback: warnings are errors here
+    assert fresh.train_progress.num_steps_completed == 10
 
 
 # -- prune ---------------------------------------------------------------------------------------
@@ -376,7 +393,7 @@ def test_prune_keep_best_reads_the_metric_from_the_index(written, tmp_path):
     for name, loss in zip(NAMES, [0.5, 0.1, 0.9, 0.7], strict=True):
         index = index_of(run / name)
         index["metric"] = {"name": "loss", "value": loss}
-        (run / name / INDEX_FNAME).write_text(json.dumps(index))
+        write_index(run / name, index)
     doc = as_json("prune", str(run), "--keep-last", "2", "--keep-best", "loss", "--mode", "min")
     assert doc["deleted"] == ["epoch_1_step_8"]  # the two best (0.1, 0.5) and the newest stay
     keep = {k["name"]: k["reason"] for k in doc["keep"]}
@@ -542,7 +559,7 @@ def test_console_script_runs_and_the_core_imports_without_the_cli_libraries(writ
     env = {**os.environ, "NO_COLOR": "1"}
     proc = subprocess.run([str(script), "verify", str(run)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr
-    assert f"epoch_1_step_5: {truncated} has" in proc.stdout
+    assert f"epoch_1_step_5: file {truncated} has" in proc.stdout
     proc = subprocess.run([str(script), "ls", str(run), "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["restore"] == "epoch_2_step_10"

@@ -100,7 +100,7 @@ def test_every_command_on_s3(endpoint, tmp_path, monkeypatch):
     assert doc["summary"]["train_progress"]["num_steps_completed"] == 8
 
     out = run("verify", url, expect=1)
-    assert f"epoch_1_step_5: {big} has {len(body) // 2} bytes, {len(body)} were written" in out
+    assert f"epoch_1_step_5: file {big} has {len(body) // 2} bytes, {len(body)} were written" in out
     run("verify", f"{url}/epoch_2_step_10")
 
     doc = json.loads(run("diff", f"{url}/epoch_1_step_8", f"{url}/epoch_2_step_10", "--json", expect=1))

@@ -35,6 +35,8 @@ from .fileio import byte_views, is_flat_bytes
 ALGO = "xxh3_64"
 
 _digest = xxhash.xxh3_64_hexdigest
+#: The hex digest of a buffer, as the records hold it.
+digest = _digest
 
 
 class Streaming:
@@ -233,6 +235,15 @@ class Verifier:
         )
 
 
+def mismatch(where: str, rel: str) -> SnapshotCorruptError:
+    """The error of file ``rel`` of snapshot ``where`` whose bytes differ from their record."""
+    return SnapshotCorruptError(
+        f"{where}/{rel}: its bytes do not match the {ALGO} checksum recorded when the snapshot was "
+        "written: the file is damaged. Restore an older snapshot (restore_from_latest falls back to "
+        "one by itself)"
+    )
+
+
 def check_file(where: str, rel: str, index: Any, data: Any) -> None:
     """Check ``data``, the whole of file ``rel`` of snapshot ``where``, against the checksum
     record ``index`` (the snapshot's parsed index) holds for it; a file without one (or an
@@ -243,4 +254,4 @@ def check_file(where: str, rel: str, index: Any, data: Any) -> None:
         Verifier(where, {rel: record}, {}).check(rel, 0, data)
 
 
-__all__ = ["ALGO", "Verifier", "check_file", "new_hasher", "packed_ranges", "record_views"]
+__all__ = ["ALGO", "Verifier", "check_file", "digest", "mismatch", "new_hasher", "packed_ranges", "record_views"]

@@ -18,15 +18,11 @@ plugin's reader (``format/reader.py``).
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import math
 import os
-import struct
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -36,8 +32,10 @@ from rich.filesize import decimal as human_size
 from rich.table import Table
 from rich.text import Text
 
-from . import retention
+from . import retention, verify
 from .errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
+from .format import manifest
+from .format.manifest import Metadata
 from .naming import SnapshotName, is_staging_name
 from .stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, LocalStore, Store, open_store
 from .stores.s3 import S3Store
@@ -45,11 +43,6 @@ from .stores.s3 import S3Store
 #: Bumped when a key of the ``--json`` output changes meaning or goes away (keys may be added).
 JSON_VERSION = 1
 
-#: Entry types of torchsnapshot's manifest that only hold other entries.
-_CONTAINERS = frozenset({"list", "dict", "OrderedDict"})
-_TENSORS = frozenset({"Tensor", "ChunkedTensor"})
-_SHARDED = frozenset({"ShardedTensor", "DTensor"})
-_PRIMITIVES = frozenset({"int", "float", "str", "bool", "bytes"})
 #: The plugin's reserved entries (app_state.RESERVED_KEYS; not imported: that module imports torch).
 _RESERVED = ("rng_state", "train_dataloader")
 
@@ -165,37 +158,6 @@ def snapshot_files(store: Store, name: str) -> tuple[dict[str, FileInfo], float]
     return files, max(i.mtime for i in files.values())
 
 
-def parse_metadata(raw: bytes) -> dict[str, Any]:
-    """torchsnapshot's ``.snapshot_metadata`` as plain data; ValueError if it is unreadable."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text ({exc})") from None
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        import yaml  # a torchsnapshot dependency; older versions wrote YAML
-
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"neither JSON nor YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
-        raise ValueError("it holds no manifest")
-    return doc
-
-
-def _locations(entry: Any) -> Iterator[tuple[str, Optional[list[int]]]]:
-    """(file, byte range) of every file a manifest entry reads."""
-    if not isinstance(entry, dict):
-        return
-    if isinstance(entry.get("location"), str):
-        yield entry["location"], entry.get("byte_range")
-    for part in list(entry.get("shards") or []) + list(entry.get("chunks") or []):
-        if isinstance(part, dict):
-            yield from _locations(part.get("tensor"))
-
-
 @dataclass
 class SnapshotInfo:
     """One child of a snapshot directory, as ``ls`` and ``verify`` see it."""
@@ -206,15 +168,25 @@ class SnapshotInfo:
     parsed: Optional[SnapshotName] = None
     files: dict[str, FileInfo] = field(default_factory=dict)
     modified_at: Optional[float] = None
-    index: Optional[dict[str, Any]] = None
-    metadata: Optional[dict[str, Any]] = None
+    #: ``verify.check``'s verdict (committed snapshots only)
+    verdict: Optional[verify.Verdict] = None
     problems: list[str] = field(default_factory=list)
     note: str = ""
     restore: bool = False
+    #: whether the payloads' checksums were compared (``verify``, and ``ls``'s pick)
+    checksummed: bool = False
+
+    @property
+    def index(self) -> Optional[dict[str, Any]]:
+        return self.verdict.index if self.verdict is not None else None
+
+    @property
+    def metadata(self) -> Optional[Metadata]:
+        return self.verdict.metadata if self.verdict is not None else None
 
     @property
     def writer(self) -> Optional[str]:
-        if self.index is not None or self.kind == "lock":
+        if self.index is not None or self.kind == "lock" or (self.verdict is not None and self.verdict.index_problem):
             return "tnt_snapshot_plugin"
         if self.parsed is not None and self.parsed.phase_aware:
             return "torchtnt"
@@ -222,15 +194,14 @@ class SnapshotInfo:
 
     @property
     def world_size(self) -> Optional[int]:
-        for doc in (self.index, self.metadata):
-            if doc is not None and isinstance(doc.get("world_size"), int):
-                return int(doc["world_size"])
-        return None
+        if self.index is not None and type(self.index.get("world_size")) is int:
+            return int(self.index["world_size"])
+        return self.metadata.world_size if self.metadata is not None else None
 
     @property
     def committed_at(self) -> Optional[float]:
         value = (self.index or {}).get("committed_at")
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         meta = self.files.get(METADATA_FNAME)
         return meta.mtime if meta is not None and self.kind == "snapshot" else None
@@ -238,7 +209,7 @@ class SnapshotInfo:
     @property
     def seq(self) -> Optional[int]:
         value = (self.index or {}).get("seq")
-        return value if isinstance(value, int) else None
+        return value if type(value) is int else None
 
     @property
     def nbytes(self) -> int:
@@ -263,6 +234,7 @@ class SnapshotInfo:
             "seq": self.seq,
             "written_by": (self.index or {}).get("writer"),  # {"host", "pid", "run_id"} when recorded
             "restore": self.restore,
+            "checksums_checked": self.checksummed,
             "problems": list(self.problems),
             "note": self.note,
         }
@@ -275,160 +247,32 @@ def check_snapshot(
     *,
     checksums: bool = False,
     progress: Optional[Callable[[int], None]] = None,
-) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], list[str], list[str]]:
-    """(index, metadata, problems, notes) of a snapshot that has ``.snapshot_metadata``.
-
-    Problems (each names its file): the index or the metadata unreadable; a file the index lists
-    missing or of another size than written (the rule of ``Store.verify``); a file the metadata
-    reads from missing or shorter than the range it reads; with ``checksums``, a file whose
-    checksum differs from the index's ``checksums`` record (when the snapshot has one).
-    """
-    problems: list[str] = []
-    notes: list[str] = []
-    index: Optional[dict[str, Any]] = None
-    if INDEX_FNAME in files:
-        try:
-            index = json.loads(store.read_file(name, INDEX_FNAME))
-            if not isinstance(index, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as exc:
-            problems.append(f"{INDEX_FNAME} is unreadable ({exc})")
-            index = None
-    written = (index or {}).get("files")
-    if isinstance(written, dict):
-        for rel, size in sorted(written.items()):
-            found = files.get(rel)
-            if found is None:
-                problems.append(f"{rel} is missing")
-            elif found.size != size:
-                problems.append(f"{rel} has {found.size} bytes, {size} were written")
-            if progress is not None and not checksums:
-                progress(size if isinstance(size, int) else 0)
-    metadata: Optional[dict[str, Any]] = None
-    try:
-        metadata = parse_metadata(store.read_file(name, METADATA_FNAME))
-    except ValueError as exc:
-        problems.append(f"{METADATA_FNAME} is unreadable: {exc}")
-    if metadata is not None:
-        reported = {p.split(" ", 1)[0] for p in problems}
-        for entry in metadata["manifest"].values():
-            for loc, byte_range in _locations(entry):
-                if loc in reported:
-                    continue
-                found = files.get(loc)
-                if found is None:
-                    problems.append(f"{loc} is missing (the metadata reads it)")
-                    reported.add(loc)
-                elif isinstance(byte_range, list) and len(byte_range) == 2 and found.size < byte_range[1]:
-                    problems.append(
-                        f"{loc} is truncated: {found.size} bytes, the metadata reads up to byte {byte_range[1]}"
-                    )
-                    reported.add(loc)
-    if checksums:
-        recorded = (index or {}).get("checksums")
-        if isinstance(recorded, dict):
-            reported = {p.split(" ", 1)[0] for p in problems}
-            for rel, record in sorted(recorded.items()):
-                if rel in reported or rel not in files:
-                    continue
-                problem = _check_checksum(store, name, rel, record, progress)
-                if problem is not None:
-                    (notes if problem.startswith("cannot") else problems).append(problem)
-        else:
-            notes.append("sizes only; checksums not recorded by this snapshot")
-            if progress is not None and isinstance(written, dict):
-                progress(sum(s for s in written.values() if isinstance(s, int)))
-    return index, metadata, problems, notes
-
-
-def _hasher(algo: str) -> Optional[Any]:
-    """An object with update()/hexdigest() for ``algo``, None if it is not available here."""
-    algo = algo.lower()
-    if algo == "crc32c":
-        try:
-            import google_crc32c
-        except ImportError:
-            return None
-        return google_crc32c.Checksum()
-    if algo == "crc32":
-
-        class _Crc32:
-            value = 0
-
-            def update(self, data: bytes) -> None:
-                self.value = zlib.crc32(data, self.value)
-
-            def hexdigest(self) -> str:
-                return f"{self.value:08x}"
-
-        return _Crc32()
-    if algo.startswith("xxh"):
-        try:
-            import xxhash
-        except ImportError:
-            return None
-        ctor = getattr(xxhash, algo, None)
-        return ctor() if ctor is not None else None
-    if algo in hashlib.algorithms_available:
-        return hashlib.new(algo)
-    return None
-
-
-_READ_CHUNK = 8 * 1024 * 1024
-
-
-def _read_chunks(store: Store, name: str, rel: str) -> Iterator[bytes]:
-    if isinstance(store, LocalStore):
-        with open(os.path.join(store.root, name, rel), "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                yield chunk
-        return
-    assert isinstance(store, S3Store)
-    body = store.client.get_object(Bucket=store.bucket, Key=store._key(name, rel))["Body"]
-    try:
-        yield from body.iter_chunks(_READ_CHUNK)
-    finally:
-        body.close()
-
-
-def _check_checksum(
-    store: Store, name: str, rel: str, record: Any, progress: Optional[Callable[[int], None]]
-) -> Optional[str]:
-    if not isinstance(record, dict) or not isinstance(record.get("algo"), str):
-        return f"{rel}: checksum record {record!r} is unreadable"
-    algo, expected = record["algo"], str(record.get("value", ""))
-    hasher = _hasher(algo)
-    if hasher is None:
-        return f"cannot check {rel}: checksum algorithm {algo!r} is not available (pip install google-crc32c / xxhash)"
-    for chunk in _read_chunks(store, name, rel):
-        hasher.update(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    actual = hasher.hexdigest()
-    if isinstance(actual, bytes):
-        actual = actual.decode()
-    if actual.lower() != expected.lower():
-        return f"{rel} has {algo} {actual}, {expected} was recorded"
-    return None
+) -> verify.Verdict:
+    """``verify.check`` of a committed snapshot, with the sizes of ``files`` (one listing)."""
+    return verify.check(
+        store, name, sizes={rel: f.size for rel, f in files.items()}, checksums=checksums, progress=progress
+    )
 
 
 def _listed(info: SnapshotInfo) -> retention.Listed:
     """What the core's retention knows of ``info`` (its name and index)."""
     assert info.parsed is not None
-    return retention.from_index(info.parsed, info.index)
+    if info.verdict is not None and info.verdict.index_problem is not None:
+        return retention.Listed(info.parsed, problem=info.verdict.index_problem)
+    return retention.from_index(info.parsed, None if info.parsed.phase_aware else info.index)
 
 
 def commit_order(infos: Iterable[SnapshotInfo]) -> list[SnapshotInfo]:
     """Oldest first, in the core's commit order (``retention.commit_order``, which
-    ``Store.listed()`` and ``restore_from_latest`` use): the index's ``seq``; snapshots without
-    one (torchtnt's, older ones) first, by (epoch, step)."""
-    infos = [i for i in infos if i.parsed is not None]
-    return sorted(infos, key=lambda i: _listed(i).order_key)
+    ``Store.listed()`` and ``restore_from_latest`` use)."""
+    by_name = {i.name: i for i in infos if i.parsed is not None}
+    return [by_name[r.text] for r in retention.commit_order(_listed(i) for i in by_name.values())]
 
 
 def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable[[int], None]] = None) -> list[SnapshotInfo]:
     """Every child of the snapshot directory, classified: snapshots oldest first, then staging
-    leftovers, then foreign entries. The snapshot ``restore_from_latest`` would restore is marked."""
+    leftovers, then foreign entries. The snapshot ``restore_from_latest`` would restore is marked
+    (``restore_pick``)."""
     listing = list_directory(store)
     snapshots: list[SnapshotInfo] = []
     staging: list[SnapshotInfo] = []
@@ -462,13 +306,13 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
                              note=f"no {METADATA_FNAME}: an interrupted write, or one in progress")
             )
         else:
-            index, metadata, problems, notes = check_snapshot(store, name, files, checksums=checksums, progress=progress)
+            verdict = check_snapshot(store, name, files, checksums=checksums, progress=progress)
             snapshots.append(
-                SnapshotInfo(name, "snapshot", STATUS_DAMAGED if problems else STATUS_COMPLETE, parsed=parsed,
-                             files=files, modified_at=modified, index=index, metadata=metadata,
-                             problems=problems, note="; ".join(notes))
+                SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED, parsed=parsed,
+                             files=files, modified_at=modified, verdict=verdict, problems=list(verdict.problems),
+                             note="; ".join(verdict.notes), checksummed=checksums)
             )
-    pick = restore_pick(snapshots)
+    pick = restore_pick(store, snapshots, progress=progress)
     if pick is not None:
         pick.restore = True
     # Committed snapshots in commit order; then those never committed (no metadata), by progress.
@@ -480,24 +324,40 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
 def _lock_note(store: Store, name: str) -> str:
     """What a lock or lease file says of its holder (it is the plugin's; never touched)."""
     what = "the dirpath lock of a saver's run" if name == LOCK_FNAME else "the dirpath lease of a saver's run (S3)"
-    try:
-        holder = json.loads(store.read_file("", name) or b"null")
-    except (OSError, ValueError, SnapshotError):
-        holder = None
-    if isinstance(holder, dict) and holder.get("host") is not None:
+    holder = _lock_holder(store, name)
+    if holder is not None:
         what += f", held by host {holder.get('host')} pid {holder.get('pid')} run {holder.get('run_id')}"
     return what + " (the plugin's own; a leftover of a killed run is harmless)"
 
 
-def restore_pick(snapshots: list[SnapshotInfo]) -> Optional[SnapshotInfo]:
-    """The snapshot ``restore_from_latest`` restores: it tries the complete snapshots newest
-    first in commit order (``Store.complete_snapshots``, i.e. ``retention.commit_order``), skips
-    those ``Store.verify`` finds damaged and falls back from one that fails to load (unreadable
-    metadata)."""
+def _lock_holder(store: Store, name: str) -> Optional[dict[str, Any]]:
+    try:
+        holder = json.loads(store.read_file("", name) or b"null")
+    except (OSError, ValueError, RecursionError, SnapshotError):
+        return None
+    return holder if isinstance(holder, dict) and holder.get("host") is not None else None
+
+
+def restore_pick(
+    store: Store, snapshots: list[SnapshotInfo], *, progress: Optional[Callable[[int], None]] = None
+) -> Optional[SnapshotInfo]:
+    """The snapshot ``restore_from_latest`` restores: the newest in commit order that
+    ``verify.check`` finds intact and whose payloads match their checksums (restore verifies
+    every byte it reads, and falls back from a snapshot that does not). A snapshot found damaged
+    on the way is marked so."""
     candidates = commit_order(s for s in snapshots if s.status in (STATUS_COMPLETE, STATUS_DAMAGED))
     for info in reversed(candidates):
-        if info.status == STATUS_COMPLETE:
-            return info
+        if info.status != STATUS_COMPLETE:
+            continue
+        if not info.checksummed:
+            assert info.verdict is not None
+            verify.check_payloads(store, info.verdict, progress)
+            info.checksummed = True
+            if not info.verdict.intact:
+                info.status = STATUS_DAMAGED
+                info.problems = list(info.verdict.problems)
+                continue
+        return info
     return None
 
 
@@ -602,95 +462,60 @@ def _metric_value(info: SnapshotInfo, metric: str) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------------------------
-# Manifest entries.
+# Manifest entries (format.manifest, the one reader restore uses too).
 
 
-def primitive_value(entry: dict[str, Any]) -> Any:
-    kind, raw = entry.get("type"), entry.get("serialized_value")
-    try:
-        if kind == "int":
-            return int(raw)  # type: ignore[arg-type]
-        if kind == "float":
-            return struct.unpack("d", base64.b64decode(raw))[0]  # type: ignore[arg-type]
-        if kind == "bool":
-            return raw == "True"
-        if kind == "bytes":
-            return f"<{len(base64.b64decode(raw))} bytes>"  # type: ignore[arg-type]
-    except (TypeError, ValueError, struct.error):
-        return raw
-    return raw
-
-
-def _shape(entry: dict[str, Any]) -> Optional[list[int]]:
-    if isinstance(entry.get("shape"), list):
-        return list(entry["shape"])
-    shards = entry.get("shards")
-    if isinstance(shards, list) and shards:
-        dims = [0] * len(shards[0].get("offsets", []))
-        for s in shards:
-            for i, (o, n) in enumerate(zip(s.get("offsets", []), s.get("sizes", []), strict=False)):
-                dims[i] = max(dims[i], o + n)
-        return dims
-    return None
-
-
-def _dtype(entry: dict[str, Any]) -> Optional[str]:
-    dtype = entry.get("dtype")
-    if dtype is None:
-        for part in list(entry.get("shards") or []) + list(entry.get("chunks") or []):
-            dtype = (part.get("tensor") or {}).get("dtype")
-            if dtype:
-                break
-    return str(dtype).replace("torch.", "") if dtype else None
-
-
-def entry_rows(metadata: dict[str, Any], files: dict[str, FileInfo]) -> list[dict[str, Any]]:
+def entry_rows(metadata: Metadata, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
     """One row per leaf entry of the manifest (containers skipped), sorted by path."""
     rows = []
-    for path, entry in sorted(metadata["manifest"].items()):
-        if not isinstance(entry, dict) or entry.get("type") in _CONTAINERS:
+    containers = manifest.CONTAINER_TYPES
+    for path in sorted(metadata.manifest):
+        entry = metadata.manifest[path]
+        kind = entry["type"]
+        if kind in containers:
             continue
-        etype = str(entry.get("type"))
         rank, _, logical = path.partition("/")
-        nbytes = 0
-        for loc, byte_range in _locations(entry):
-            if isinstance(byte_range, list) and len(byte_range) == 2:
-                nbytes += int(byte_range[1]) - int(byte_range[0])
-            elif loc in files:
-                nbytes += files[loc].size
-        kind = "tensor" if etype in _TENSORS else "sharded" if etype in _SHARDED else "value" if etype in _PRIMITIVES else "object"
+        byte_range = entry.get("byte_range")
+        if kind == "Tensor" and byte_range is not None:  # most entries, without an EntryInfo
+            rows.append({
+                "path": path, "rank": int(rank), "key": logical, "kind": "tensor", "type": kind,
+                "dtype": entry["dtype"][6:], "shape": entry["shape"], "bytes": byte_range[1] - byte_range[0],
+                "replicated": entry.get("replicated") is True,
+            })
+            continue
+        info = manifest.describe(entry)
+        nbytes = info.nbytes
+        if nbytes is None:
+            nbytes = sum(
+                (r[1] - r[0]) if r is not None else (files[rel].size if rel in files else 0)
+                for rel, r in info.locations
+            )
         row: dict[str, Any] = {
-            "path": path,
-            "rank": int(rank) if rank.isdigit() else None,
-            "key": logical,
-            "kind": kind,
-            "type": etype,
-            "dtype": _dtype(entry) if kind in ("tensor", "sharded") else (etype if kind == "value" else entry.get("obj_type")),
-            "shape": _shape(entry),
-            "bytes": nbytes,
-            "replicated": bool(entry.get("replicated", False)),
+            "path": path, "rank": int(rank), "key": logical, "kind": info.kind, "type": info.type,
+            "dtype": info.dtype, "shape": info.shape, "bytes": nbytes,
+            "replicated": entry.get("replicated") is True,
         }
-        if kind == "value":
-            row["value"] = primitive_value(entry)
+        if info.kind == "value":
+            value = info.value
+            row["value"] = f"<{len(value)} bytes>" if isinstance(value, bytes) else value
         rows.append(row)
     return rows
 
 
-def summarize(metadata: dict[str, Any]) -> dict[str, Any]:
+def summarize(metadata: Metadata) -> dict[str, Any]:
     """The progress and RNG entries of rank 0, in a few words."""
-    manifest = metadata["manifest"]
     summary: dict[str, Any] = {}
-    for path, entry in manifest.items():
-        parts = path.split("/")
-        if parts[0] != "0" or len(parts) < 2 or not isinstance(entry, dict):
+    for path, entry in metadata.manifest.items():
+        if not path.startswith("0/") or entry["type"] not in manifest.PRIMITIVE_TYPES:
             continue
+        parts = path.split("/")
         key = parts[1]
-        if key.endswith("progress") and len(parts) == 3 and entry.get("type") in _PRIMITIVES:
-            summary.setdefault(key, {})[parts[2]] = primitive_value(entry)
-        elif len(parts) == 2 and key in ("epoch", "global_step") and entry.get("type") in _PRIMITIVES:
-            summary.setdefault("lightning", {})[key] = primitive_value(entry)
-    rng = manifest.get("0/rng_state")
-    if isinstance(rng, dict) and isinstance(rng.get("keys"), list):
+        if key.endswith("progress") and len(parts) == 3:
+            summary.setdefault(key, {})[parts[2]] = manifest.primitive_value(entry)
+        elif len(parts) == 2 and key in ("epoch", "global_step"):
+            summary.setdefault("lightning", {})[key] = manifest.primitive_value(entry)
+    rng = metadata.manifest.get("0/rng_state")
+    if rng is not None and isinstance(rng.get("keys"), list):
         names = {"rng_state": "torch CPU", "cuda": "torch CUDA", "python": "python", "numpy": "numpy"}
         summary["rng_state"] = [names.get(str(k), str(k)) for k in rng["keys"]]
     return summary
@@ -716,13 +541,13 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
 # Loading entries (torch from here on).
 
 
-def _read_value(store: Store, name: str, manifest: dict[str, Any], path: str) -> Any:
+def _read_value(store: Store, name: str, view: dict[str, dict], path: str) -> Any:
     """The value of manifest entry ``path`` (``RANK/KEY/...``) of snapshot ``name``."""
     from .format import reader as fmt
     from .restoring import reading_io
 
     read_into, file_size, verifier = reading_io(store, name, store.child(name))
-    return fmt.read_value(manifest, path, read_into, file_size=file_size, verifier=verifier)
+    return fmt.read_value(view, path, read_into, file_size=file_size, verifier=verifier)
 
 
 def _max_abs_diff(a: Any, b: Any) -> str:
@@ -739,20 +564,38 @@ def _max_abs_diff(a: Any, b: Any) -> str:
     return f"max |a-b| = {diff:.6g}"
 
 
-def _entry_bytes(store: Store, name: str, entry: dict[str, Any], cache: dict[str, bytes]) -> Optional[bytes]:
-    """The raw bytes an entry is stored as (one file or a range of one), or None if several."""
-    locs = list(_locations(entry))
-    if len(locs) != 1:
-        return None
-    loc, byte_range = locs[0]
-    if loc not in cache:
-        if sum(len(v) for v in cache.values()) > 512 * 1024 * 1024:
-            cache.clear()
-        cache[loc] = store.read_file(name, loc)
-    data = cache[loc]
-    if isinstance(byte_range, list) and len(byte_range) == 2:
-        return data[byte_range[0]:byte_range[1]]
-    return data
+class _Payloads:
+    """The raw bytes of one snapshot's entries, read through the store (inside the snapshot
+    only), a few files kept at once."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store, self.name = store, name
+        self.cache: dict[str, bytes] = {}
+
+    def of(self, entry: dict) -> Optional[bytes]:
+        """The bytes an entry is stored as (one file or a range of one), or None if several."""
+        found = list(manifest.locations(entry))
+        if len(found) != 1:
+            return None
+        rel, byte_range = found[0]
+        if byte_range is not None:
+            data = memoryview(bytearray(byte_range[1] - byte_range[0]))
+            self.store.read_into(self.name, [(rel, byte_range[0], data)])
+            return bytes(data)
+        if rel not in self.cache:
+            if sum(len(v) for v in self.cache.values()) > 512 * 1024 * 1024:
+                self.cache.clear()
+            size = self.store.file_size(self.name, rel)
+            if size is None:
+                raise SnapshotCorruptError(f"{self.store.child(self.name)}/{rel} is missing: the snapshot is damaged")
+            data = memoryview(bytearray(size))
+            self.store.read_into(self.name, [(rel, 0, data)])
+            self.cache[rel] = bytes(data)
+        return self.cache[rel]
+
+
+#: App-state keys whose values are opaque state (generators' bytes): told apart only as differing.
+_OPAQUE_KEYS = frozenset({"rng_state"})
 
 
 def diff_snapshots(
@@ -762,17 +605,16 @@ def diff_snapshots(
     (store_a, name_a), (store_b, name_b) = a, b
     meta_a = _require_metadata(store_a, name_a)
     meta_b = _require_metadata(store_b, name_b)
-    man_a = {p: e for p, e in meta_a["manifest"].items() if isinstance(e, dict) and e.get("type") not in _CONTAINERS}
-    man_b = {p: e for p, e in meta_b["manifest"].items() if isinstance(e, dict) and e.get("type") not in _CONTAINERS}
+    man_a = {p: e for p, e in meta_a.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
+    man_b = {p: e for p, e in meta_b.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
     diffs: list[dict[str, Any]] = []
-    cache_a: dict[str, bytes] = {}
-    cache_b: dict[str, bytes] = {}
+    bytes_a, bytes_b = _Payloads(store_a, name_a), _Payloads(store_b, name_b)
     sharded_seen: set[str] = set()  # logical paths of sharded entries compared (under any rank)
 
     def read(side: str, path: str) -> Any:
         if side == "a":
-            return _read_value(store_a, name_a, meta_a["manifest"], path)
-        return _read_value(store_b, name_b, meta_b["manifest"], path)
+            return _read_value(store_a, name_a, meta_a.manifest, path)
+        return _read_value(store_b, name_b, meta_b.manifest, path)
 
     for path in sorted(set(man_a) | set(man_b)):
         ea, eb = man_a.get(path), man_b.get(path)
@@ -782,93 +624,99 @@ def diff_snapshots(
         if ea is None:
             diffs.append({"path": path, "change": "added", "detail": _describe(eb)})
             continue
-        ta, tb = ea.get("type"), eb.get("type")
-        if ta != tb:
-            diffs.append({"path": path, "change": "changed", "detail": f"type {ta} -> {tb}"})
-        elif ta in _PRIMITIVES:
-            va, vb = primitive_value(ea), primitive_value(eb)
-            if ea.get("serialized_value") != eb.get("serialized_value"):
-                diffs.append({"path": path, "change": "changed", "detail": f"{va!r} -> {vb!r}"})
-        elif ta in _TENSORS or ta in _SHARDED:
-            if _dtype(ea) != _dtype(eb):
-                diffs.append({"path": path, "change": "changed", "detail": f"dtype {_dtype(ea)} -> {_dtype(eb)}"})
-            elif _shape(ea) != _shape(eb):
-                diffs.append({"path": path, "change": "changed", "detail": f"shape {_shape(ea)} -> {_shape(eb)}"})
+        ia, ib = manifest.describe(ea), manifest.describe(eb)
+        opaque = path.split("/")[1] in _OPAQUE_KEYS
+        if ia.type != ib.type:
+            diffs.append({"path": path, "change": "changed", "detail": f"type {ia.type} -> {ib.type}"})
+        elif ia.kind == "value":
+            if ea["serialized_value"] != eb["serialized_value"]:
+                detail = "differs" if opaque else f"{_shown(ia.value)} -> {_shown(ib.value)}"
+                diffs.append({"path": path, "change": "changed", "detail": detail})
+        elif ia.kind in ("tensor", "sharded"):
+            if ia.dtype != ib.dtype:
+                diffs.append({"path": path, "change": "changed", "detail": f"dtype {ia.dtype} -> {ib.dtype}"})
+            elif ia.shape != ib.shape:
+                diffs.append({"path": path, "change": "changed", "detail": f"shape {ia.shape} -> {ib.shape}"})
             else:
-                raw_a = _entry_bytes(store_a, name_a, ea, cache_a)
-                raw_b = _entry_bytes(store_b, name_b, eb, cache_b)
+                raw_a, raw_b = bytes_a.of(ea), bytes_b.of(eb)
                 if raw_a is not None and raw_a == raw_b:
                     continue
-                if ta in _SHARDED:
+                if ia.kind == "sharded":
                     # read whole (every rank's shards), once for all the ranks that record it
                     logical = path.split("/", 1)[-1]
                     if logical in sharded_seen:
                         continue
                     sharded_seen.add(logical)
                 ra, rb = read("a", path), read("b", path)
-                detail = _max_abs_diff(ra, rb)
                 if ra.equal(rb) if ra.dtype == rb.dtype else False:
                     continue
+                detail = "differs" if opaque else _max_abs_diff(ra, rb)
                 diffs.append({"path": path, "change": "changed", "detail": detail})
         else:
-            raw_a = _entry_bytes(store_a, name_a, ea, cache_a)
-            raw_b = _entry_bytes(store_b, name_b, eb, cache_b)
+            raw_a, raw_b = bytes_a.of(ea), bytes_b.of(eb)
             if raw_a is not None and raw_a == raw_b:
                 continue
             try:
                 same = bool(read("a", path) == read("b", path))
+            except SnapshotError:
+                raise
             except Exception:  # objects without a usable ==: their stored bytes differ
                 same = False
             if not same:
-                diffs.append({"path": path, "change": "changed", "detail": "object differs"})
+                diffs.append({"path": path, "change": "changed", "detail": "differs"})
     return diffs, len(set(man_a) | set(man_b))
 
 
-def _describe(entry: Any) -> str:
-    etype = entry.get("type")
-    if etype in _PRIMITIVES:
-        return f"{etype} {primitive_value(entry)!r}"
-    if etype in _TENSORS or etype in _SHARDED:
-        return f"{_dtype(entry)} {_shape(entry)}"
-    return str(entry.get("obj_type") or etype)
+def _shown(value: Any) -> str:
+    return f"<{len(value)} bytes>" if isinstance(value, bytes) else repr(value)
 
 
-def _require_metadata(store: Store, name: str) -> dict[str, Any]:
+def _describe(entry: dict) -> str:
+    info = manifest.describe(entry)
+    if info.kind == "value":
+        return f"{info.type} {_shown(info.value)}"
+    if info.kind in ("tensor", "sharded"):
+        return f"{info.dtype} {info.shape}"
+    return str(info.dtype or info.type)
+
+
+def _require_metadata(store: Store, name: str) -> Metadata:
+    return _checked_metadata(store, name)[0]
+
+
+def _checked_metadata(store: Store, name: str) -> tuple[Metadata, Optional[dict[str, Any]]]:
+    """The validated metadata of snapshot ``name`` and its checked index (None for a snapshot
+    the plugin did not write), as restore reads them: the metadata checked against the index's
+    checksum where it has one. SnapshotCorruptError (exit status 2) if either is damaged."""
     files, _ = snapshot_files(store, name)
     if METADATA_FNAME not in files:
         raise UsageProblem(
-            f"{store.child(name)} is not a complete snapshot (no {METADATA_FNAME}: an interrupted write?)"
+            f"{store.child(name)} is not a complete snapshot (it holds no {METADATA_FNAME}: an "
+            "interrupted write, or not a snapshot)"
         )
-    raw = store.read_file(name, METADATA_FNAME)
-    try:
-        metadata = parse_metadata(raw)
-    except ValueError as exc:
-        raise SnapshotError(f"{store.child(name)}: {METADATA_FNAME} is unreadable: {exc}") from None
-    if INDEX_FNAME in files:  # it holds the primitive values themselves: checked before they are shown
+    index, problem = store.checked_index(name)
+    if problem is not None:
+        raise SnapshotCorruptError(f"{store.child(name)}: {problem}; the snapshot is damaged")
+    data = store.read_file(name, METADATA_FNAME)
+    if index is not None:
         from .checksums import check_file
 
-        try:
-            index = json.loads(store.read_file(name, INDEX_FNAME))
-        except ValueError as exc:
-            raise SnapshotCorruptError(
-                f"{store.child(name)}: {INDEX_FNAME} is unreadable ({exc}): the snapshot is damaged"
-            ) from None
-        check_file(store.child(name), METADATA_FNAME, index, raw)
-    return metadata
+        check_file(store.child(name), METADATA_FNAME, index, data)
+    return manifest.parse_metadata(data, store.child(name)), index
 
 
-def weight_keys(metadata: dict[str, Any]) -> list[str]:
+def weight_keys(metadata: Metadata) -> list[str]:
     """Top-level keys of rank 0 whose leaf entries are all tensors (a module's state dict)."""
     kinds: dict[str, set[str]] = {}
-    for path, entry in metadata["manifest"].items():
+    for path, entry in metadata.manifest.items():
         parts = path.split("/")
-        if parts[0] != "0" or len(parts) < 2 or not isinstance(entry, dict):
+        if parts[0] != "0":
             continue
-        etype = entry.get("type")
-        if etype in _CONTAINERS:
+        etype = entry["type"]
+        if etype in manifest.CONTAINER_TYPES:
             kinds.setdefault(parts[1], set())
             continue
-        kinds.setdefault(parts[1], set()).add("tensor" if etype in _TENSORS else "other")
+        kinds.setdefault(parts[1], set()).add("tensor" if etype in manifest.TENSOR_TYPES else "other")
     return sorted(k for k, found in kinds.items() if found == {"tensor"} and k not in _RESERVED)
 
 
@@ -878,9 +726,9 @@ def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict
     from .restoring import read_metadata, reading_io
 
     read_into, file_size, verifier = reading_io(store, name, store.child(name))
-    meta = fmt.parse_metadata(read_metadata(store, name, verifier), store.child(name))
+    meta = manifest.parse_metadata(read_metadata(store, name, verifier), store.child(name))
     return fmt.read_state_dict(
-        fmt.rank_view(meta, 0), key, None, read_into, file_size=file_size, verifier=verifier
+        manifest.rank_view(meta, 0), key, None, read_into, file_size=file_size, verifier=verifier
     )
 
 
@@ -935,24 +783,67 @@ def _split(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Stor
 def _console(err: bool = False) -> Console:
     stream = sys.stderr if err else sys.stdout
     tty = stream.isatty()
-    return Console(file=stream, highlight=False, width=None if tty else 200, soft_wrap=not tty)
+    # markup and emoji off: text from a snapshot is printed as it is (escaped by ``safe``)
+    return Console(file=stream, highlight=False, markup=False, emoji=False,
+                   width=None if tty else 200, soft_wrap=not tty)
 
 
-def _table(*columns: str, right: Iterable[str] = ()) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
-    for col in columns:
-        table.add_column(col, justify="right" if col in set(right) else "left", no_wrap=True)
-    return table
+#: Characters never printed as they are: C0 and C1 controls, DEL, and the bidirectional
+#: overrides and isolates that reorder what a terminal shows.
+_UNSAFE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_UNSAFE.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 
 
-def _print_table(out: Console, table: Table) -> None:
-    """On a terminal, as rich draws it; elsewhere without the cells' trailing padding."""
-    if out.is_terminal:
-        out.print(table)
+def safe(text: Any) -> str:
+    """``text`` as one printable line: control characters (a snapshot's keys and names may hold
+    escape sequences) written as ``\\xNN``."""
+    text = str(text)
+    return text if text.isprintable() else text.translate(_UNSAFE)
+
+
+class _Table:
+    """Rows of cells printed as aligned columns; every cell escaped by :func:`safe`. On a
+    terminal a cell may be a rich ``Text`` (a coloured status); elsewhere, and for many rows,
+    plain text without trailing spaces."""
+
+    def __init__(self, *columns: str, right: Iterable[str] = ()) -> None:
+        self.columns = columns
+        self.right = set(right)
+        self.rows: list[tuple[Any, ...]] = []
+
+    def add_row(self, *cells: Any) -> None:
+        self.rows.append(tuple(
+            c if (type(c) is str and c.isprintable()) or isinstance(c, Text) else safe(c) for c in cells
+        ))
+
+
+def _table(*columns: str, right: Iterable[str] = ()) -> _Table:
+    return _Table(*columns, right=right)
+
+
+def _print_table(out: Console, table: _Table) -> None:
+    if out.is_terminal and len(table.rows) <= 2000:
+        rich_table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+        for col in table.columns:
+            rich_table.add_column(col, justify="right" if col in table.right else "left", no_wrap=True)
+        for row in table.rows:
+            rich_table.add_row(*(c if isinstance(c, Text) else Text(c) for c in row))
+        out.print(rich_table)
         return
-    with out.capture() as captured:
-        out.print(table)
-    out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+    rows = [table.columns, *(
+        [c.plain if isinstance(c, Text) else c for c in row] if any(type(c) is not str for c in row) else row
+        for row in table.rows
+    )]
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    line = "  ".join(
+        f"{{:{'>' if col in table.right else '<'}{w}}}" for col, w in zip(table.columns, widths, strict=True)
+    ).format
+    out.file.write("".join([line(*row).rstrip() + "\n" for row in rows]))
+
+
+def _say(out: Console, text: Any, style: Optional[str] = None) -> None:
+    """Print one line (escaped by :func:`safe`)."""
+    out.print(Text(safe(text), style=style or ""))
 
 
 def _when(ts: Optional[float]) -> str:
@@ -1016,7 +907,7 @@ class _Cli(click.Group):
             code = _fail(prog, exc.format_message(), exc.exit_code)
         except click.Abort:
             code = _fail(prog, "aborted", 1)
-        except (ConfigError, SnapshotNotFoundError) as exc:
+        except (ConfigError, SnapshotNotFoundError, SnapshotCorruptError) as exc:
             code = _fail(prog, str(exc), 2)
         except (SnapshotError, OSError) as exc:
             code = _fail(prog, str(exc), 1)
@@ -1031,7 +922,7 @@ class _Cli(click.Group):
 
 def _fail(prog: str, message: str, code: int) -> int:
     first = " ".join(message.split())
-    click.echo(f"{prog}: error: {first}", err=True)
+    click.echo(f"{prog}: error: {safe(first)}", err=True)
     return code
 
 
@@ -1047,9 +938,11 @@ def cli() -> None:
 def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
     """One row per entry of DIRPATH, oldest snapshot first.
 
-    Status: complete, damaged (a file missing or of the wrong size, unreadable metadata),
-    incomplete (no .snapshot_metadata), staging leftover, or foreign (not a snapshot: never
-    touched). '*' marks the snapshot restore_from_latest would restore.
+    Status: complete, damaged (its index, a file or the metadata missing, of the wrong size or
+    unreadable; or, for the snapshot restore would pick, a payload that differs from its
+    checksum), incomplete (no .snapshot_metadata), staging leftover, or foreign (not a
+    snapshot: never touched). '*' marks the snapshot restore_from_latest would restore: the same
+    check decides both.
     """
     store = _open(dirpath, _opts(endpoint_url, region))
     infos = survey(store)
@@ -1075,15 +968,15 @@ def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region:
     _print_table(out, table)
     for i in infos:
         for problem in i.problems:
-            out.print(f"{i.name}: {problem}", style="red")
+            _say(out, f"{i.name}: {problem}", style="red")
     counts: dict[str, int] = {}
     for i in infos:
         counts[i.status] = counts.get(i.status, 0) + 1
     total = sum(i.nbytes for i in infos if i.kind == "snapshot")
     parts = [f"{n} {s}" for s, n in counts.items()]
     pick = next((i.name for i in infos if i.restore), None)
-    out.print(f"{', '.join(parts) or 'empty'}; {human_size(total)} in snapshots")
-    out.print(f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
+    _say(out, f"{', '.join(parts) or 'empty'}; {human_size(total)} in snapshots")
+    _say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
     return 0
 
 
@@ -1095,14 +988,8 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
     """Every entry of SNAPSHOT: key path, kind, dtype, shape, bytes, replicated."""
     store, name = _split(snapshot, _opts(endpoint_url, region))
     files, _ = snapshot_files(store, name)
-    metadata = _require_metadata(store, name)
-    index: dict[str, Any] = {}
-    if INDEX_FNAME in files:
-        try:
-            loaded = json.loads(store.read_file(name, INDEX_FNAME))
-            index = loaded if isinstance(loaded, dict) else {}
-        except ValueError:
-            index = {}
+    metadata, checked = _checked_metadata(store, name)
+    index = checked or {}
     rows = entry_rows(metadata, files)
     summary = summarize(metadata)
     parsed = SnapshotName.parse(name)
@@ -1110,7 +997,7 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
         "snapshot": store.child(name),
         "epoch": index.get("epoch", parsed.epoch if parsed else None),
         "step": index.get("step", parsed.step if parsed else None),
-        "world_size": index.get("world_size", metadata.get("world_size")),
+        "world_size": index.get("world_size", metadata.world_size),
         "bytes": sum(f.size for f in files.values()),
         "files": len(files),
         "writer": "tnt_snapshot_plugin" if INDEX_FNAME in files else ("torchtnt" if parsed and parsed.phase_aware else None),
@@ -1119,24 +1006,28 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
         _emit_json({**head, "summary": summary, "entries": rows})
         return 0
     out = _console()
-    out.print(
-        f"{head['snapshot']}: epoch {_num(head['epoch'])}, step {_num(head['step'])}, world size "
-        f"{_num(head['world_size'])}, {human_size(int(head['bytes'] or 0))} in {head['files']} files"
-    )
+    _say(out,
+         f"{head['snapshot']}: epoch {_num(head['epoch'])}, step {_num(head['step'])}, world size "
+         f"{_num(head['world_size'])}, {human_size(int(head['bytes'] or 0))} in {head['files']} files")
     for line in _summary_lines(summary):
-        out.print(line)
+        _say(out, line)
     table = _table("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "BYTES", "REPLICATED", right=("BYTES",))
+    shapes: dict[tuple[int, ...], str] = {(): "scalar"}  # a model has few distinct shapes and sizes
+    sizes: dict[int, str] = {0: "-"}
     for r in rows:
-        shape = "x".join(map(str, r["shape"])) if r["shape"] is not None else ("=" + repr(r["value"]) if r["kind"] == "value" else "")
-        if r["shape"] == []:
-            shape = "scalar"
-        table.add_row(r["path"], r["kind"], str(r["dtype"] or ""), shape, human_size(r["bytes"]) if r["bytes"] else "-",
-                      "yes" if r["replicated"] else "no")
+        if r["shape"] is not None:
+            key = tuple(r["shape"])
+            shape = shapes.get(key) or shapes.setdefault(key, "x".join(map(str, key)))
+        else:
+            shape = "=" + repr(r["value"]) if r["kind"] == "value" else ""
+        nbytes = r["bytes"]
+        size = sizes.get(nbytes) or sizes.setdefault(nbytes, human_size(nbytes))
+        table.add_row(r["path"], r["kind"], str(r["dtype"] or ""), shape, size, "yes" if r["replicated"] else "no")
     _print_table(out, table)
     kinds: dict[str, int] = {}
     for r in rows:
         kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-    out.print(f"{len(rows)} entries: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    _say(out, f"{len(rows)} entries: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     return 0
 
 
@@ -1147,9 +1038,10 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
 def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
     """Check every file of a snapshot, or of every snapshot in a directory.
 
-    Sizes against the snapshot's index, files the metadata reads, and checksums where the
-    snapshot recorded them. Exit status 1 when anything is damaged (or a snapshot given by path
-    is incomplete), naming each damaged file.
+    The check restore makes: the index (sealed) and the sizes it records, the metadata (as
+    restore parses it) and the files it reads, and every checksum the snapshot recorded. Exit
+    status 1 when anything is damaged (or a snapshot given by path is incomplete), naming each
+    damaged file.
     """
     opts = _opts(endpoint_url, region)
     single = SnapshotName.parse(target.rstrip("/").rpartition("/")[2]) is not None or target.rstrip("/").endswith(METADATA_FNAME)
@@ -1166,43 +1058,55 @@ def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], regi
                 info = SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
                                     problems=[f"{METADATA_FNAME} is missing: the snapshot is incomplete"])
             else:
-                index, metadata, problems, notes = check_snapshot(store, name, files, checksums=True, progress=advance)
-                info = SnapshotInfo(name, "snapshot", STATUS_DAMAGED if problems else STATUS_COMPLETE, parsed=parsed,
-                                    files=files, index=index, metadata=metadata, problems=problems, note="; ".join(notes))
+                verdict = check_snapshot(store, name, files, checksums=True, progress=advance)
+                info = SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED,
+                                    parsed=parsed, files=files, verdict=verdict, problems=list(verdict.problems),
+                                    note="; ".join(verdict.notes), checksummed=True)
             infos = [info]
         else:
             store = _open(target, opts)
             infos = [i for i in survey(store, checksums=True, progress=advance) if i.kind == "snapshot"]
     bad = [i for i in infos if i.status == STATUS_DAMAGED or (single and i.status == STATUS_INCOMPLETE)]
+
+    def checked(i: SnapshotInfo) -> str:
+        if i.status == STATUS_INCOMPLETE:
+            return "-"
+        return "sizes+checksums" if (i.index or {}).get("checksums") else "sizes"
+
     if as_json:
         _emit_json({
             "target": target,
             "ok": not bad,
+            "restore": next((i.name for i in infos if i.restore), None),
             "snapshots": [
                 {"name": i.name, "status": i.status, "files": len(i.files), "bytes": i.nbytes,
-                 "checked": "sizes+checksums" if isinstance((i.index or {}).get("checksums"), dict) else "sizes",
-                 "problems": i.problems, "note": i.note}
+                 "checked": checked(i), "problems": i.problems, "note": i.note}
                 for i in infos
             ],
         })
         return 1 if bad else 0
     table = _table("SNAPSHOT", "FILES", "SIZE", "CHECKED", "STATUS", right=("FILES", "SIZE"))
     for i in infos:
-        checked = "-" if i.status == STATUS_INCOMPLETE else (
-            "sizes+checksums" if isinstance((i.index or {}).get("checksums"), dict) else "sizes")
-        status = STATUS_COMPLETE if i.status == STATUS_COMPLETE else i.status
-        table.add_row(i.name, str(len(i.files)), human_size(i.nbytes), checked,
-                      Text("intact" if status == STATUS_COMPLETE else status, style=_STATUS_STYLE[i.status]))
+        status = Text("intact" if i.status == STATUS_COMPLETE else i.status, style=_STATUS_STYLE[i.status])
+        if i.restore:
+            status.append(" *", style="bold")
+        table.add_row(i.name, str(len(i.files)), human_size(i.nbytes), checked(i), status)
     _print_table(out, table)
     for i in infos:
         for problem in i.problems:
-            out.print(f"{i.name}: {problem}", style="red")
+            _say(out, f"{i.name}: {problem}", style="red")
+    for i in infos:
+        for note in i.note.split("; ") if i.note and "checksums not recorded" not in i.note else ():
+            _say(out, f"{i.name}: {note}")
     unchecked = [i.name for i in infos if "checksums not recorded" in i.note]
     if unchecked:
-        out.print("sizes only; checksums not recorded by " + ("this snapshot" if len(infos) == 1 else f"{len(unchecked)} of these snapshots"))
+        _say(out, "sizes only; checksums not recorded by " + ("this snapshot" if len(infos) == 1 else f"{len(unchecked)} of these snapshots"))
     if not infos:
-        out.print(f"no snapshots in {target}")
-    out.print(f"{len(bad)} damaged" if bad else "all intact")
+        _say(out, f"no snapshots in {target}")
+    if not single:
+        pick = next((i.name for i in infos if i.restore), None)
+        _say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
+    _say(out, f"{len(bad)} damaged" if bad else "all intact")
     return 1 if bad else 0
 
 
@@ -1239,20 +1143,52 @@ class _progress:
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--min-staging-age", default="1h", show_default=True, metavar="DURATION",
               help="Refuse while a staging directory or incomplete snapshot is younger (a run may be writing).")
+@click.option("--force", is_flag=True, help="Prune even while a live run holds DIRPATH (its lock or lease).")
 @_json_flag
 @_s3_flags
 def prune_command(dirpath: str, keep_last: int, keep_best: Optional[str], mode: Optional[str], dry_run: bool,
-                  min_staging_age: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
+                  min_staging_age: str, force: bool, as_json: bool, endpoint_url: Optional[str],
+                  region: Optional[str]) -> int:
     """Delete old snapshots of DIRPATH by the saver's retention rules.
 
     Only snapshots this plugin wrote (with its index) are deleted, never the newest complete one
     nor the one restore_from_latest would restore; symlinks are never followed; nothing else in
-    DIRPATH is touched.
+    DIRPATH is touched. Refused (exit status 2, naming the holder) while a live run holds
+    DIRPATH: prune takes the run's lock itself, so no run starts while it deletes. --force prunes
+    without the lock.
     """
     if (keep_best is None) != (mode is None):
         raise click.UsageError("--keep-best and --mode go together")
     min_age = _duration(min_staging_age)
     store = _open(dirpath, _opts(endpoint_url, region))
+    list_directory(store)  # a missing or wrong dirpath: exit 2 before any lock is taken
+    lock = None
+    if not force and not dry_run:
+        lock = _take_lock(store)
+    try:
+        return _prune(store, keep_last, keep_best, mode, dry_run, min_age, as_json)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _take_lock(store: Store) -> Any:
+    """The dirpath's lock (a saver's run takes the same), or UsageProblem naming its holder."""
+    from .stores.writers import holder_text, writer_identity
+
+    holder = {**writer_identity("tnt-snapshot-prune"), "started_at": time.time()}
+    try:
+        return store.lock(holder)
+    except ConfigError:
+        found = _lock_holder(store, LEASE_FNAME if isinstance(store, S3Store) else LOCK_FNAME)
+        raise UsageProblem(
+            f"refusing to prune {store.url}: a live run holds it ({holder_text(found)}); prune once it "
+            "has ended, or pass --force to prune while it runs"
+        ) from None
+
+
+def _prune(store: Store, keep_last: int, keep_best: Optional[str], mode: Optional[str], dry_run: bool,
+           min_age: float, as_json: bool) -> int:
     infos = survey(store)
     now = time.time()
     for i in infos:
@@ -1314,12 +1250,12 @@ def prune_command(dirpath: str, keep_last: int, keep_best: Optional[str], mode: 
         _print_table(out, table)
         others = [i.name for i in infos if i.name not in verdict]
         if others:
-            out.print(f"not snapshots, left alone: {', '.join(others)}")
+            _say(out, f"not snapshots, left alone: {', '.join(others)}")
         freed = sum(sizes[n] for n in (doomed if dry_run else deleted))
-        out.print(f"{'would delete' if dry_run else 'deleted'} {len(doomed) if dry_run else len(deleted)} "
+        _say(out, f"{'would delete' if dry_run else 'deleted'} {len(doomed) if dry_run else len(deleted)} "
                   f"snapshots, {human_size(freed)}")
         for line in failed:
-            out.print(f"could not delete {line}", style="red")
+            _say(out, f"could not delete {line}", style="red")
     return 1 if failed else 0
 
 
@@ -1332,8 +1268,9 @@ def diff_command(a: str, b: str, as_json: bool, endpoint_url: Optional[str], reg
     """Entries added, removed or changed from snapshot A to snapshot B.
 
     Tensors are compared by their bytes, and those that differ by max |a-b|; a sharded tensor
-    (ShardedTensor, DTensor) whole, once, under the first rank that records it. Exit status 0
-    when the snapshots hold the same values, 1 when they differ.
+    (ShardedTensor, DTensor) whole, once, under the first rank that records it; opaque state (RNG
+    generators, objects) as "differs". Exit status 0 when the snapshots hold the same values, 1
+    when they differ.
     """
     opts = _opts(endpoint_url, region)
     diffs, compared = diff_snapshots(_split(a, opts), _split(b, opts), opts)
@@ -1350,8 +1287,8 @@ def diff_command(a: str, b: str, as_json: bool, endpoint_url: Optional[str], reg
     counts: dict[str, int] = {}
     for d in diffs:
         counts[d["change"]] = counts.get(d["change"], 0) + 1
-    out.print(f"{compared} entries compared: {compared - len(diffs)} identical"
-              + "".join(f", {n} {c}" for c, n in counts.items()))
+    _say(out, f"{compared} entries compared: {compared - len(diffs)} identical"
+         + "".join(f", {n} {c}" for c, n in counts.items()))
     return 1 if diffs else 0
 
 
@@ -1383,7 +1320,7 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
     if os.path.exists(out_path) and not force:
         raise UsageProblem(f"{out_path} exists; pass --force to overwrite it")
     metadata = _require_metadata(store, name)
-    top = {p.split("/")[1] for p in metadata["manifest"] if p.startswith("0/") and "/" in p}
+    top = {p.split("/")[1] for p in metadata.manifest if p.startswith("0/")}
     if key is None:
         found = weight_keys(metadata)
         if len(found) != 1:
@@ -1432,7 +1369,7 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
         _emit_json({"snapshot": store.child(name), "key": key, "out": out_path, "format": fmt,
                     "tensors": len(tensors), "bytes": nbytes})
     else:
-        _console().print(f"exported {key} ({len(tensors)} tensors, {human_size(nbytes)}) from "
+        _say(_console(), f"exported {key} ({len(tensors)} tensors, {human_size(nbytes)}) from "
                          f"{store.child(name)} to {out_path} ({'safetensors' if fmt == 'safetensors' else 'torch.save'})")
     return 0
 

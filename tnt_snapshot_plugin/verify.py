@@ -49,6 +49,8 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     #: the checked index, or None (none, or damaged)
     index: Optional[dict[str, Any]] = None
+    #: why the index is damaged (``Store.checked_index``), or None
+    index_problem: Optional[str] = None
     #: the parsed metadata, or None (unreadable)
     metadata: Optional[Metadata] = None
 
@@ -87,7 +89,7 @@ def check(
     index, problem = store.checked_index(name)
     if problem is not None:
         verdict.problems.append(problem)
-    verdict.index = index
+    verdict.index, verdict.index_problem = index, problem
     files: dict[str, int] = index["files"] if index is not None else {}
     for rel, size in files.items():
         actual = size_of(rel)
@@ -122,8 +124,16 @@ def check(
     _check_locations(verdict, files if index is not None else None, size_of)
     if index is None and problem is None:
         verdict.notes.append(f"no {INDEX_FNAME}: not written by this plugin; sizes and checksums not recorded")
-    if checksums and index is not None:
-        _check_checksums(store, verdict, records, files, progress)
+    if checksums:
+        check_payloads(store, verdict, progress)
+    return verdict
+
+
+def check_payloads(store: Any, verdict: Verdict, progress: Optional[Callable[[int], None]] = None) -> Verdict:
+    """Add to ``verdict`` (from :func:`check`) the payloads whose bytes differ from the index's
+    checksum records: what ``check(..., checksums=True)`` does, without reading the rest again."""
+    if verdict.index is not None:
+        _check_checksums(store, verdict, verdict.index.get("checksums") or {}, verdict.index["files"], progress)
     return verdict
 
 
@@ -134,13 +144,19 @@ def _check_locations(
     them; None: ask the store)."""
     assert verdict.metadata is not None
     needed: dict[str, int] = {}  # file -> the end of the furthest byte range read from it
+    get = needed.get
     for entry in verdict.metadata.manifest.values():
-        if entry["type"] in CONTAINER_TYPES or entry["type"] in PRIMITIVE_TYPES:
-            continue
-        for rel, byte_range in locations(entry):
+        kind = entry["type"]
+        if kind == "Tensor" or kind == "object":  # one location: most entries
+            rel, byte_range = entry["location"], entry.get("byte_range")
             end = byte_range[1] if byte_range is not None else 0
-            if needed.get(rel, -1) < end:
+            if get(rel, -1) < end:
                 needed[rel] = end
+        elif kind not in CONTAINER_TYPES and kind not in PRIMITIVE_TYPES:
+            for rel, byte_range in locations(entry):
+                end = byte_range[1] if byte_range is not None else 0
+                if get(rel, -1) < end:
+                    needed[rel] = end
     for rel, end in sorted(needed.items()):
         size = files.get(rel) if files is not None else size_of(rel)
         if size is None:
@@ -167,9 +183,11 @@ def _check_checksums(
         ranges = sums.packed_ranges(record)
         try:
             if ranges:  # a pack of small tensors: each checked as restore reads it, then the whole
-                data = store.read_file(verdict.name, rel)
-                for start, end, _digest in ranges:
-                    verifier.check(rel, start, memoryview(data)[start:end])
+                data = memoryview(bytearray(files[rel]))
+                store.read_into(verdict.name, [(rel, 0, data)])
+                digest = sums.digest
+                if any(digest(data[start:end]) != expected for start, end, expected in ranges):
+                    raise sums.mismatch(verdict.name, rel)
                 verifier.check(rel, 0, data)
                 if progress is not None:
                     progress(len(data))

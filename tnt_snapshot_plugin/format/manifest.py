@@ -351,6 +351,13 @@ def _dtype_of(entry: dict) -> Optional[str]:
 def describe(entry: dict) -> EntryInfo:
     """The typed facts of a validated entry."""
     kind = entry["type"]
+    if kind == "Tensor":  # most entries: one location
+        rel, byte_range = entry["location"], entry.get("byte_range")
+        return EntryInfo(
+            "tensor", kind, dtype=entry["dtype"][6:], shape=entry["shape"],
+            nbytes=None if byte_range is None else byte_range[1] - byte_range[0],
+            locations=[(rel, byte_range)],
+        )
     if kind in CONTAINER_TYPES:
         return EntryInfo("container", kind)
     locs = list(locations(entry))

@@ -275,7 +275,8 @@ class Store:
         """The JSON object in file ``rel`` of child ``name``; None if missing or not one."""
         try:
             value = json.loads(self.read_file(name, rel))
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError,
+                RecursionError, SnapshotCorruptError):
             return None
         except Exception as exc:
             # read_file raises the plugin's error (s3_errors), botocore's as its cause
@@ -300,6 +301,8 @@ class Store:
             data = self.read_file(name, INDEX_FNAME)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             data = None
+        except SnapshotCorruptError as exc:  # not a regular file inside the snapshot
+            return None, f"its index {INDEX_FNAME} cannot be read ({exc})"
         except Exception as exc:
             if not (is_missing_key(exc) or is_missing_key(exc.__cause__)):  # type: ignore[arg-type]
                 raise

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
@@ -125,7 +126,16 @@ class LocalStore(Store):
         return not os.path.islink(os.path.join(self.root, name)) and super().is_complete(name)
 
     def read_file(self, name: str, rel: str) -> bytes:
-        with open(os.path.join(self.root, name, rel), "rb") as f:
+        """File ``rel`` of child ``name``: only a regular file inside ``dirpath`` (symlinks
+        resolved) is opened; SnapshotCorruptError for anything else (a FIFO, a device, a link
+        out of the directory); FileNotFoundError if it is missing."""
+        path = os.path.join(self.root, name, rel)
+        if not fileio.is_inside(self.root, os.path.join(name, rel)):
+            raise SnapshotCorruptError(f"{path} resolves outside {self.url}; it is never read")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SnapshotCorruptError(f"{path} is not a regular file; it is never read")
             return f.read()
 
     def file_size(self, name: str, rel: str) -> Optional[int]:
