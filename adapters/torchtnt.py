@@ -31,7 +31,7 @@ from tnt_snapshot_plugin.app_state import (
     check_collisions,
     is_stateful,
 )
-from tnt_snapshot_plugin.config import Knobs, SnapshotConfig
+from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S, Knobs, SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, require_process_group
 from tnt_snapshot_plugin.errors import ConfigError
 from tnt_snapshot_plugin.fsdp import wrap_fsdp_optimizers
@@ -97,6 +97,10 @@ class TorchSnapshotSaver(Callback):
         preemption_signals: on these signals, finish the step, snapshot, then exit as the signal
             asks (default ``[SIGTERM]``; ``[]`` disables).
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
+        storage_timeout_s: the longest training waits on the storage at a due snapshot (default
+            60 s): a step or epoch snapshot whose previous snapshot is still being written after
+            that long is skipped (SnapshotSkippedWarning, ``snapshot/skipped`` in the metrics),
+            and each request to an object store gives up within it, retries included.
         plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
         metric_logger: a torchtnt ``MetricLogger`` (``torchtnt.utils.loggers``) that receives
             each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
@@ -134,6 +138,7 @@ class TorchSnapshotSaver(Callback):
         on_save_error: str = "warn",
         preemption_signals: Iterable[Union[int, signal.Signals]] = (signal.SIGTERM,),
         collective_timeout_s: float = 600.0,
+        storage_timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         metric_logger: Optional[Any] = None,
         weights_only: bool = True,
@@ -163,6 +168,7 @@ class TorchSnapshotSaver(Callback):
             on_save_error=on_save_error,
             preemption_signals=preemption_signals,
             collective_timeout_s=collective_timeout_s,
+            storage_timeout_s=storage_timeout_s,
             knob_options=knob_options,
             best_metric=monitored,
             best_mode=mode,

@@ -32,6 +32,7 @@ METRICS = {
     "snapshot/write_MBps",
     "snapshot/waited_s",
     "snapshot/busy_waits",
+    "snapshot/skipped",
 }
 
 

@@ -356,7 +356,7 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
 
     # Every upload of the next epoch fails: nothing is committed, so nothing is deleted.
     real_client = s3_mod.s3_client
-    monkeypatch.setattr(s3_mod, "s3_client", lambda opts: _FailingPuts(real_client(opts)))
+    monkeypatch.setattr(s3_mod, "s3_client", lambda *args: _FailingPuts(real_client(*args)))
     events.clear()
     saver = TorchSnapshotSaver(
         run_url, save_every_n_train_steps=2, keep_last_n_snapshots=1, storage_options=options
@@ -565,7 +565,7 @@ def test_an_s3_lease_on_a_store_without_conditional_writes_is_written_plainly_wi
     from tnt_snapshot_plugin.snapshotter import Snapshotter
 
     real_client = s3_mod.s3_client
-    monkeypatch.setattr(s3_mod, "s3_client", lambda opts: _NoConditionalWrites(real_client(opts)))
+    monkeypatch.setattr(s3_mod, "s3_client", lambda *args: _NoConditionalWrites(real_client(*args)))
     config = SnapshotConfig.build(storage_options=options, preemption_signals=[])
     first, second = Snapshotter(run_url, config), Snapshotter(run_url, config)
     with pytest.warns(UserWarning, match="refuses conditional writes .*injected.*within the same second"):

@@ -17,6 +17,10 @@ from .retention import MODES, Best
 
 _SAVE_ERROR_POLICIES = ("warn", "raise")
 
+#: The default of ``storage_timeout_s``: the longest training waits on the storage at a due
+#: snapshot, and the time one storage request may take, its retries included.
+DEFAULT_STORAGE_TIMEOUT_S = 60.0
+
 
 def positive_int_or_none(name: str, value: Any) -> Optional[int]:
     """``value`` if it is None or an int >= 1; else a ConfigError naming ``name``."""
@@ -164,6 +168,9 @@ class SnapshotConfig:
     restore_fallback: bool = True
     preemption_signals: tuple[signal.Signals, ...] = field(default=(signal.SIGTERM,))
     collective_timeout_s: float = 600.0
+    #: the longest training waits on the storage at a due snapshot (see Snapshotter.save), and
+    #: the time one request to an object store may take, its retries included (stores/s3.py)
+    storage_timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S
     knobs: Knobs = field(default_factory=Knobs)
     #: best-k retention (retention.py): keep the k best snapshots by a metric
     best: Optional[Best] = None
@@ -187,6 +194,7 @@ class SnapshotConfig:
         restore_fallback: Any = True,
         preemption_signals: Any = (signal.SIGTERM,),
         collective_timeout_s: Any = 600.0,
+        storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S,
         knob_options: Any = None,
         best_metric: Any = None,
         best_mode: Any = "min",
@@ -197,7 +205,8 @@ class SnapshotConfig:
         ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs.
         ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
         ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
-        of these three settings, for the error messages."""
+        of these three settings, for the error messages. ``storage_timeout_s``: the longest
+        training waits on the storage at a due snapshot (default 60)."""
         async_snapshot = resolve_alias(
             "async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True
         )
@@ -233,6 +242,16 @@ class SnapshotConfig:
             raise ConfigError(
                 f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}"
             )
+        if (
+            isinstance(storage_timeout_s, bool)
+            or not isinstance(storage_timeout_s, (int, float))
+            or not math.isfinite(storage_timeout_s)
+            or storage_timeout_s <= 0
+        ):
+            raise ConfigError(
+                "storage_timeout_s must be a positive, finite number of seconds (the longest "
+                f"training waits on the storage at a due snapshot), got {storage_timeout_s!r}"
+            )
         return cls(
             best=_best(best_metric, best_mode, best_k, dict(names or {})),
             save_every_n_train_steps=positive_int_or_none(
@@ -252,6 +271,7 @@ class SnapshotConfig:
             restore_fallback=restore_fallback,
             preemption_signals=_signals("preemption_signals", preemption_signals),
             collective_timeout_s=float(collective_timeout_s),
+            storage_timeout_s=float(storage_timeout_s),
             knobs=Knobs.of("knob_options", knob_options),
         )
 

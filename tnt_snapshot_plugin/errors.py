@@ -56,6 +56,12 @@ class SnapshotFailedWarning(UserWarning):
     """Issued at every hook after a failed snapshot until a snapshot succeeds again."""
 
 
+class SnapshotSkippedWarning(SnapshotFailedWarning):
+    """A due snapshot was not taken: the previous one was still being written after training had
+    waited ``storage_timeout_s`` for it (the storage answers slowly or not at all). Issued once
+    per stuck write; every snapshot skipped is counted (``snapshot/skipped`` in the metrics)."""
+
+
 class SnapshotsAheadWarning(UserWarning):
     """A run starts in a dirpath holding snapshots ahead of its own progress (another, longer
     run's); this run's snapshots are ordered after them by commit. Issued once per saver."""

@@ -11,6 +11,8 @@ Every committed snapshot gives one INFO line on the ``tnt_snapshot_plugin.snapsh
 ``snapshot/write_MBps``    ``bytes_written / durable_s``, in MB/s
 ``snapshot/waited_s``      how long training waited for the previous snapshot before taking it
 ``snapshot/busy_waits``    how many times so far training waited for a snapshot being written
+``snapshot/skipped``       how many due snapshots were skipped so far: the previous one was
+                           still being written after training had waited ``storage_timeout_s``
 ========================== =====================================================================
 """
 
@@ -33,6 +35,7 @@ def snapshot_metrics(record: Any) -> dict[str, float]:
         "snapshot/write_MBps": record.write_bytes_per_s / 1e6,
         "snapshot/waited_s": float(record.waited_s),
         "snapshot/busy_waits": float(record.busy_waits),
+        "snapshot/skipped": float(getattr(record, "skipped", 0)),
     }
 
 
@@ -53,6 +56,9 @@ def log_line(record: Any) -> str:
     )
     if record.waited_s:
         line += f"; before it, training waited {record.waited_s:.3f}s for the previous one"
+    skipped = getattr(record, "skipped", 0)
+    if skipped:
+        line += f"; {skipped} due snapshot{'s' if skipped != 1 else ''} skipped so far (storage too slow)"
     return line
 
 

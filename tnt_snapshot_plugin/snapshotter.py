@@ -56,6 +56,7 @@ from .errors import (
     SnapshotError,
     SnapshotFailedWarning,
     SnapshotsAheadWarning,
+    SnapshotSkippedWarning,
     SnapshotWriteError,
     UnrestorableStateError,
 )
@@ -110,6 +111,9 @@ class SnapshotRecord:
     waited_s: float = 0.0
     #: how many times training has waited for a snapshot still being written (this saver)
     busy_waits: int = 0
+    #: how many due snapshots were skipped so far (this saver): the previous one was still being
+    #: written after training had waited ``storage_timeout_s`` for it
+    skipped: int = 0
 
     @property
     def write_bytes_per_s(self) -> float:
@@ -126,9 +130,16 @@ class SnapshotStats:
     #: times a snapshot was due while the previous one was still being written, and the total wait
     busy_waits: int = 0
     busy_wait_s: float = 0.0
+    #: due snapshots skipped: the previous one still being written after ``storage_timeout_s``
+    skipped: int = 0
 
 
 T = TypeVar("T")
+
+#: The events whose snapshot is skipped, rather than waited for, when the previous snapshot is
+#: still being written after ``storage_timeout_s``: the cadences. A final or preemption snapshot
+#: (and one the user asks for) waits for the previous one, however long it takes.
+_BOUNDED_EVENTS = frozenset({"step", "epoch", "eval_epoch"})
 
 #: The step gate when no step cadence is set: no step count reaches it.
 _NEVER = 1 << 62
@@ -220,7 +231,9 @@ class Snapshotter:
         # "" included): it is opened once broadcast, in attach(), on every rank alike.
         self._dirpath_arg = dirpath
         self._store: Store = (
-            None if is_initialized() else open_store(dirpath, config.storage_options)  # type: ignore[assignment]
+            None  # type: ignore[assignment]
+            if is_initialized()
+            else open_store(dirpath, config.storage_options, timeout_s=config.storage_timeout_s)
         )
         self._coll: Optional[Collectives] = None
         # The preemption agreement runs on the training thread while the writer thread
@@ -237,6 +250,11 @@ class Snapshotter:
         self.stats = SnapshotStats()
         self._busy_warned = False
         self._waited_s = 0.0
+        #: how long training has waited for writes at due snapshots since the last commit: at
+        #: most ``storage_timeout_s`` (then due snapshots are skipped while a write is pending)
+        self._blocked_s = 0.0
+        #: whether a skip was warned about since the last commit (one warning per outage)
+        self._skip_warned = False
         self._metrics: Optional[Any] = None
         #: identifies this saver's run in its writes (staging names, markers, the index), so a
         #: leftover can be told from a live write; renewed at each train start
@@ -279,7 +297,9 @@ class Snapshotter:
         dirpath = self._coll.broadcast(own)
         if self._store is None or dirpath != self._store.url:
             # Every rank opens rank 0's dirpath: a bad one raises the same error on every rank.
-            self._store = open_store(dirpath, self.config.storage_options)
+            self._store = open_store(
+                dirpath, self.config.storage_options, timeout_s=self.config.storage_timeout_s
+            )
         self._coll.on_rank0(self._store.check_writable)
         self._writer = SnapshotWriter(self._store, self._coll, self.config, self._load_check)
         self._writer.protected = self.protected
@@ -297,6 +317,7 @@ class Snapshotter:
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
         self._busy_warned = False  # the busy-wait warning is given once per run
+        self._blocked_s, self._skip_warned = 0.0, False  # a new budget of waits for the storage
         self.last_step = -1  # the run's first step end tells its step count (step_gate)
         self._regate()
         if self._lock is None:
@@ -615,7 +636,14 @@ class Snapshotter:
             return False
         # Without a metric every rank names it alike; with one, rank 0 reads it (below).
         name = self._name(epoch, step, eval_step, None)
-        self.wait(warn_busy=True)
+        # In one process, the cadences' snapshots wait for the previous ones at most
+        # storage_timeout_s in all between two commits; past that, one due while a write is
+        # still pending is skipped. Under torch.distributed every rank waits (the ranks would have
+        # to agree to skip; each storage request is bounded all the same).
+        bounded = event in _BOUNDED_EVENTS and self.collectives.world_size == 1
+        if not self.wait(warn_busy=True, timeout=self.config.storage_timeout_s if bounded else None):
+            self._skip(name)
+            return False
         self._last_name = progress
         # Rank 0 also picks the staging name, which every rank then writes into.
         self._writes += 1
@@ -693,6 +721,32 @@ class Snapshotter:
             self._wall.restart()  # the interval counts training time, not this stall
         return True
 
+    def _skip(self, name: SnapshotName) -> None:
+        """The due snapshot ``name`` is not taken: a write is still pending, and training has
+        waited ``storage_timeout_s`` for writes since the last commit. One warning until a
+        snapshot commits again; every skip is counted (``stats.skipped``, ``snapshot/skipped``
+        in the metrics)."""
+        job = self._pending
+        assert job is not None
+        self.stats.skipped += 1
+        path = self._store.child(name.text)
+        if self._skip_warned:
+            logger.info("snapshot %s skipped: snapshot %s is still being written", path, job.path)
+            return
+        self._skip_warned = True
+        warnings.warn(
+            f"snapshot {path} (epoch {name.epoch}, step {name.step}) was skipped: snapshot "
+            f"{job.path} is still being written ({time.perf_counter() - job.started:.1f}s so far) "
+            f"and training has waited {self._blocked_s:.1f}s for the storage since the last "
+            f"commit, the most storage_timeout_s={self.config.storage_timeout_s:g} allows; the "
+            "storage is slow or not answering. Training goes on: until a snapshot commits again, "
+            "a snapshot due while a write is pending is skipped without waiting (each counted "
+            "as snapshot/skipped in the snapshot metrics, logged at INFO). Older snapshots are "
+            "intact",
+            SnapshotSkippedWarning,
+            stacklevel=4,
+        )
+
     def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
         """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
         self.stats.failures += 1
@@ -719,15 +773,26 @@ class Snapshotter:
             and self._store.is_complete(name)
         )
 
-    def wait(self, *, warn_busy: bool = False, raise_errors: bool = True) -> None:
-        """Block until the pending snapshot (if any) is committed or failed, and reap it."""
+    def wait(
+        self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None
+    ) -> bool:
+        """Block until the pending snapshot (if any) is committed or failed, and reap it.
+
+        ``timeout``: wait no longer than that, counting every such wait since the last commit
+        (False: it is still being written; nothing is reaped). None: as long as it takes."""
         job = self._pending
         if job is None:
             self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
-            return
+            return True
         busy = warn_busy and not job.done.is_set()
         started = time.perf_counter()
-        job.done.wait()
+        if timeout is None:
+            job.done.wait()
+        else:
+            done = job.done.wait(max(0.0, timeout - self._blocked_s))
+            self._blocked_s += time.perf_counter() - started
+            if not done:
+                return False
         self._waited_s = 0.0
         if busy:
             self._note_busy_wait(job, time.perf_counter() - started)
@@ -738,6 +803,7 @@ class Snapshotter:
                 self._reap()
             except SnapshotError as exc:
                 logger.error("tnt_snapshot_plugin: %s", exc)
+        return True
 
     def _note_busy_wait(self, job: _Job, waited: float) -> None:
         """Training waited for a snapshot still being written: warn once per run, count every time."""
@@ -859,6 +925,8 @@ class Snapshotter:
             warnings.warn(message, SnapshotFailedWarning, stacklevel=3)
             return
         self._failure = None
+        self._blocked_s = 0.0  # the storage answers: a new budget of waits
+        self._skip_warned = False
         record = SnapshotRecord(
             job.path,
             job.name.epoch,
@@ -868,6 +936,7 @@ class Snapshotter:
             bytes_written=job.bytes_written,
             waited_s=job.waited_s,
             busy_waits=self.stats.busy_waits,
+            skipped=self.stats.skipped,
         )
         self.stats.committed.append(record)
         from .metrics import log_line

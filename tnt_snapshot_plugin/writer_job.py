@@ -27,13 +27,13 @@ import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from . import retention
 from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
 from .distributed import Collectives, raise_if_any_failed
-from .errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
+from .errors import SnapshotError, SnapshotWriteError, StorageUnavailableError, UnrestorableStateError
 from .format import writer as fmt
 from .format.common import METADATA_FNAME
 from .index import seal as seal_index
@@ -42,6 +42,8 @@ from .stores import Store
 from .stores.writers import writer_identity
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
 DEFAULT_IO_THREADS = 4
@@ -242,8 +244,8 @@ class SnapshotWriter:
         try:
             # the state's own fault on every rank that failed: the same on every rank
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
-        except SnapshotError:
-            if coll.rank == 0:
+        except SnapshotError as failure:
+            if coll.rank == 0 and self._may_clean_up(failure):
                 try:
                     store.remove(job.staging)
                 except Exception as exc:  # the failed write stays invisible to restore anyway
@@ -263,6 +265,15 @@ class SnapshotWriter:
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
         job.bytes_written = coll.on_rank0(commit)
+
+    def _may_clean_up(self, failure: BaseException) -> bool:
+        """Whether to remove what a failed write left, now. Not when the storage did not answer
+        and training is waiting (a synchronous snapshot): the removal would make it wait for
+        the storage once more. What is left is invisible to restore, and removed at the next
+        train start."""
+        return self.config.async_snapshot or not any(
+            isinstance(e, StorageUnavailableError) for e in _chain(failure)
+        )
 
     def _check_loadable(self, job: Any) -> None:
         """Refuse to write a snapshot restore could not load (off the training thread; every
@@ -371,7 +382,9 @@ class SnapshotWriter:
         index = seal_index(fields)  # its own digest: an index changed after the commit is told apart
         try:
             store.commit(job.staging, job.name.text, metadata, index)
-        except Exception:
+        except Exception as failure:
+            if not self._may_clean_up(failure):
+                raise
             # Not committed: nothing restore would ever read; do not leave it behind (on an
             # object store it is written under its final name: only if still incomplete).
             try:
@@ -417,13 +430,41 @@ class _Writes:
         self._done: list[tuple[str, int, dict[str, Any]]] = []
         #: the exception submit() raised, if any: a failure to store, not to encode
         self.failed: Optional[BaseException] = None
+        #: the first write that failed: the writes not started yet are not made (a storage that
+        #: stopped answering then costs the writes in flight, not every file of the snapshot)
+        self._broken: Optional[BaseException] = None
 
     def submit(self, payload: fmt.Payload) -> None:
         try:
+            self._check_broken()
             self._submit(payload)
         except BaseException as exc:
             self.failed = exc
             raise
+
+    def _check_broken(self) -> None:
+        broken = self._broken
+        if broken is not None:
+            raise SnapshotWriteError(
+                f"not written: an earlier write of this snapshot failed ({type(broken).__name__})"
+            ) from broken
+
+    def _on_pool(self, fn: Callable[..., T], *args: Any, must_run: bool = False) -> Future[T]:
+        """``fn(*args)`` on an I/O thread, unless a write has failed by the time it starts
+        (``must_run``: even then, it releases what was started)."""
+
+        def run() -> T:
+            if not must_run:
+                self._check_broken()
+            try:
+                return fn(*args)
+            except BaseException as exc:
+                if self._broken is None:
+                    self._broken = exc
+                raise
+
+        assert self.pool is not None
+        return self.pool.submit(run)
 
     def _submit(self, payload: fmt.Payload) -> None:
         writer, staging = self._writer, self._staging
@@ -443,9 +484,10 @@ class _Writes:
                     finish()
                 return result
 
-            self._pending.append(self.pool.submit(complete))
+            # a store that began the write (local disk: an open file) must finish it
+            self._pending.append(self._on_pool(complete, must_run=store.start_payload_copies))
         else:  # a file of its own: written (and hashed as it is written) on an I/O thread
-            self._pending.append(self.pool.submit(writer._write_payload, staging, payload))
+            self._pending.append(self._on_pool(writer._write_payload, staging, payload))
 
     def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         """Wait for every write; the files' sizes and checksum records. Raises the first
@@ -521,8 +563,8 @@ def _culprit(job: Any, leaves: Optional[dict[str, Any]]) -> Optional[tuple[str, 
     return None
 
 
-def _is_no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` or an exception it was raised from is a lack of space (ENOSPC, EDQUOT)."""
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
     seen: set[int] = set()
     stack: list[Optional[BaseException]] = [exc]
     while stack:
@@ -530,10 +572,13 @@ def _is_no_space(exc: BaseException) -> bool:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _NO_SPACE:
-            return True
+        yield current
         stack += [current.__cause__, current.__context__]
-    return False
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a lack of space (ENOSPC, EDQUOT)."""
+    return any(isinstance(e, OSError) and e.errno in _NO_SPACE for e in _chain(exc))
 
 
 _NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)

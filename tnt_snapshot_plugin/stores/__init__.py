@@ -27,8 +27,12 @@ from .base import (
 from .local import LocalStore
 
 
-def open_store(dirpath: str, storage_options: Optional[dict[str, Any]] = None) -> Store:
-    """The store for ``dirpath``: a local path, ``file://``, ``s3://`` or ``memory://`` URL."""
+def open_store(
+    dirpath: str, storage_options: Optional[dict[str, Any]] = None, *, timeout_s: Optional[float] = None
+) -> Store:
+    """The store for ``dirpath``: a local path, ``file://``, ``s3://`` or ``memory://`` URL.
+    ``timeout_s``: how long one request to an object store may take, retries included (None:
+    the default of ``storage_timeout_s``)."""
     if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
         raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
     dirpath = os.fspath(dirpath)
@@ -46,7 +50,9 @@ def open_store(dirpath: str, storage_options: Optional[dict[str, Any]] = None) -
     if protocol == "s3":
         from .s3 import S3Store
 
-        return S3Store(dirpath, storage_options)
+        if timeout_s is None:
+            return S3Store(dirpath, storage_options)
+        return S3Store(dirpath, storage_options, timeout_s)
     if protocol == "memory":
         from .fakes import open_memory
 

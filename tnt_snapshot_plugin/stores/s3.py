@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from ..config import DEFAULT_STORAGE_TIMEOUT_S
 from ..errors import (
     ConfigError,
     SnapshotCorruptError,
@@ -62,7 +63,9 @@ _s3_clients: dict[tuple[Any, ...], Any] = {}
 _s3_clients_lock = threading.Lock()
 
 
-def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
+def s3_client(storage_options: Optional[dict[str, Any]], timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S) -> Any:
+    """The shared boto3 S3 client for ``storage_options``, each of whose requests (retries and
+    their backoff included) gives up within ``timeout_s`` (:func:`request_limits`)."""
     try:
         import boto3
     except ImportError:
@@ -81,6 +84,7 @@ def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
     # included: it fills in what the options leave out).
     key = (
         os.getpid(),
+        float(timeout_s),
         tuple(sorted(options.items())),
         tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))),
     )
@@ -88,21 +92,56 @@ def s3_client(storage_options: Optional[dict[str, Any]]) -> Any:
         client = _s3_clients.get(key)
         if client is None:
             client = _s3_clients[key] = boto3.session.Session().client(
-                "s3", config=_s3_config(), **options
+                "s3", config=_s3_config(timeout_s), **options
             )
     return client
 
 
-def _s3_config() -> Any:
-    """Transient errors (connection refused or reset, timeouts, throttling, 5xx) are retried with
-    exponential backoff by botocore's "standard" retry mode, 4 attempts in all unless
-    ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` say otherwise; a connection is given 10 s."""
+def _s3_config(timeout_s: float) -> Any:
+    """botocore's configuration: see :func:`request_limits`."""
     from botocore.config import Config
 
-    retries: dict[str, Any] = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
-    if "AWS_MAX_ATTEMPTS" not in os.environ:
-        retries["total_max_attempts"] = 4
-    return Config(retries=retries, connect_timeout=10, read_timeout=60)
+    attempts, connect, read = request_limits(timeout_s)
+    retries: dict[str, Any] = {
+        "mode": os.environ.get("AWS_RETRY_MODE", "standard"),
+        "total_max_attempts": attempts,
+    }
+    return Config(retries=retries, connect_timeout=connect, read_timeout=read)
+
+
+#: The most attempts a request gets (``AWS_MAX_ATTEMPTS`` may say otherwise).
+MAX_ATTEMPTS = 4
+#: The least time an attempt gets (connect and read together) while it can be retried: a bound
+#: too small for that many attempts of this length gets fewer attempts.
+MIN_ATTEMPT_S = 2.0
+#: The longest a connection is given (the rest of an attempt's time goes to reading).
+MAX_CONNECT_S = 10.0
+
+
+def _backoff_s(attempts: int) -> float:
+    """The longest botocore sleeps between ``attempts`` attempts: up to 2**(i-1) s before
+    retry i, capped at 20 s each (its exponential backoff, "standard" and "legacy" alike)."""
+    return float(sum(min(2.0 ** (i - 1), 20.0) for i in range(1, attempts)))
+
+
+def request_limits(timeout_s: float) -> tuple[int, float, float]:
+    """(attempts, connect timeout, read timeout) such that one request, every attempt and the
+    backoff between them included, gives up within ``timeout_s``: transient errors (a connection
+    refused or reset, timeouts, throttling, 5xx) are retried with exponential backoff, up to
+    ``MAX_ATTEMPTS`` attempts in all (or ``AWS_MAX_ATTEMPTS``), fewer when ``timeout_s`` leaves
+    an attempt under ``MIN_ATTEMPT_S``. An attempt's time is a third for the connection (at most
+    ``MAX_CONNECT_S``), the rest for each read (botocore's read timeout bounds the time without a
+    byte from the server, not a whole transfer: a large upload that keeps moving is not cut).
+    With the default of 60 s: 4 attempts, 4.4 s to connect, 8.8 s to read."""
+    try:
+        attempts = max(1, int(os.environ.get("AWS_MAX_ATTEMPTS", MAX_ATTEMPTS)))
+    except ValueError:
+        attempts = MAX_ATTEMPTS
+    while attempts > 1 and (timeout_s - _backoff_s(attempts)) / attempts < MIN_ATTEMPT_S:
+        attempts -= 1
+    attempt_s = (timeout_s - _backoff_s(attempts)) / attempts
+    connect = min(MAX_CONNECT_S, attempt_s / 3)
+    return attempts, connect, attempt_s - connect
 
 
 _CREDENTIAL_CODES = frozenset(
@@ -377,14 +416,17 @@ class S3Store(Store):
     #: Payloads larger than this go up as a multipart upload in parts of this size.
     multipart_bytes = MULTIPART_BYTES
 
-    def __init__(self, url: str, storage_options: Optional[dict[str, Any]]) -> None:
+    def __init__(
+        self, url: str, storage_options: Optional[dict[str, Any]], timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S
+    ) -> None:
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         rest = self.url[len("s3://"):]
         self.bucket, _, self.prefix = rest.partition("/")
         if not self.bucket:
             raise ConfigError(f"dirpath {url!r} names no bucket; expected s3://BUCKET/PREFIX")
         self.storage_options = storage_options
-        self.client = s3_client(storage_options)
+        self.client = s3_client(storage_options, timeout_s)
 
     def _key(self, name: str, rel: str = "") -> str:
         parts = [p for p in (self.prefix, name, rel) if p]
@@ -394,7 +436,7 @@ class S3Store(Store):
         return f"{self.url}/{name}"
 
     def nested(self, name: str) -> Store:
-        return S3Store(self.child(name), self.storage_options)
+        return S3Store(self.child(name), self.storage_options, self.timeout_s)
 
 
     @translated
@@ -546,5 +588,5 @@ class S3Store(Store):
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
 
-__all__ = ["LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS", "fetch_ranges", "s3_client",
-           "s3_error", "s3_errors", "translated"]
+__all__ = ["LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS", "fetch_ranges", "request_limits",
+           "s3_client", "s3_error", "s3_errors", "translated"]
