@@ -174,10 +174,11 @@ class TorchSnapshotSaver(ModelCheckpoint):
             ``every_n_epochs``, ``every_n_train_steps`` and ``train_time_interval`` is given,
             every epoch, as ``ModelCheckpoint``. Unlike ``ModelCheckpoint``, the cadences
             combine: any of them due takes a snapshot.
-        save_on_train_epoch_end: as ``ModelCheckpoint``'s: False takes the epoch cadence's
-            snapshots at the end of validation (each validation of a due epoch, also mid-epoch
-            with ``val_check_interval``); True or None (default) at the end of the training
-            epoch, after that epoch's validation.
+        save_on_train_epoch_end: as ``ModelCheckpoint``'s: whether the epoch cadence's snapshots
+            are taken at the end of the training epoch (after that epoch's validation) or at the
+            end of each validation of a due epoch (also mid-epoch with ``val_check_interval``).
+            None (default): at the epoch's end, unless validation runs more than once an epoch,
+            by time, or not every epoch (``check_val_every_n_epoch``), as ``ModelCheckpoint``.
         save_every_n_train_steps, save_every_n_epochs: torchtnt's names of
             ``every_n_train_steps`` / ``every_n_epochs`` (>= 1).
         replicated: glob patterns of entries identical on every rank, saved once instead of once
@@ -315,13 +316,11 @@ class TorchSnapshotSaver(ModelCheckpoint):
         self.save_last = save_last
         self.save_top_k = save_top_k
         self._save_on_train_epoch_end = save_on_train_epoch_end
-        #: the epoch cadence, when it runs at validation end (save_on_train_epoch_end=False)
-        self._val_every_n_epochs = (epochs or None) if save_on_train_epoch_end is False else None
         self._weights_only = weights_only
         self._portable = process_group is None and plugin_manager is None
         self._config = SnapshotConfig.build(
             save_every_n_train_steps=steps or None,
-            save_every_n_epochs=(epochs or None) if save_on_train_epoch_end is not False else None,
+            save_every_n_epochs=epochs or None,
             save_every_n_seconds=_seconds(train_time_interval),
             keep_last_n_snapshots=keep_last_n_snapshots,
             keep_last_n_checkpoints=keep_last_n_checkpoints,
@@ -435,7 +434,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
     @property
     def every_n_epochs(self) -> Optional[int]:  # type: ignore[override]
         """The epoch cadence (None: no epoch snapshots)."""
-        return self._config.save_every_n_epochs or self._val_every_n_epochs
+        return self._config.save_every_n_epochs
 
     @property
     def ckpt_path(self) -> Optional[str]:
@@ -736,7 +735,10 @@ class TorchSnapshotSaver(ModelCheckpoint):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Snapshot if the epoch cadence (or a plugin) says so."""
+        """Snapshot if the epoch cadence (or a plugin) says so, unless that cadence runs at the
+        end of validation (``save_on_train_epoch_end``, decided as ``ModelCheckpoint`` does)."""
+        if not self._should_save_on_train_epoch_end(trainer):
+            return
         # Lightning counts the epoch as completed only after this hook; it is processed already.
         # (epoch_progress is a _Progress whose tracker is declared as the base class; the fit
         # loop's is a _ProcessedTracker)
@@ -747,10 +749,13 @@ class TorchSnapshotSaver(ModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """(``save_on_train_epoch_end=False``) the epoch cadence's snapshot, after each validation
-        of a due epoch while fitting, as ``ModelCheckpoint`` saves then."""
-        n = self._val_every_n_epochs
+        """The epoch cadence's snapshot after each validation of a due epoch while fitting, when
+        ``save_on_train_epoch_end`` (decided as ``ModelCheckpoint`` decides it: False, or None
+        with validation more than once an epoch, by time, or not every epoch) says so."""
+        n = self._config.save_every_n_epochs
         if n is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._should_save_on_train_epoch_end(trainer):
             return
         if (trainer.current_epoch + 1) % n != 0:
             return

@@ -320,6 +320,69 @@ def _ddp(out: str, preempt: bool) -> None:
         json.dump(result, f)
 
 
+class ScoredByEpoch(ToyModule):
+    """Logs ``val_loss`` from :data:`BEST_VAL_LOSS` by epoch (the same on every rank)."""
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.log("val_loss", BEST_VAL_LOSS[self.trainer.current_epoch])
+
+
+#: the val_loss of each epoch in ``ddp-best``
+BEST_VAL_LOSS = [0.5, 0.3, 0.4, 0.6, 0.45]
+
+
+def _ddp_best(out: str) -> None:
+    """One rank of a DDP run with best-k (beside a ModelCheckpoint with the same arguments), then
+    a new Trainer resuming with ``ckpt_path="best"``."""
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+    from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
+
+    rank = int(os.environ["LOCAL_RANK"])
+    snaps = os.path.join(out, "snaps")
+
+    def loader(n: int) -> ResumableLoader:
+        return ResumableLoader(make_data(n), seed=3, rank=rank, world_size=2)
+
+    def trainer(callbacks: list[Any], max_epochs: int) -> pl.Trainer:
+        return make_trainer(
+            out, callbacks, strategy="ddp", devices=2, max_epochs=max_epochs,
+            use_distributed_sampler=False, limit_val_batches=1, num_sanity_val_steps=0,
+        )
+
+    arguments = dict(monitor="val_loss", mode="min", save_top_k=1, every_n_epochs=1)
+    seed_everything(7)
+    mc = ModelCheckpoint(dirpath=os.path.join(out, "mc"), **arguments)
+    mine = snaps if rank == 0 else os.path.join(out, "rank1_dirpath")  # rank 0's wins
+    saver = TorchSnapshotSaver(mine, collective_timeout_s=60, **arguments)
+    trainer([mc, saver], max_epochs=4).fit(ScoredByEpoch(seed=0), loader(24), loader(8))
+    result: dict[str, Any] = {
+        "rank": rank,
+        "best_model_path": saver.best_model_path,
+        "best_model_score": float(saver.best_model_score),
+        "mc_best_model_path": mc.best_model_path,
+        "mc_best_model_score": float(mc.best_model_score),
+        "kept": sorted(os.listdir(snaps)),
+        "mc_kept": sorted(os.listdir(os.path.join(out, "mc"))),
+    }
+
+    class Start(Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            result["resumed_at"] = [trainer.current_epoch, trainer.global_step]
+
+    resumer = TorchSnapshotSaver(snaps, collective_timeout_s=60, **arguments)
+    again = trainer([resumer, Start()], max_epochs=5)
+    again.fit(ScoredByEpoch(seed=1 + rank), loader(24), loader(8), ckpt_path="best")
+    result.update(
+        resumed_from=str(again.ckpt_path),
+        global_step=again.global_step,
+        best_after_resume=resumer.best_model_path,
+        kept_after_resume=sorted(os.listdir(snaps)),
+    )
+    with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main(argv: list[str]) -> None:
     mode, out = argv
     torch.set_num_threads(1)
@@ -327,6 +390,8 @@ def main(argv: list[str]) -> None:
         _preempt(out)
     elif mode in ("ddp", "ddp-preempt"):
         _ddp(out, preempt=mode == "ddp-preempt")
+    elif mode == "ddp-best":
+        _ddp_best(out)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

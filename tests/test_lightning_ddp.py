@@ -42,3 +42,33 @@ def test_ddp_two_processes_save_and_resume_bitwise(tmp_path):
         # every rank drew its own dropout masks and numbers: equal only if each restored its own RNG
         assert result["resumed"] == result["reference"]
     assert results[0]["reference"] == results[1]["reference"]
+
+
+@pytest.mark.slow
+def test_ddp_best_k_and_ckpt_path_best(tmp_path):
+    """Best-k under DDP (2 gloo ranks), beside a ModelCheckpoint given the same arguments in the
+    same Trainer; then a new Trainer resumes with ckpt_path="best" (see ``_ddp_best``)."""
+    codes = run_script("ddp-best", tmp_path, ranks=2)
+    assert codes == [0, 0], logs(tmp_path)
+    results = [json.loads((tmp_path / f"result_rank{rank}.json").read_text()) for rank in (0, 1)]
+    best = str(tmp_path / "snaps" / "epoch_2_step_6_val_loss=0.3")
+    for result in results:
+        # the best (0.3, the second epoch) and the newest; ModelCheckpoint keeps the best alone
+        assert result["kept"] == [
+            "epoch_2_step_6_val_loss=0.3",
+            "epoch_4_step_12_val_loss=0.6",
+        ]
+        assert result["mc_kept"] == ["epoch=1-step=6.ckpt"]
+        assert result["best_model_path"] == best  # on every rank, rank 0's directory
+        assert result["mc_best_model_path"] == str(tmp_path / "mc" / "epoch=1-step=6.ckpt")
+        assert result["best_model_score"] == result["mc_best_model_score"] == pytest.approx(0.3)
+        # ckpt_path="best" resumed every rank from the best snapshot, not the newest
+        assert result["resumed_from"] == best
+        assert result["resumed_at"] == [2, 6]
+        assert result["global_step"] == 15
+        # the resumed run's epochs score 0.4, 0.6, 0.45 by epoch: 0.3 is still the best
+        assert result["best_after_resume"] == best
+        assert result["kept_after_resume"] == [
+            "epoch_2_step_6_val_loss=0.3",
+            "epoch_5_step_15_val_loss=0.45",
+        ]
