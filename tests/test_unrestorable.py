@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -79,6 +80,21 @@ def test_lambda_in_a_stateful_dict_is_named(tmp_path):
     assert "'extra/hooks/1'" in message, message
     assert "builtins.function" in message, message
     assert unit.train_progress.num_steps_completed < STEPS
+    assert not [w for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+    assert entries(tmp_path) == []
+
+
+@pytest.mark.parametrize("async_snapshot", [True, False], ids=["async", "sync"])
+def test_a_lock_that_cannot_be_copied_nor_pickled_is_named(tmp_path, async_snapshot):
+    """An asynchronous snapshot copies the state on the training thread (copy.deepcopy refuses
+    a lock); a synchronous one pickles it (pickle refuses it): the same error either way."""
+    unit, info, caught = run(
+        tmp_path, {"guard": threading.Lock(), "scale": torch.ones(2)}, async_snapshot=async_snapshot
+    )
+    message = str(info.value)
+    assert "'extra/guard'" in message, message
+    assert "_thread.lock" in message, message
+    assert unit.train_progress.num_steps_completed == EVERY  # stopped at the first snapshot
     assert not [w for w in caught if issubclass(w.category, SnapshotFailedWarning)]
     assert entries(tmp_path) == []
 

@@ -688,6 +688,13 @@ class Snapshotter:
         if self.config.async_snapshot:
             try:
                 frozen = self._stager.stage(entries)
+            except Exception as exc:
+                uncopyable = _uncopyable(name, entries, exc)
+                if uncopyable is None:
+                    raise
+                self._last_name = None
+                self.stats.failures += 1
+                raise uncopyable from exc
             finally:
                 sources = self._stager.take_sources()
         else:
@@ -952,6 +959,45 @@ class Snapshotter:
             SnapshotFailedWarning,
             stacklevel=3,
         )
+
+
+def _uncopyable(name: SnapshotName, entries: Mapping[str, Any], exc: BaseException) -> Optional[UnrestorableStateError]:
+    """UnrestorableStateError naming the first value of ``entries`` that cannot be copied for an
+    asynchronous snapshot (``copy.deepcopy`` refuses it, as it refused when staging raised
+    ``exc``); None if each copies on its own (``exc`` is then not the state's fault)."""
+    import copy
+
+    import torch
+
+    if isinstance(exc, (SnapshotError, MemoryError)):
+        return None
+    for key, stateful in entries.items():
+        try:
+            stack: list[tuple[str, Any]] = [(key, stateful.state_dict())]
+        except Exception:
+            return None  # the stateful's own state_dict() fails: its error is the one to see
+        while stack:
+            path, value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                continue
+            if isinstance(value, dict):
+                stack.extend((f"{path}/{k}", v) for k, v in value.items())
+            elif isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+                stack.extend((f"{path}/{i}", v) for i, v in enumerate(value))
+            else:
+                try:
+                    copy.deepcopy(value)
+                except Exception as cause:
+                    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+                    return UnrestorableStateError(
+                        f"snapshot {name}: the app-state entry {path!r} holds a {kind} that cannot "
+                        f"be copied for an asynchronous snapshot ({type(cause).__name__}: {cause}). "
+                        "Nothing was written, and training stops whatever on_save_error says: "
+                        "every snapshot of this state would fail the same way. Store it as tensors "
+                        "or plain values (numbers, strings, lists, dicts), or leave it out of the "
+                        "state_dict"
+                    )
+    return None
 
 
 def _is_ddp(obj: Any) -> bool:
