@@ -13,9 +13,11 @@ An adapter translates its framework's events into four calls, each given the pro
 
 How a snapshot is taken (asynchronous mode):
 
-1. on the training thread: wait for the previous snapshot (one in flight at most), call every
-   entry's ``state_dict()`` and copy the tensors into reused staging buffers. This copy is the
-   whole stall; training then mutates its tensors freely.
+1. on the training thread: wait for the previous snapshot (one in flight at most; for the
+   cadences' snapshots in one process, at most ``storage_timeout_s`` in all between two commits,
+   then the due snapshot is skipped), call every entry's ``state_dict()`` and copy the tensors
+   into reused staging buffers. This copy is the whole stall; training then mutates its tensors
+   freely.
 2. on a background thread: :class:`writer_job.SnapshotWriter` writes the copies in
    torchsnapshot's format under a staging name (every file fsynced and checksummed); the ranks
    agree whether every rank wrote everything; rank 0 commits (the manifest and the index, with
