@@ -132,7 +132,7 @@ def _run(
     interrupt_at: int,
 ) -> None:
     _seed(0)
-    saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=every, save_every_n_epochs=1)
+    saver = TorchSnapshotSaver(dirpath, every_n_train_steps=every, every_n_epochs=1)
     started = time.perf_counter()
     try:
         _trainer(epochs, [saver], root).fit(
@@ -145,7 +145,7 @@ def _run(
 
     _seed(12345)  # a new process would not share the crashed one's RNG state
     resumed = DemoModule(seed=999)
-    saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=every, save_every_n_epochs=1)
+    saver = TorchSnapshotSaver(dirpath, every_n_train_steps=every, every_n_epochs=1)
     timing = _Timing()
     trainer = _trainer(epochs, [timing, saver], root)
     started = time.perf_counter()

@@ -466,6 +466,8 @@ class TorchSnapshotSaver(ModelCheckpoint):
                 "local files for it; pass ckpt_path=<the snapshot's URL> to resume from one",
                 stacklevel=2,
             )
+            self._resolved_last = None
+            return set()
         path = self.ckpt_path
         self._resolved_last = path
         if path is None:
