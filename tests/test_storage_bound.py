@@ -21,15 +21,25 @@ from typing import Any
 
 import boto3
 import pytest
+import torch
 from test_s3 import _start_moto, _stop, no_aws_environment  # noqa: F401  (fixture)
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import ConfigError, SnapshotFailedWarning, SnapshotSkippedWarning
+from tnt_snapshot_plugin import (
+    ConfigError,
+    SnapshotFailedWarning,
+    SnapshotSkippedWarning,
+    SnapshotWriteError,
+)
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S, SnapshotConfig
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.stores import LocalStore
+from tnt_snapshot_plugin.stores.fakes import FaultyStore, register, unregister
 from tnt_snapshot_plugin.stores.s3 import _backoff_s, request_limits
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+from tnt_snapshot_plugin.writer_job import DEFAULT_IO_THREADS
+from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 pytestmark = pytest.mark.slow
 
@@ -181,3 +191,28 @@ def test_storage_timeout_must_be_a_positive_number(bad):
     with pytest.raises(ConfigError, match="storage_timeout_s"):
         SnapshotConfig.build(storage_timeout_s=bad)
     assert SnapshotConfig.build().storage_timeout_s == DEFAULT_STORAGE_TIMEOUT_S
+
+
+def test_a_write_stops_starting_files_once_one_has_failed(tmp_path, request):
+    """A storage that hangs then fails every request (as a frozen endpoint's timeouts do): the
+    files in flight fail, and the snapshot's other files are never started, so the failed write
+    ends after one request's time instead of one per file."""
+    faulty = FaultyStore(LocalStore(str(tmp_path)))
+    name = f"stuck-{uuid.uuid4().hex[:8]}"
+    url = register(name, faulty)
+    request.addfinalizer(lambda: unregister(name))
+
+    def hang_then_fail(*args: Any) -> None:
+        time.sleep(0.5)
+        raise OSError("the storage did not answer in time (injected)")
+
+    saver = Snapshotter(url, SnapshotConfig.build(async_snapshot=False, on_save_error="raise"))
+    saver.train_start(["h"], 0, 0)
+    faulty.hook("write_payload", before=hang_then_fail)
+    # ten tensors of 4 MiB: each a file of its own, written DEFAULT_IO_THREADS at a time
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(10)}
+    with pytest.raises(SnapshotWriteError, match="did not answer"):
+        saver.save(0, 1, {"h": Holder(state)})
+    started = [args for op, args in faulty.calls if op == "write_payload"]
+    assert 1 <= len(started) <= DEFAULT_IO_THREADS, started
+    saver.train_end(0, 1, lambda intra_epoch: {})
