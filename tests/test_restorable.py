@@ -156,6 +156,7 @@ def test_planted_pickle_is_refused_by_default(tmp_path):
     torch.save(_Planted(str(marker)), os.path.join(newest, location))
     # The plant alone is caught by the checksum as damage; a planter rewrites the index too.
     from tnt_snapshot_plugin.checksums import record_views
+    from tnt_snapshot_plugin.index import seal as seal_index
 
     index_path = os.path.join(newest, ".tnt_snapshot_index.json")
     with open(index_path) as f:
@@ -164,8 +165,9 @@ def test_planted_pickle_is_refused_by_default(tmp_path):
         planted = f.read()
     index["checksums"][location] = record_views([memoryview(planted)])
     index["files"][location] = len(planted)
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    del index["seal"]
+    with open(index_path, "wb") as f:
+        f.write(seal_index(index))  # sealed again: the seal is integrity, not authenticity
 
     with pytest.raises(UnrestorableStateError, match="mkdir"):
         TorchSnapshotSaver.restore(newest, HoldingUnit(None))

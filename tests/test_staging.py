@@ -190,12 +190,12 @@ def test_buffers_are_reused_and_hold_copies_not_the_live_tensors():
 
 def test_a_dict_of_cpu_tensors_is_staged_into_one_arena_per_dtype_with_every_value_exact():
     """Shapes of every kind (0-d, empty, 1-D, N-D, a non-contiguous view), three dtypes and a
-    Parameter that requires grad: each dtype's buffers are consecutive views of one tensor, in
+    tensor that requires grad: each dtype's buffers are consecutive views of one tensor, in
     the dict's order, and every staged value equals its source, at the first stage and at a
     later one that reuses the buffers."""
     gen = torch.Generator().manual_seed(7)
     state = OrderedDict(
-        w=torch.nn.Parameter(torch.randn(4, 3, generator=gen)),
+        w=torch.randn(4, 3, generator=gen).requires_grad_(),
         b=torch.randn(3, generator=gen),
         step=torch.tensor(11),
         none=torch.empty(0),
@@ -312,7 +312,8 @@ def test_staged_copies_never_join_the_autograd_graph():
     weight = torch.nn.Parameter(torch.randn(3, 3))
     out = (weight * 2).sum()  # a tensor with history, returned by some state_dict
     staged = Stager().stage({"h": Holder({"w": weight, "loss": out})})["h"].state_dict()
-    assert not staged["w"].requires_grad and staged["w"].grad_fn is None
+    # the Parameter is copied as a new leaf Parameter (saved with its requires_grad), no history
+    assert staged["w"].is_leaf and staged["w"].grad_fn is None and staged["w"] is not weight
     assert not staged["loss"].requires_grad and staged["loss"].grad_fn is None
 
 
@@ -494,3 +495,13 @@ def test_a_changed_dict_lets_go_of_its_old_arena_before_making_the_new_one(monke
     staged = stager.stage({"h": holder})["h"].state_dict()
     assert alive_when_allocating == [False]
     assert all(torch.equal(staged[k], v) for k, v in state.items())
+
+
+def test_a_parameter_is_staged_as_a_parameter_with_its_requires_grad():
+    state = {"p": torch.nn.Parameter(torch.randn(3)), "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False)}
+    staged = Stager().stage({"h": Holder(state)})["h"].state_dict()
+    for key, value in state.items():
+        assert type(staged[key]) is torch.nn.Parameter and staged[key] is not value
+        assert staged[key].requires_grad == value.requires_grad
+        assert staged[key].untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+        assert torch.equal(staged[key].detach(), value.detach())

@@ -180,7 +180,9 @@ class Value:
         self.value = state
 
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: Tensors staged into reused buffers. A Parameter is copied as a Parameter (its type and
+#: ``requires_grad`` are saved with it), a sparse tensor as itself.
+_PLAIN_TENSOR_TYPES = (torch.Tensor,)
 #: The staging-buffer path component of a sharded tensor's local shards.
 _SHARD = "<local shard>"
 # What a staging buffer must still match, each compared as one list per dict, in C (three
@@ -190,7 +192,7 @@ _SHAPE, _DTYPE, _LAYOUT = attrgetter("shape"), attrgetter("dtype"), attrgetter("
 
 def sharded_kind(obj: Any) -> Optional[str]:
     """``"sharded"`` for a ``ShardedTensor``, ``"dtensor"`` for a ``DTensor``, else None."""
-    if not isinstance(obj, torch.Tensor) or type(obj) in _PLAIN_TENSOR_TYPES:
+    if not isinstance(obj, torch.Tensor) or type(obj) in (torch.Tensor, torch.nn.Parameter):
         return None
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
@@ -397,6 +399,8 @@ class Stager:
             kind = sharded_kind(obj)
             if kind is not None:
                 return self._copy_sharded(obj, kind, where)
+            if type(obj) is torch.nn.Parameter:
+                return torch.nn.Parameter(obj.detach().clone(), requires_grad=obj.requires_grad)
             return obj.detach().clone()
         if isinstance(obj, dict):
             layout = self._layouts.get(where)

@@ -124,12 +124,14 @@ def allowed_globals() -> Iterator[None]:
 
 def load_object(buf: Any, *, weights_only: bool = True) -> Any:
     """An object entry's bytes (written by ``torch.save``) as the object; its tensors on CPU
-    unless CUDA is available (where torchsnapshot's own reader puts them)."""
+    unless CUDA is available (where torchsnapshot's own reader puts them). A sparse tensor is
+    checked as it is built (indices within its shape), so damaged bytes raise instead of
+    making a tensor that reads out of bounds."""
     import torch
 
     data = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)
     location = None if torch.cuda.is_available() else torch.device("cpu")
-    with allowed_globals():
+    with allowed_globals(), torch.sparse.check_sparse_tensor_invariants(enable=True):
         return torch.load(io.BytesIO(data), map_location=location, weights_only=weights_only)
 
 

@@ -108,6 +108,18 @@ def _sharded_kind(target: Any) -> Optional[str]:
     return None
 
 
+def _takes_in_place(target: Any, value: Any) -> bool:
+    """Whether a tensor read whole (an object entry: a Parameter) goes into ``target`` in place."""
+    return (
+        isinstance(value, torch.Tensor)
+        and type(target) in _PLAIN_TENSORS
+        and value.layout is _STRIDED
+        and target.layout is _STRIDED
+        and target.shape == value.shape
+        and _sharded_kind(value) is None
+    )
+
+
 def _check_dtype(path: str, target: Any, dtype: torch.dtype) -> None:
     """StateMismatchError if ``target`` is a tensor of another dtype than the saved ``dtype``: the
     saved bytes are never cast (a quantized tensor saved may fill a float target: dequantized)."""
@@ -424,12 +436,25 @@ class _Plan:
 
         self.after.append(copy)
 
-    def object(self, path: str, entry: dict) -> None:
+    def object(self, path: str, entry: dict, target: Any = None) -> None:
         rel = self.location(entry, path)
         start, size = self.span(entry, path, rel, None)
         buf = bytearray(size)
         self.read(rel, start, memoryview(buf), path)
-        self.after.append(lambda: self.values.__setitem__(path, self.unpickle(path, rel, buf)))
+
+        def load() -> None:
+            value = self.unpickle(path, rel, buf)
+            if _takes_in_place(target, value):
+                # a Parameter kept in a state dict: filled in place (whatever holds it, an
+                # optimizer, keeps the same object), with the saved requires_grad
+                _check_dtype(path, target, value.dtype)
+                target.detach().copy_(value.detach())
+                if target.is_leaf and target.requires_grad != value.requires_grad:
+                    target.requires_grad_(value.requires_grad)
+                value = target
+            self.values[path] = value
+
+        self.after.append(load)
 
     def primitive(self, path: str, entry: dict) -> None:
         self.values[path] = primitive_value(entry, path, self.what)
@@ -443,7 +468,7 @@ class _Plan:
         elif kind == "ChunkedTensor":
             self.chunked(path, entry, target)
         elif kind == "object":
-            self.object(path, entry)
+            self.object(path, entry, target)
         elif kind in PRIMITIVE_TYPES:
             self.primitive(path, entry)
         else:

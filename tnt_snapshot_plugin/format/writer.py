@@ -73,6 +73,7 @@ NOMINAL_OBJECT_BYTES = 1024
 MAX_COMPONENT_BYTES = 200
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 _PRIMITIVES = {int: "int", str: "str", bool: "bool", bytes: "bytes", float: "float"}
 
 #: A str as a JSON string literal, non-ASCII kept as is (``json.dumps(text, ensure_ascii=False)``,
@@ -549,7 +550,7 @@ class _Builder:
 
     def add(self, path: str, manifest_path: str, value: Any, replicated: bool) -> None:
         kind = type(value)
-        if kind in _PLAIN_TENSOR_TYPES:
+        if kind is torch.Tensor and value.layout is _STRIDED:
             text = self.entries[manifest_path] = self.tensor(path, value, None, replicated)
             if self.recorder is not None:
                 self._record(path, manifest_path, value, text)
@@ -562,6 +563,11 @@ class _Builder:
         elif isinstance(value, torch.Tensor) and _is_distributed(value):
             self._not_reusable()
             self.add_distributed(path, manifest_path, value, replicated)
+        elif kind is torch.nn.Parameter or (isinstance(value, torch.Tensor) and value.layout is not _STRIDED):
+            # A Parameter (its type and requires_grad) and a sparse tensor (COO, CSR, CSC, BSR,
+            # BSC) are stored whole with torch.save, which keeps what raw bytes cannot.
+            self._not_reusable()
+            self.entries[manifest_path] = _text(self.object(path, _whole_tensor(value), replicated))
         elif isinstance(value, torch.Tensor):
             self._not_reusable()
             self.entries[manifest_path] = self.tensor(path, value, None, replicated)
@@ -772,6 +778,19 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[bool, Any]:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()  # torch.save writes a view's whole storage; save only the view
     return False, memoryview(_torch_save(tensor))
+
+
+def _whole_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A Parameter or sparse tensor as ``torch.save`` should store it: on the CPU, and a
+    Parameter that is a view of a larger storage copied (torch.save writes the whole storage)."""
+    if type(value) is not torch.nn.Parameter:
+        return value if value.is_cpu else value.cpu()
+    data = value.detach()
+    whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+    if data.is_cpu and whole:
+        return value
+    data = data.cpu() if whole else data.cpu().clone()
+    return torch.nn.Parameter(data, requires_grad=value.requires_grad)
 
 
 def _torch_save(value: Any) -> bytes:
