@@ -60,7 +60,7 @@ from typing_extensions import override
 
 from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value
-from tnt_snapshot_plugin.config import SnapshotConfig, resolve_alias
+from tnt_snapshot_plugin.config import SnapshotConfig, positive_int_or_none, resolve_alias
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
 from tnt_snapshot_plugin.errors import (
     ConfigError,
@@ -296,9 +296,8 @@ class TorchSnapshotSaver(ModelCheckpoint):
         )
         if mode not in ("min", "max"):
             raise InvalidArgumentError(f"mode must be 'min' or 'max', got {mode!r}")
-        for name, flag in (("verbose", verbose),):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if not isinstance(verbose, bool):
+            raise ConfigError(f"verbose must be True or False, got {verbose!r}")
         if save_last not in (None, True, False, "link"):
             raise ConfigError(f"save_last must be None, True, False or 'link', got {save_last!r}")
         if save_on_train_epoch_end not in (None, True, False):
@@ -1095,7 +1094,9 @@ def _every(name: str, value: Any, torchtnt_name: str, torchtnt_value: Any) -> Op
             )
         if value < 0:
             raise InvalidArgumentError(f"{name} must be >= 0 (0: no snapshots by it) or None, got {value}")
-    return resolve_alias(name, value, torchtnt_name, torchtnt_value, None)
+    return resolve_alias(
+        name, value, torchtnt_name, positive_int_or_none(torchtnt_name, torchtnt_value), None
+    )
 
 
 def _retention(

@@ -534,3 +534,14 @@ def test_cadences_combine_a_deliberate_difference(tmp_path):
     assert sorted(os.listdir(tmp_path / "snaps")) == [
         "epoch_0_step_2", "epoch_1_step_3", "epoch_1_step_4", "epoch_1_step_6", "epoch_2_step_6"
     ]
+
+
+def test_torchtnt_cadence_names_stay_positive_and_agree_with_model_checkpoints(tmp_path):
+    for name in ("save_every_n_epochs", "save_every_n_train_steps"):
+        with pytest.raises(ConfigError, match=rf"{name} must be a positive int \(>= 1\) or None, got 0"):
+            TorchSnapshotSaver(str(tmp_path), **{name: 0})
+    with pytest.raises(ConfigError, match="save_every_n_epochs is another name for every_n_epochs"):
+        TorchSnapshotSaver(str(tmp_path), every_n_epochs=0, save_every_n_epochs=2)
+    saver = TorchSnapshotSaver(str(tmp_path), every_n_train_steps=2, save_every_n_train_steps=2)
+    assert saver.snapshotter.config.save_every_n_train_steps == 2
+    assert saver.every_n_epochs is None  # a cadence was given: no default epoch cadence
