@@ -517,26 +517,52 @@ class TorchSnapshotSaver(ModelCheckpoint):
         like ``ModelCheckpoint``'s; a NaN value reads as +inf (``mode="min"``) or -inf
         (``"max"``), as ``ModelCheckpoint`` reports it."""
         found = self._best()
-        if found is None:
-            return None
-        value = found[1]
+        return self._score(found[1]) if found is not None else None
+
+    @property
+    def best_k_models(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The ``save_top_k`` best complete snapshots in ``dirpath`` (every ranked one for -1),
+        best first: path -> ``monitor``'s value, as ``ModelCheckpoint``'s ``best_k_models`` (a NaN
+        reads as :attr:`best_model_score` says). Empty without ``monitor``."""
+        return {path: self._score(value) for path, value in self._ranked()}
+
+    @property
+    def kth_best_model_path(self) -> str:  # type: ignore[override]
+        """The worst of :attr:`best_k_models` ("" if none)."""
+        ranked = self._ranked()
+        return ranked[-1][0] if ranked else ""
+
+    @property
+    def last_model_path(self) -> str:  # type: ignore[override]
+        """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
+        return self.ckpt_path or ""
+
+    def _score(self, value: float) -> torch.Tensor:
         if math.isnan(value):
             value = math.inf if self.mode == "min" else -math.inf
         return torch.tensor(value)
 
-    def _best(self) -> Optional[tuple[str, float]]:
+    def _ranked(self) -> list[tuple[str, float]]:
+        """(path, value) of the best ``save_top_k`` snapshots in ``dirpath``, best first."""
         best = self._config.best
         if best is None or self._engine is None:
-            return None
+            return []
         from tnt_snapshot_plugin import retention
 
         store = open_store(self.dirpath, self._config.storage_options)
-        found = retention.best(store.listed(), best.metric, best.mode)
-        if found is None:
-            return None
-        value = found.metric_value(best.metric)
-        assert value is not None
-        return store.child(found.text), value
+        ranked = retention.ranked(store.listed(), best.metric, best.mode)
+        if best.k is not None:
+            ranked = ranked[: best.k]
+        found = []
+        for record in ranked:
+            value = record.metric_value(best.metric)
+            assert value is not None
+            found.append((store.child(record.text), value))
+        return found
+
+    def _best(self) -> Optional[tuple[str, float]]:
+        ranked = self._ranked()
+        return ranked[0] if ranked else None
 
     def _monitored_value(self) -> Optional[tuple[str, float]]:
         """(monitor, value) from ``trainer.callback_metrics`` now (a snapshot is being taken);

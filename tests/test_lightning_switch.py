@@ -78,12 +78,14 @@ def kept(dirpath: Any) -> list[int]:
     return sorted(step_of(n) for n in names)
 
 
-def both(tmp_path: Path, module_factory: Any = ToyModule, **arguments: Any) -> tuple[Any, Any]:
+def both(
+    tmp_path: Path, module_factory: Any = ToyModule, max_epochs: int = 2, **arguments: Any
+) -> tuple[Any, Any]:
     """(ModelCheckpoint, saver), each given ``arguments`` and trained on the same run."""
     mc = ModelCheckpoint(dirpath=str(tmp_path / "mc"), **arguments)
-    fit(tmp_path, mc, module_factory())
+    fit(tmp_path, mc, module_factory(), max_epochs=max_epochs)
     saver = TorchSnapshotSaver(str(tmp_path / "snaps"), **arguments)
-    fit(tmp_path, saver, module_factory())
+    fit(tmp_path, saver, module_factory(), max_epochs=max_epochs)
     return mc, saver
 
 
@@ -545,3 +547,24 @@ def test_torchtnt_cadence_names_stay_positive_and_agree_with_model_checkpoints(t
     saver = TorchSnapshotSaver(str(tmp_path), every_n_train_steps=2, save_every_n_train_steps=2)
     assert saver.snapshotter.config.save_every_n_train_steps == 2
     assert saver.every_n_epochs is None  # a cadence was given: no default epoch cadence
+
+
+def test_best_k_models_kth_best_and_last_model_path_read_like_model_checkpoints(tmp_path):
+    mc, saver = both(
+        tmp_path, lambda: Logs([0.5, 0.3, 0.4, 0.6]), max_epochs=4,
+        monitor="val_loss", save_top_k=2, every_n_epochs=1,
+    )
+
+    def by_step(models: dict[str, Any]) -> dict[int, float]:
+        return {step_of(path): round(float(value), 6) for path, value in models.items()}
+
+    # the newest snapshot (0.6), which the saver also keeps, is not among the best k
+    assert by_step(saver.best_k_models) == by_step(mc.best_k_models) == {6: 0.3, 9: 0.4}
+    assert list(by_step(saver.best_k_models)) == [6, 9]  # best first
+    assert step_of(saver.kth_best_model_path) == step_of(mc.kth_best_model_path) == 9
+    # ModelCheckpoint's last_model_path is its last.ckpt (none without save_last); the saver's
+    # is the newest snapshot, what ckpt_path="last" resumes
+    assert mc.last_model_path == ""
+    assert saver.last_model_path == str(tmp_path / "snaps" / "epoch_4_step_12_val_loss=0.6")
+    no_monitor = TorchSnapshotSaver(str(tmp_path / "snaps"))
+    assert no_monitor.best_k_models == {} and no_monitor.kth_best_model_path == ""
