@@ -313,6 +313,14 @@ def restore_from_latest(
     candidates: list[str] = coll.on_rank0(
         lambda: [s.text for s in reversed(store.complete_snapshots())]
     )
+    if coll.rank == 0 and newest is None:
+        for name in _uncommitted_after(store, candidates[0] if candidates else None):
+            warnings.warn(
+                f"skipping snapshot {store.child(name)}: it holds the plugin's index but no "
+                f".snapshot_metadata, so it was damaged after its commit or its commit was "
+                "interrupted; the newest complete snapshot before it is restored instead",
+                stacklevel=2,
+            )
     if newest is not None and newest in candidates:
         candidates = candidates[candidates.index(newest):]
     damaged: list[str] = []
@@ -370,6 +378,22 @@ def restore_from_latest(
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _uncommitted_after(store: Store, newest: Optional[str]) -> list[str]:
+    """Snapshot-named directories later (by epoch and step) than complete snapshot ``newest``
+    that hold the plugin's index but no metadata: a commit writes the index just before the
+    metadata (and on local disk renames the whole directory into place), so such a directory
+    is damage, or at most an interrupted commit on an object store."""
+    after = SnapshotName.parse(newest).sort_key[:2] if newest is not None else None
+    found = []
+    for text in store.list_names():
+        name = SnapshotName.parse(text)
+        if name is None or name.phase_aware or (after is not None and name.sort_key[:2] <= after):
+            continue
+        if not store.is_complete(text) and store.has_file(text, INDEX_FNAME):
+            found.append(text)
+    return sorted(found)
 
 
 def _check(store: Store, name: str, out: list[verify.Verdict]) -> Optional[str]:

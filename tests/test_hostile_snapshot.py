@@ -1,0 +1,257 @@
+"""Hostile snapshots: a snapshot is trusted input, as a pickle is, but a damaged or crafted one
+must still never make restore or the CLI open a file outside the snapshot, run code, print a
+traceback, or drive the terminal.
+
+Each case crafts the newest of two snapshots written by a real torchtnt run, as an attacker
+would (the metadata edited, its checksum and the index's seal written again), and runs it through
+restore_from_latest, restore by path, and all six CLI commands. Files outside the snapshot are
+FIFOs: opening one for reading would release a writer thread, which the test then sees."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin import (
+    SnapshotCorruptError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+    UnrestorableStateError,
+)
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.checksums import record_views
+from tnt_snapshot_plugin.cli import cli
+from tnt_snapshot_plugin.format import manifest
+from tnt_snapshot_plugin.index import seal as seal_index
+from toy import Holder, StatefulLoader, ToyUnit, make_data
+
+OLD, NEW = "epoch_0_step_2", "epoch_0_step_4"
+METADATA, INDEX = ".snapshot_metadata", ".tnt_snapshot_index.json"
+ESCAPE = "\x1b]0;owned\x07\x1b[2J"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile") / "run"
+    unit = ToyUnit()
+    unit.extra = Holder({"w": torch.arange(16.0), "obj": (1, "two")})
+    saver = TorchSnapshotSaver(str(root), save_every_n_train_steps=2, async_checkpoint=False, save_on_train_end=False)
+    train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
+    return root
+
+
+class Fifo:
+    """A FIFO outside the snapshot; ``opened`` tells whether anyone opened it for reading."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        os.mkfifo(path)
+        self._opened = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY)  # returns once a reader opens it
+        if not self._closing:
+            self._opened.set()
+        os.close(fd)
+
+    def opened(self) -> bool:
+        was = self._opened.is_set()
+        self._closing = True
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # releases the writer thread
+        self._thread.join(5)
+        os.close(fd)
+        return was or self._opened.is_set()
+
+
+def _write_metadata(snapshot: Path, doc: Any, raw: bytes | None = None) -> None:
+    data = raw if raw is not None else json.dumps(doc).encode()
+    (snapshot / METADATA).write_bytes(data)
+    _reseal(snapshot, {METADATA: data})
+
+
+def _reseal(snapshot: Path, changed: dict[str, bytes]) -> None:
+    """The index made to agree with ``changed`` files (their sizes and checksums), sealed again."""
+    index = json.loads((snapshot / INDEX).read_text())
+    index.pop("seal", None)
+    for rel, data in changed.items():
+        index["checksums"][rel] = record_views([memoryview(data)])
+        if rel != METADATA:
+            index["files"][rel] = len(data)
+    (snapshot / INDEX).write_bytes(seal_index(index))
+
+
+def _edit_entry(snapshot: Path, suffix: str, **fields: Any) -> None:
+    doc = json.loads((snapshot / METADATA).read_text())
+    [path] = [p for p in doc["manifest"] if p.endswith(suffix)]
+    doc["manifest"][path].update(fields)
+    _write_metadata(snapshot, doc)
+
+
+class _Planted:
+    """Unpickling this creates a directory: proof that code from a snapshot ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def plant_pickle(snapshot: Path, tmp: Path) -> None:
+    doc = json.loads((snapshot / METADATA).read_text())
+    [entry] = [e for p, e in doc["manifest"].items() if e["type"] == "object" and "/extra/obj" in p]
+    buffer = io.BytesIO()
+    torch.save(_Planted(str(tmp / "marker")), buffer)  # as torch.save writes objects
+    data = buffer.getvalue()
+    (snapshot / entry["location"]).write_bytes(data)
+    _reseal(snapshot, {entry["location"]: data})
+
+
+def deep_nesting(snapshot: Path, tmp: Path) -> None:
+    depth = 200_000
+    raw = b'{"version": "0.1.0", "world_size": 1, "manifest": {"0/x": ' + b"[" * depth + b"]" * depth + b"}}"
+    _write_metadata(snapshot, None, raw)
+
+
+def control_characters(snapshot: Path, tmp: Path) -> None:
+    doc = json.loads((snapshot / METADATA).read_text())
+    doc["manifest"][f"0/extra/{ESCAPE}"] = {"type": "str", "serialized_value": ESCAPE, "replicated": False}
+    doc["manifest"]["0/extra"]["keys"].append(ESCAPE)
+    _write_metadata(snapshot, doc)
+
+
+def deep_path(snapshot: Path, tmp: Path) -> None:
+    doc = json.loads((snapshot / METADATA).read_text())
+    doc["manifest"]["0/" + "/".join(["a"] * (manifest.MAX_PATH_DEPTH + 5))] = {
+        "type": "int", "serialized_value": "1", "replicated": False
+    }
+    _write_metadata(snapshot, doc)
+
+
+def symlinked_payload(snapshot: Path, tmp: Path) -> None:
+    doc = json.loads((snapshot / METADATA).read_text())
+    [entry] = [e for p, e in doc["manifest"].items() if p.endswith("/extra/obj")]
+    target = snapshot / entry["location"]
+    target.unlink()
+    target.symlink_to(tmp / "outside")
+
+
+def symlinked_metadata(snapshot: Path, tmp: Path) -> None:
+    (snapshot / METADATA).unlink()
+    (snapshot / METADATA).symlink_to(tmp / "outside")
+
+
+def symlinked_index(snapshot: Path, tmp: Path) -> None:
+    (snapshot / INDEX).unlink()
+    (snapshot / INDEX).symlink_to(tmp / "outside")
+
+
+CASES: dict[str, Callable[[Path, Path], None]] = {
+    "location ../ traversal": lambda s, t: _edit_entry(s, "/extra/obj", location=f"../../{t.name}/outside"),
+    "location absolute": lambda s, t: _edit_entry(s, "/extra/obj", location=str(t / "outside")),
+    "location with a backslash": lambda s, t: _edit_entry(s, "/extra/obj", location="0\\..\\..\\outside"),
+    "payload is a symlink out": symlinked_payload,
+    "metadata is a symlink out": symlinked_metadata,
+    "index is a symlink out": symlinked_index,
+    "dtype lie (int32 for float32)": lambda s, t: _edit_entry(s, "/extra/w", dtype="torch.int32"),
+    "shape lie (more elements than bytes)": lambda s, t: _edit_entry(s, "/extra/w", shape=[4, 8]),
+    "unknown dtype": lambda s, t: _edit_entry(s, "/extra/w", dtype="torch.float8_e4m3fn"),
+    "nesting 200,000 deep": deep_nesting,
+    "a path deeper than the bound": deep_path,
+    "control characters in a key and a value": control_characters,
+    "planted pickle": plant_pickle,
+}
+
+
+#: cases whose snapshot is refused as a whole by a typed error other than damage
+RAISES: dict[str, type[Exception]] = {
+    "dtype lie (int32 for float32)": StateMismatchError,
+    "planted pickle": UnrestorableStateError,
+}
+#: cases that restore: nothing in them is harmful
+HARMLESS = {"control characters in a key and a value"}
+
+
+def cli_commands(run: Path, tmp: Path) -> list[list[str]]:
+    return [
+        ["ls", str(run)],
+        ["inspect", str(run / NEW)],
+        ["verify", str(run)],
+        ["verify", str(run / NEW)],
+        ["diff", str(run / OLD), str(run / NEW)],
+        ["export", str(run / NEW), str(tmp / "out.pt"), "--key", "extra", "--force"],
+        ["prune", str(run), "--keep-last", "1", "--dry-run"],
+    ]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_snapshot_opens_nothing_outside_runs_nothing_and_prints_no_traceback(written, tmp_path, case):
+    run = tmp_path / "run"
+    shutil.copytree(written, run)
+    fifo = Fifo(tmp_path / "outside")
+    CASES[case](run / NEW, tmp_path)
+
+    for args in cli_commands(run, tmp_path):
+        result = CliRunner().invoke(cli, args, catch_exceptions=True)
+        out = result.stdout + result.stderr
+        assert result.exception is None or isinstance(result.exception, SystemExit), (args, out, result.exception)
+        assert result.exit_code in (0, 1, 2), (args, result.exit_code, out)
+        assert "Traceback" not in out and "\x1b" not in out and "\x07" not in out, (args, out)
+        if result.exit_code == 2:  # bad input: one line, naming what is wrong
+            assert result.stderr.count("\n") == 1 and result.stderr.startswith("tnt-snapshot: error: "), (args, out)
+
+    # restore_from_latest: falls back from the hostile snapshot with a warning naming it, or, for
+    # a snapshot that is intact but does not fit the state (a dtype lie) or holds an object the
+    # restricted unpickler refuses, raises that typed error; only the harmless key restores.
+    fresh = ToyUnit(seed=3)
+    fresh.extra = Holder({"w": torch.zeros(16), "obj": None})
+    raised = RAISES.get(case)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if raised is not None:
+            with pytest.raises(raised):
+                TorchSnapshotSaver.restore_from_latest(str(run), fresh)
+        else:
+            assert TorchSnapshotSaver.restore_from_latest(str(run), fresh)
+    skipped = [str(w.message) for w in caught if "skipping" in str(w.message) and NEW in str(w.message)]
+    if raised is None and case not in HARMLESS:
+        assert fresh.train_progress.num_steps_completed == 2 and skipped, (case, caught)
+    elif case in HARMLESS:
+        assert fresh.train_progress.num_steps_completed == 4 and not skipped
+        assert fresh.extra.state[ESCAPE] == ESCAPE
+
+    # restore by path: the same refusal, typed
+    again = ToyUnit(seed=3)
+    again.extra = Holder({"w": torch.zeros(16), "obj": None})
+    if case in HARMLESS:
+        TorchSnapshotSaver.restore(str(run / NEW), again)
+        assert torch.equal(again.extra.state["w"], torch.arange(16.0))
+    else:
+        with pytest.raises(raised or (SnapshotCorruptError, SnapshotNotFoundError)):
+            TorchSnapshotSaver.restore(str(run / NEW), again)
+
+    assert not fifo.opened(), case
+    assert not (tmp_path / "marker").exists(), case
+
+
+def test_the_fifo_detector_sees_a_read_open(tmp_path):
+    fifo = Fifo(tmp_path / "outside")
+    fd = os.open(fifo.path, os.O_RDONLY | os.O_NONBLOCK)
+    fifo._thread.join(5)
+    os.close(fd)
+    assert fifo.opened()
+    assert not Fifo(tmp_path / "untouched").opened()
