@@ -362,8 +362,8 @@ def _ddp_best(out: str) -> None:
         "best_model_score": float(saver.best_model_score),
         "mc_best_model_path": mc.best_model_path,
         "mc_best_model_score": float(mc.best_model_score),
-        "kept": sorted(os.listdir(snaps)),
-        "mc_kept": sorted(os.listdir(os.path.join(out, "mc"))),
+        "kept": snapshot_names(snaps),
+        "mc_kept": snapshot_names(os.path.join(out, "mc")),
     }
 
     class Start(Callback):
@@ -377,8 +377,12 @@ def _ddp_best(out: str) -> None:
         resumed_from=str(again.ckpt_path),
         global_step=again.global_step,
         best_after_resume=resumer.best_model_path,
-        kept_after_resume=sorted(os.listdir(snaps)),
+        kept_after_resume=snapshot_names(snaps),
     )
+    # no dirpath: every rank resolves ModelCheckpoint's default, rank 0's is used
+    default = TorchSnapshotSaver(collective_timeout_s=60)
+    trainer([default], max_epochs=1).fit(ScoredByEpoch(seed=0), loader(24), loader(8))
+    result.update(default_dirpath=default.dirpath, default_kept=snapshot_names(default.dirpath))
     with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -47,7 +47,8 @@ def test_ddp_two_processes_save_and_resume_bitwise(tmp_path):
 @pytest.mark.slow
 def test_ddp_best_k_and_ckpt_path_best(tmp_path):
     """Best-k under DDP (2 gloo ranks), beside a ModelCheckpoint given the same arguments in the
-    same Trainer; then a new Trainer resumes with ckpt_path="best" (see ``_ddp_best``)."""
+    same Trainer; then a new Trainer resumes with ckpt_path="best"; then a saver without dirpath
+    (see ``_ddp_best``)."""
     codes = run_script("ddp-best", tmp_path, ranks=2)
     assert codes == [0, 0], logs(tmp_path)
     results = [json.loads((tmp_path / f"result_rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -72,3 +73,6 @@ def test_ddp_best_k_and_ckpt_path_best(tmp_path):
             "epoch_2_step_6_val_loss=0.3",
             "epoch_5_step_15_val_loss=0.45",
         ]
+        # dirpath=None: <default_root_dir>/checkpoints, as ModelCheckpoint without a logger
+        assert result["default_dirpath"] == str(tmp_path / "checkpoints")
+        assert result["default_kept"] == ["epoch_1_step_3"]
