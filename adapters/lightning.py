@@ -336,6 +336,8 @@ class TorchSnapshotSaver(ModelCheckpoint):
             names={"best_metric": "monitor", "best_mode": "mode", "best_k": "save_top_k"},
         )
         self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
+        if isinstance(self._given_dirpath, str) and self._given_dirpath.startswith("~"):
+            self._given_dirpath = os.path.expanduser(self._given_dirpath)  # as ModelCheckpoint does
         self._process_group = process_group
         self._plugin_manager = plugin_manager
         self._engine: Optional[Snapshotter] = None

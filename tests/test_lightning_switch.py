@@ -568,3 +568,13 @@ def test_best_k_models_kth_best_and_last_model_path_read_like_model_checkpoints(
     assert saver.last_model_path == str(tmp_path / "snaps" / "epoch_4_step_12_val_loss=0.6")
     no_monitor = TorchSnapshotSaver(str(tmp_path / "snaps"))
     assert no_monitor.best_k_models == {} and no_monitor.kth_best_model_path == ""
+
+
+def test_a_dirpath_under_the_home_directory_is_expanded_as_model_checkpoint_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    mc = ModelCheckpoint(dirpath="~/mc")
+    saver = TorchSnapshotSaver("~/snaps")
+    assert mc.dirpath == str(tmp_path / "mc")
+    assert saver.dirpath == str(tmp_path / "snaps")
+    fit(tmp_path, saver, max_epochs=1)
+    assert snapshot_names(tmp_path / "snaps") == ["epoch_1_step_3"]
