@@ -438,6 +438,9 @@ def test_a_rerun_without_ckpt_path_starts_fresh_as_with_model_checkpoint(tmp_pat
     assert trainer.ckpt_path is None
     assert trainer.global_step == 3  # trained from step 0, not resumed
     assert not [m for m in said if any(text in m for text in MISLEADING)]
+    # the earlier run's snapshots are named: the directory holds progress this run does not have
+    ahead = [m for m in said if "holds snapshots ahead of this run's progress" in m]
+    assert len(ahead) == 1 and "epoch_1_step_3" in ahead[0]
 
 
 def test_ckpt_path_last_on_a_first_run_says_what_applies_not_lightnings_hint(tmp_path):
