@@ -539,6 +539,24 @@ class TorchSnapshotSaver(ModelCheckpoint):
         """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
         return self.ckpt_path or ""
 
+    @override
+    def to_yaml(self, filepath: Optional[Any] = None) -> None:
+        """Write :attr:`best_k_models` (path -> value) as YAML to ``filepath`` (default:
+        ``dirpath/best_k_models.yaml``, a local ``dirpath`` only), as ``ModelCheckpoint`` does."""
+        import yaml
+
+        if filepath is None:
+            if self.dirpath is None or not isinstance(
+                open_store(self.dirpath, self._config.storage_options), LocalStore
+            ):
+                raise ConfigError(
+                    f"to_yaml() writes into a local dirpath only (dirpath is {self.dirpath!r}); "
+                    "pass filepath=<a local file>"
+                )
+            filepath = os.path.join(self.dirpath, "best_k_models.yaml")
+        with open(filepath, "w") as f:
+            yaml.dump({path: value.item() for path, value in self.best_k_models.items()}, f)
+
     def _score(self, value: float) -> torch.Tensor:
         if math.isnan(value):
             value = math.inf if self.mode == "min" else -math.inf

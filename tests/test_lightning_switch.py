@@ -581,3 +581,23 @@ def test_a_dirpath_under_the_home_directory_is_expanded_as_model_checkpoint_does
     assert saver.dirpath == str(tmp_path / "snaps")
     fit(tmp_path, saver, max_epochs=1)
     assert snapshot_names(tmp_path / "snaps") == ["epoch_1_step_3"]
+
+
+def test_to_yaml_writes_best_k_models_like_model_checkpoint(tmp_path):
+    import yaml
+
+    mc, saver = both(
+        tmp_path, lambda: Logs([0.5, 0.3, 0.4]), max_epochs=3, monitor="val_loss", save_top_k=2
+    )
+    mc.to_yaml()
+    saver.to_yaml()
+    theirs = yaml.safe_load((tmp_path / "mc" / "best_k_models.yaml").read_text())
+    ours = yaml.safe_load((tmp_path / "snaps" / "best_k_models.yaml").read_text())
+    assert {step_of(p): round(v, 6) for p, v in ours.items()} == {step_of(p): round(v, 6) for p, v in theirs.items()}
+    assert set(ours) == set(saver.best_k_models)
+    # the file beside the snapshots is left alone by a later run in that directory
+    fit(tmp_path, TorchSnapshotSaver(str(tmp_path / "snaps")), max_epochs=4,
+        ckpt_path=saver.last_model_path)
+    assert (tmp_path / "snaps" / "best_k_models.yaml").is_file()
+    saver.to_yaml(tmp_path / "elsewhere.yaml")
+    assert yaml.safe_load((tmp_path / "elsewhere.yaml").read_text())
