@@ -155,7 +155,7 @@ class SnapshotWriter:
         doomed = retention.to_delete(
             listed + [this],
             self.config.keep_last_n_snapshots,
-            protect=[job.name.text, newest.text],
+            protect=[job.name.text, newest.text, *self.protected],
             best=self.config.best,
         )
         if not doomed:
