@@ -165,10 +165,14 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
     assert any(damaged_file in p for p in entries["epoch_2_step_10"]["problems"])
     assert listing["restore"] == "epoch_1_step_8"
 
-    # ... which is what restore_from_latest restores (it skips the damaged newest one).
+    # ... which is what restore_from_latest restores (it skips the damaged newest one, and says
+    # so of the newer directory that holds an index but no metadata).
     fresh = ToyUnit(seed=9)
-    with pytest.warns(UserWarning, match="skipping damaged snapshot"):
+    with pytest.warns(UserWarning) as caught:
         assert TorchSnapshotSaver.restore_from_latest(str(run), fresh)
+    messages = [str(w.message) for w in caught]
+    assert any("skipping damaged snapshot" in m and "epoch_2_step_10" in m for m in messages), messages
+    assert any("skipping snapshot" in m and "epoch_3_step_12" in m and "no .snapshot_metadata" in m for m in messages)
     assert fresh.train_progress.num_steps_completed == 8
 
     code, out, err = run_cli("ls", str(run))
@@ -326,7 +330,7 @@ def test_verify_checks_recorded_checksums(written, tmp_path):
     data[len(data) // 2] ^= 0xFF  # same size, other bytes: only a checksum sees it
     (snap / rel).write_bytes(bytes(data))
     code, out, _ = run_cli("verify", str(snap))
-    assert code == 1 and f"file {rel} differs from the checksum recorded" in out
+    assert code == 1 and f"file {rel} differs from the xxh3_64 checksum recorded" in out
 
 
 def test_records_of_an_unknown_algorithm_are_left_unchecked_by_verify_and_restore_alike(written, tmp_path):

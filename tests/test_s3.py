@@ -35,6 +35,7 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.checksums import record_views
+from tnt_snapshot_plugin.index import seal as seal_index
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores import s3 as s3_mod
@@ -470,7 +471,8 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     index_key = f"{prefix}/epoch_0_step_1/{INDEX_FNAME}"
     index = json.loads(client.get_object(Bucket=bucket, Key=index_key)["Body"].read())
     index["checksums"][".snapshot_metadata"] = record_views([memoryview(body)])
-    client.put_object(Bucket=bucket, Key=index_key, Body=json.dumps(index).encode())
+    del index["seal"]
+    client.put_object(Bucket=bucket, Key=index_key, Body=seal_index(index))  # sealed again
 
     requested: list[str] = []
     shared = s3_mod.s3_client(options)

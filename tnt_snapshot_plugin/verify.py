@@ -198,11 +198,11 @@ def _check_checksums(
                     if progress is not None:
                         progress(len(chunk))
                 if streaming.record()["value"] != record.get("value"):
-                    verdict.problems.append(f"file {rel} differs from the checksum recorded when it was written")
+                    verdict.problems.append(f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written")
         except SnapshotError as exc:
             text = str(exc)
             verdict.problems.append(
-                f"file {rel} differs from the checksum recorded when it was written"
+                f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written"
                 if "do not match" in text else f"file {rel} cannot be read ({text})"
             )
 
