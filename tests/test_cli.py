@@ -31,7 +31,7 @@ from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
 from tnt_snapshot_plugin.index import seal as seal_index
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import INDEX_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, open_store
-from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
+from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 pytestmark = pytest.mark.slow

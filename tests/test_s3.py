@@ -498,7 +498,7 @@ def test_of_two_savers_taking_an_s3_lease_at_once_exactly_one_gets_it(options, r
     """The race the lease had no answer for: saver B takes the lease between saver A's read (no
     lease) and A's write. A's write is conditional (If-None-Match), so it fails; A looks again,
     finds B's live lease and is refused, and B's lease is left as it is (A overwrote it)."""
-    from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
+    from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 
     store_a, store_b = S3Store(run_url, options), S3Store(run_url, options)
     a_holder, b_holder = writer_identity(new_run_id()), writer_identity(new_run_id())
@@ -525,7 +525,7 @@ def test_of_two_savers_taking_an_s3_lease_at_once_exactly_one_gets_it(options, r
 def test_a_renewal_that_finds_the_s3_lease_taken_over_warns_and_lets_it_be(options, run_url):
     """After a stall longer than the lease, another saver took it over: this run's renewal (a
     conditional write on the version it wrote) fails; it warns and no longer renews or deletes."""
-    from tnt_snapshot_plugin.stores.writers import new_run_id, writer_identity
+    from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 
     store = S3Store(run_url, options)
     lease = s3_mod.S3Lease(store, writer_identity(new_run_id()))

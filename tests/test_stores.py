@@ -26,8 +26,8 @@ from tnt_snapshot_plugin.stores import (
     open_store,
 )
 from tnt_snapshot_plugin.stores.fakes import FaultyStore, MemoryStore, memory_store, register, unregister
+from tnt_snapshot_plugin.stores.ownership import new_run_id, staging_token, writer_identity
 from tnt_snapshot_plugin.stores.s3 import S3Store
-from tnt_snapshot_plugin.stores.writers import new_run_id, staging_token, writer_identity
 
 BUCKET = "stores"
 KINDS = ["local", "s3", "memory", "memory-metadata-last"]

@@ -1174,7 +1174,7 @@ def prune_command(dirpath: str, keep_last: int, keep_best: Optional[str], mode: 
 
 def _take_lock(store: Store) -> Any:
     """The dirpath's lock (a saver's run takes the same), or UsageProblem naming its holder."""
-    from .stores.writers import holder_text, writer_identity
+    from .stores.ownership import holder_text, writer_identity
 
     holder = {**writer_identity("tnt-snapshot-prune"), "started_at": time.time()}
     try:

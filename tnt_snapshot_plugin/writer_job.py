@@ -39,7 +39,7 @@ from .format.common import METADATA_FNAME
 from .index import seal as seal_index
 from .loading import LoadCheck
 from .stores import Store
-from .stores.writers import writer_identity
+from .stores.ownership import writer_identity
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from ..index import INDEX_FNAME
 from ..naming import SnapshotName, is_staging_name
 from ..retention import Listed, commit_order, from_index
-from .writers import staged_by_this_process
+from .ownership import staged_by_this_process
 
 #: torchsnapshot's commit marker: the manifest, written last.
 METADATA_FNAME = ".snapshot_metadata"

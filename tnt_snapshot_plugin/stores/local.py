@@ -33,7 +33,7 @@ from .base import (
     Read,
     Store,
 )
-from .writers import busy_error, writer_of_token
+from .ownership import busy_error, writer_of_token
 
 
 class FileLock(DirLock):

@@ -38,7 +38,7 @@ from .base import (
     Store,
     is_missing_key,
 )
-from .writers import busy_error, holder_text, writer_gone
+from .ownership import busy_error, holder_text, writer_gone
 
 #: How long an S3 lease lasts without renewal (it is renewed every minute).
 LEASE_S = 300.0

@@ -1,4 +1,5 @@
-"""Writers: who writes a snapshot, and whether that writer is provably gone.
+"""Ownership of what is in a dirpath: who wrote a snapshot or holds the dirpath, and whether that
+writer is provably gone.
 
 Every write carries its writer's identity (host, pid, a per-run id): in its staging name
 (:func:`staging_token`) and in the marker written first into it (``.tnt_writer.json``). A leftover
