@@ -69,6 +69,7 @@ from tnt_snapshot_plugin.errors import (
     StateMismatchError,
 )
 from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.plugins import check_plugin, new_plugin_manager
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import METADATA_FNAME, LocalStore, open_store, split_snapshot_path
 
@@ -203,7 +204,8 @@ class TorchSnapshotSaver(ModelCheckpoint):
         process_group: ranks taking part (default: all); collectives run on a gloo group of their own.
         collective_timeout_s: how long a checkpoint collective (also those of resuming through
             ``ckpt_path``) waits for a failed rank.
-        plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        plugin_manager: the pluggy manager whose hooks apply (default: a new one for this saver,
+            with the entry-point plugins; add more with :meth:`register`).
         weights_only: True (default): before each snapshot is written, check that it loads with
             ``torch.load(weights_only=True)`` and the plugin's safe globals (an
             ``argparse.Namespace`` from ``save_hyperparameters(args)`` does); if not, raise
@@ -339,7 +341,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
         if isinstance(self._given_dirpath, str) and self._given_dirpath.startswith("~"):
             self._given_dirpath = os.path.expanduser(self._given_dirpath)  # as ModelCheckpoint does
         self._process_group = process_group
-        self._plugin_manager = plugin_manager
+        self._plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
         self._engine: Optional[Snapshotter] = None
         if self._given_dirpath is not None:
             self._make_engine(self._given_dirpath)
@@ -399,7 +401,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
         """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
         if not self._portable:
             raise TypeError(
-                "a TorchSnapshotSaver given its own process_group or plugin_manager cannot be sent "
+                "a TorchSnapshotSaver given its own process_group or plugin_manager (or plugins) cannot be sent "
                 'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
                 'the training process, or use strategy="ddp"'
             )
@@ -431,6 +433,20 @@ class TorchSnapshotSaver(ModelCheckpoint):
     def snapshotter(self) -> Snapshotter:
         """The framework-neutral engine (stats, wait(), the plugin manager)."""
         return self._snapshotter
+
+    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
+        """Register a plugin on this saver only, checked at once (:meth:`Snapshotter.register`)."""
+        self._portable = False  # a registered plugin would not travel with ddp_spawn's pickle
+        if self._engine is not None:
+            return self._engine.register(plugin, name)
+        return check_plugin(self._plugin_manager, plugin, name)
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove a plugin registered on this saver."""
+        if self._engine is not None:
+            self._engine.unregister(plugin)
+        else:
+            self._plugin_manager.unregister(plugin)
 
     @property
     def every_n_epochs(self) -> Optional[int]:  # type: ignore[override]

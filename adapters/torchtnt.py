@@ -101,7 +101,8 @@ class TorchSnapshotSaver(Callback):
             60 s): a step or epoch snapshot whose previous snapshot is still being written after
             that long is skipped (SnapshotSkippedWarning, ``snapshot/skipped`` in the metrics),
             and each request to an object store gives up within it, retries included.
-        plugin_manager: the pluggy manager whose hooks apply (default: the process-wide one).
+        plugin_manager: the pluggy manager whose hooks apply (default: a new one for this saver,
+            with the entry-point plugins; add more with :meth:`register`).
         metric_logger: a torchtnt ``MetricLogger`` (``torchtnt.utils.loggers``) that receives
             each committed snapshot's figures (``snapshot/stall_s``, ``snapshot/durable_s``,
             ``snapshot/bytes_written``, ``snapshot/write_MBps``, ...; see
@@ -210,6 +211,14 @@ class TorchSnapshotSaver(Callback):
     def snapshotter(self) -> Snapshotter:
         """The framework-neutral engine (stats, wait(), the plugin manager)."""
         return self._snapshotter
+
+    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
+        """Register a plugin on this saver only, checked at once (:meth:`Snapshotter.register`)."""
+        return self._snapshotter.register(plugin, name)
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove a plugin registered on this saver."""
+        self._snapshotter.unregister(plugin)
 
     def on_train_start(self, state: State, unit: TrainUnit[Any]) -> None:
         """Validate there is no key collision in the app state; prepare for preemption."""

@@ -1,8 +1,8 @@
 """Hook specifications of tnt_snapshot_plugin.
 
 Implement them with :data:`tnt_snapshot_plugin.hookimpl` in a class or module and either register
-it on a saver's plugin manager (``saver.plugin_manager.register(obj)``) or publish it under the
-``tnt_snapshot_plugin`` entry-point group. Hooks are always called with keyword arguments;
+it on one saver (``saver.register(obj)``, checked against these specifications at once) or publish
+it under the ``tnt_snapshot_plugin`` entry-point group (loaded into every saver's manager). Hooks are always called with keyword arguments;
 a hookimpl may accept any subset of the parameters, and its parameters take no defaults.
 
 Under ``torch.distributed`` every hook runs on every rank; a hook whose answer decides what is

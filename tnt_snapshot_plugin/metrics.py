@@ -64,7 +64,9 @@ def log_line(record: Any) -> str:
 
 class MetricsReporter:
     """A plugin that sends each committed snapshot's figures of one saver to ``sink(metrics,
-    step)``, on rank 0 only. Registered by :meth:`Snapshotter.report_metrics` for one run.
+    step)``, on rank 0 only. Registered by :meth:`Snapshotter.report_metrics` on that saver's own
+    plugin manager, for one run; a record that saver did not just commit (another saver given
+    the same manager) is not its to report.
 
     A sink that raises is reported with a warning, never over training.
     """
@@ -76,7 +78,8 @@ class MetricsReporter:
     @hookimpl
     def tnt_snapshot_plugin_snapshot_committed(self, path: str, step: int, record: Any) -> None:
         saver = self._snapshotter
-        if path.rpartition("/")[0] != saver.dirpath.rstrip("/") or saver.collectives.rank != 0:
+        committed = saver.stats.committed
+        if not committed or committed[-1] is not record or saver.collectives.rank != 0:
             return  # another saver's snapshot, or not the rank that logs
         try:
             self._sink(snapshot_metrics(record), step)

@@ -64,10 +64,10 @@ from .errors import (
 )
 from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
-from .plugins import get_plugin_manager, implemented
+from .plugins import PluginManager, check_plugin, implemented, new_plugin_manager
 from .preemption import PreemptionHandler
 from .stores import DirLock, Store, open_store
-from .stores.ownership import live_runs, new_run_id, staging_token, writer_gone, writer_identity
+from .stores.writers import live_runs, new_run_id, staging_token, writer_gone, writer_identity
 from .writer_job import SnapshotWriter
 
 logger = logging.getLogger(__name__)
@@ -207,8 +207,11 @@ class Snapshotter:
         says. Under torch.distributed rank 0's value names the snapshot.
         """
         self.config = config
-        self.plugin_manager = plugin_manager if plugin_manager is not None else get_plugin_manager()
+        #: this saver's hooks: a manager of its own (entry-point plugins loaded) unless one is given
+        self.plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
         self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        if isinstance(self.plugin_manager, PluginManager):
+            self.plugin_manager.on_change(self._plugins_changed)
         self._every_n_steps = config.save_every_n_train_steps
         #: Step ends from :attr:`last_step` (again) to before this step count need no step_end() call:
         #: nothing is pending or failed, no buffers to prepare, no wall clock, no plugin asking,
@@ -269,6 +272,31 @@ class Snapshotter:
         #: the run resumed from, as Lightning's ModelCheckpoint keeps it)
         self.protected: set[str] = set()
         self.attach()
+
+    # -- plugins ------------------------------------------------------------------------------
+
+    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
+        """Register ``plugin`` on this saver only (its ``@hookimpl`` methods apply from the next
+        hook on) and return its name. Raises ConfigError, registering nothing, when a
+        ``tnt_snapshot_plugin_*`` attribute is not a known hook (a misspelling), lacks the
+        ``@hookimpl`` marker, or takes a parameter its hook does not have."""
+        pm = self.plugin_manager
+        if isinstance(pm, PluginManager):
+            return pm.register(plugin, name)  # checked, and tells _plugins_changed
+        registered = check_plugin(pm, plugin, name)
+        self._plugins_changed()
+        return registered
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove a plugin registered on this saver; its hooks are not called from then on."""
+        self.plugin_manager.unregister(plugin)
+        if not isinstance(self.plugin_manager, PluginManager):
+            self._plugins_changed()
+
+    def _plugins_changed(self) -> None:
+        """A plugin came or went: read again which optional hooks are implemented."""
+        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        self._regate()
 
     # -- set-up -----------------------------------------------------------------------------
 

@@ -1,0 +1,227 @@
+"""A plugin manager per saver: registration checked at once, late plugins called, savers kept apart.
+
+Real Snapshotters writing to disk, a real torchtnt ``train()`` for the README's example.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pluggy
+import pytest
+import torch
+
+from tnt_snapshot_plugin import ConfigError, hookimpl, hookspecs
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.plugins import PluginManager, adapters, new_plugin_manager
+from tnt_snapshot_plugin.restoring import restore
+from tnt_snapshot_plugin.snapshotter import Snapshotter
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def saver(dirpath, pm=None, **config):
+    config.setdefault("preemption_signals", [])
+    return Snapshotter(str(dirpath), SnapshotConfig.build(**config), plugin_manager=pm)
+
+
+def drive(snap, steps, start=1):
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model}
+    if start == 1:
+        snap.train_start(state.keys())
+    for step in range(start, start + steps):
+        snap.step_end(0, step, lambda intra: state)
+    snap.wait()
+    return state
+
+
+def names(dirpath):
+    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
+
+
+def test_an_unknown_hook_name_is_refused_at_register_and_named(tmp_path, pm):
+    snap = saver(tmp_path, pm)
+
+    class Misspelt:
+        @hookimpl
+        def tnt_snapshot_plugin_extra_sate(self, event):
+            return {}
+
+    with pytest.raises(ConfigError, match="unknown hook 'tnt_snapshot_plugin_extra_sate'"):
+        snap.register(Misspelt())
+    assert pm.get_plugins() == set()
+
+
+def test_a_hook_without_the_marker_or_with_a_foreign_parameter_is_refused(tmp_path, pm):
+    snap = saver(tmp_path, pm)
+
+    class Unmarked:
+        def tnt_snapshot_plugin_extra_state(self, event):
+            return {}
+
+    class WrongParameter:
+        @hookimpl
+        def tnt_snapshot_plugin_extra_state(self, evnt):
+            return {}
+
+    with pytest.raises(ConfigError, match="tnt_snapshot_plugin_extra_state .* not marked with @"):
+        snap.register(Unmarked())
+    with pytest.raises(ConfigError, match="evnt"):
+        snap.register(WrongParameter())
+    assert pm.get_plugins() == set()
+
+
+def test_a_plain_pluggy_manager_is_checked_the_same_way(tmp_path):
+    plain = pluggy.PluginManager("tnt_snapshot_plugin")
+    plain.add_hookspecs(hookspecs)
+    snap = saver(tmp_path, plain)
+
+    class Misspelt:
+        @hookimpl
+        def tnt_snapshot_plugin_should_snapshott(self):
+            return True
+
+    with pytest.raises(ConfigError, match="tnt_snapshot_plugin_should_snapshott"):
+        snap.register(Misspelt())
+    assert plain.get_plugins() == set()
+
+    class Always:
+        @hookimpl
+        def tnt_snapshot_plugin_should_snapshot(self):
+            return True
+
+    drive(snap, 1)
+    snap.register(Always())
+    drive(snap, 2, start=2)
+    assert names(tmp_path) == ["epoch_0_step_2", "epoch_0_step_3"]
+
+
+def test_should_snapshot_registered_after_construction_and_mid_run_is_called(tmp_path, pm):
+    """The README's order: build the saver, then register; and a plugin registered while the step
+    gate is closed (cadence 100) opens it at the next step."""
+    snap = saver(tmp_path, pm, save_every_n_train_steps=100)
+    asked = []
+
+    class Every3:
+        @hookimpl
+        def tnt_snapshot_plugin_should_snapshot(self, step, default):
+            asked.append(step)
+            return step % 3 == 0 or None
+
+    drive(snap, 4)  # the gate is now at step 100
+    assert snap.step_gate == 100
+    plugin = Every3()
+    snap.register(plugin)
+    drive(snap, 3, start=5)
+    assert asked == [5, 6, 7]
+    assert names(tmp_path) == ["epoch_0_step_6"]
+    snap.unregister(plugin)
+    drive(snap, 5, start=8)  # 9 would be due for the plugin: it is gone
+    assert asked == [5, 6, 7] and snap.step_gate == 100
+    assert names(tmp_path) == ["epoch_0_step_6"]
+
+
+def test_a_plugin_on_one_saver_never_reaches_another_saver_or_its_restore(tmp_path):
+    a = saver(tmp_path / "a", save_every_n_train_steps=2)
+    b = saver(tmp_path / "b", save_every_n_train_steps=2)
+    assert a.plugin_manager is not b.plugin_manager
+    seen = []
+
+    class Named:
+        @hookimpl
+        def tnt_snapshot_plugin_snapshot_name(self, default):
+            return f"{default}_loss=0.5"
+
+        @hookimpl
+        def tnt_snapshot_plugin_after_restore(self, path):
+            seen.append(os.path.basename(path))
+
+    a.register(Named())
+    drive(a, 2)
+    drive(b, 2)
+    assert names(tmp_path / "a") == ["epoch_0_step_2_loss=0.5"]
+    assert names(tmp_path / "b") == ["epoch_0_step_2"]
+    restore(str(tmp_path / "b" / "epoch_0_step_2"), {"model": torch.nn.Linear(2, 2)},
+            plugin_manager=b.plugin_manager)
+    restore(str(tmp_path / "b" / "epoch_0_step_2"), {"model": torch.nn.Linear(2, 2)})
+    assert seen == []
+    restore(str(tmp_path / "a" / "epoch_0_step_2_loss=0.5"), {"model": torch.nn.Linear(2, 2)},
+            plugin_manager=a.plugin_manager)
+    assert seen == ["epoch_0_step_2_loss=0.5"]
+
+
+@pytest.mark.frameworks
+def test_each_new_manager_loads_the_entry_point_plugins_afresh():
+    first, second = new_plugin_manager(), new_plugin_manager()
+    assert isinstance(first, PluginManager) and first is not second
+    assert sorted(adapters(first)) == sorted(adapters(second)) == ["lightning", "torchtnt"]
+
+    class Extra:
+        @hookimpl
+        def tnt_snapshot_plugin_adapters(self):
+            return None
+
+    first.register(Extra())
+    assert len(first.get_plugins()) == len(second.get_plugins()) + 1
+
+
+def test_metrics_go_through_each_savers_own_manager_even_when_shared(tmp_path, pm):
+    """Two savers given one manager: each reporter reports its own saver's snapshots only."""
+    a = saver(tmp_path / "a", pm, save_every_n_train_steps=1)
+    b = saver(tmp_path / "b", pm, save_every_n_train_steps=2)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    a.report_metrics(lambda metrics, step: got["a"].append(step))
+    b.report_metrics(lambda metrics, step: got["b"].append(step))
+    drive(a, 2)
+    drive(b, 2)
+    assert got == {"a": [1, 2], "b": [2]}
+    a.report_metrics(None)
+    b.report_metrics(None)
+    assert pm.get_plugins() == set()
+
+
+def _readme_plugin_example() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Hook reference"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.frameworks
+def test_the_readme_plugin_example_runs_verbatim(tmp_path, monkeypatch, capsys):
+    from torchtnt.framework.train import train
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+    from toy import StatefulLoader, ToyUnit, make_data
+
+    monkeypatch.chdir(tmp_path)
+    ema = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        ema.weight.fill_(0.25)
+    uploaded = []
+    # The names the example leaves to its reader: the EMA model, a loss, an upload.
+    namespace = {"ema": ema, "current_loss": lambda: 0.125, "upload_manifest": uploaded.append}
+    exec(compile(_readme_plugin_example(), "README.md", "exec"), namespace)
+    saver = namespace["saver"]
+    assert isinstance(saver, TorchSnapshotSaver)
+
+    # 1,200 steps in one epoch: the plugin asks for step 1000, the epoch cadence for step 1200.
+    train(ToyUnit(), StatefulLoader(make_data(4 * 1200)), max_epochs=1, callbacks=[saver])
+    run = tmp_path / "checkpoints" / "run1"
+    assert names(run) == ["epoch_0_step_1000_loss=0.1250", "epoch_1_step_1200_loss=0.1250"]
+    assert [os.path.basename(p) for p in uploaded] == names(run)
+
+    with torch.no_grad():
+        ema.weight.zero_()
+    TorchSnapshotSaver.restore(str(run / names(run)[-1]), ToyUnit(),
+                               plugin_manager=saver.snapshotter.plugin_manager)
+    assert torch.all(ema.weight == 0.25)  # restored into the plugin's module
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "'ema'" in printed
+
+    # Another saver in the same process knows nothing of that plugin.
+    other = TorchSnapshotSaver(str(tmp_path / "other"), save_every_n_epochs=1)
+    train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=1, callbacks=[other])
+    assert names(tmp_path / "other") == ["epoch_1_step_2"]
