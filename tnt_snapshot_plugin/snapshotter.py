@@ -67,7 +67,7 @@ from .naming import SnapshotName, is_staging_name
 from .plugins import PluginManager, check_plugin, implemented, new_plugin_manager
 from .preemption import PreemptionHandler
 from .stores import DirLock, Store, open_store
-from .stores.writers import live_runs, new_run_id, staging_token, writer_gone, writer_identity
+from .stores.ownership import live_runs, new_run_id, staging_token, writer_gone, writer_identity
 from .writer_job import SnapshotWriter
 
 logger = logging.getLogger(__name__)
