@@ -1,0 +1,126 @@
+"""The ``tnt-snapshot`` command group: how errors become one line and an exit status, and the
+options and path handling every command shares."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Callable, Optional
+
+import click
+
+from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
+from ..stores import METADATA_FNAME, Store, open_store
+from .output import safe
+
+
+class UsageProblem(click.UsageError):
+    """Bad input found after parsing (a path that is not what the command needs): exit 2."""
+
+
+def s3_options(endpoint_url: Optional[str], region: Optional[str]) -> Optional[dict[str, Any]]:
+    opts = {k: v for k, v in (("endpoint_url", endpoint_url), ("region_name", region)) if v}
+    return opts or None
+
+
+def open_target(target: str, storage_options: Optional[dict[str, Any]], what: str = "directory") -> Store:
+    try:
+        return open_store(target, storage_options if target.startswith("s3://") else None)
+    except ConfigError as exc:
+        raise UsageProblem(str(exc)) from None
+
+
+def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Store, str]:
+    text = target.rstrip("/")
+    if text.endswith("/" + METADATA_FNAME):
+        text = text[: -len(METADATA_FNAME) - 1]
+    head, sep, name = text.rpartition("/")
+    if not name or name in (".", ".."):
+        raise UsageProblem(f"{target!r} does not name a snapshot (expected DIRPATH/epoch_E_step_S)")
+    if not sep:
+        head = "."
+    elif not head or head.endswith(":/"):
+        raise UsageProblem(f"{target!r} names a bucket or root, not a snapshot")
+    return open_target(head, storage_options), name
+
+
+def duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(body) * units[unit]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a duration (e.g. 90, 90s, 15m, 2h)") from None
+    if value < 0 or math.isnan(value):
+        raise click.BadParameter(f"{text!r}: a duration must be >= 0")
+    return value
+
+
+def s3_flags(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--region", default=None, help="S3 region (else AWS_REGION / AWS_DEFAULT_REGION).")(f)
+    f = click.option(
+        "--endpoint-url", default=None, help="S3 endpoint (else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)."
+    )(f)
+    return f
+
+
+json_flag = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable keys).")
+
+
+class _Cli(click.Group):
+    """Errors as one line on stderr: exit 2 for bad input, 1 for a failure."""
+
+    def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        prog = prog_name or "tnt-snapshot"
+        try:
+            rv = super().main(args, prog, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:  # bare "tnt-snapshot"
+                click.echo(exc.ctx.get_help(), err=True)
+                code = 2
+                if standalone_mode:
+                    sys.exit(code)
+                return code
+            hint = (
+                f" (see '{exc.ctx.command_path} --help')"
+                if exc.ctx is not None and not isinstance(exc, UsageProblem)
+                else ""
+            )
+            code = fail(prog, exc.format_message() + hint, 2)
+        except click.ClickException as exc:
+            code = fail(prog, exc.format_message(), exc.exit_code)
+        except click.Abort:
+            code = fail(prog, "aborted", 1)
+        except (ConfigError, SnapshotNotFoundError, SnapshotCorruptError) as exc:
+            code = fail(prog, str(exc), 2)
+        except (SnapshotError, OSError) as exc:
+            code = fail(prog, str(exc), 1)
+        except Exception as exc:
+            if not type(exc).__module__.startswith(("botocore", "boto3")):
+                raise
+            code = fail(prog, f"S3: {exc}", 1)
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def fail(prog: str, message: str, code: int) -> int:
+    first = " ".join(message.split())
+    click.echo(f"{prog}: error: {safe(first)}", err=True)
+    return code
+
+
+@click.group(name="tnt-snapshot", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Look at tnt_snapshot_plugin snapshot directories: local paths, file:// or s3:// URLs."""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The console script ``tnt-snapshot``."""
+    return int(cli.main(argv, prog_name="tnt-snapshot", standalone_mode=False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``tnt-snapshot verify``: every file of a snapshot, or of every snapshot in a directory, checked
+as restore checks it."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import click
+from rich.filesize import decimal as human_size
+from rich.text import Text
+
+from ..naming import SnapshotName
+from ..stores import METADATA_FNAME, Store
+from .app import cli, json_flag, open_target, s3_flags, s3_options, split_target
+from .output import (
+    STATUS_COMPLETE,
+    STATUS_DAMAGED,
+    STATUS_INCOMPLETE,
+    STATUS_STYLE,
+    Progress,
+    console,
+    emit_json,
+    new_table,
+    print_table,
+    say,
+)
+from .survey import SnapshotInfo, check_snapshot, snapshot_files, survey
+
+
+@cli.command("verify")
+@click.argument("target")
+@json_flag
+@s3_flags
+def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
+    """Check every file of a snapshot, or of every snapshot in a directory.
+
+    The check restore makes: the index (sealed) and the sizes it records, the metadata (as
+    restore parses it) and the files it reads, and every checksum the snapshot recorded. Exit
+    status 1 when anything is damaged (or a snapshot given by path is incomplete), naming each
+    damaged file.
+    """
+    opts = s3_options(endpoint_url, region)
+    single = SnapshotName.parse(target.rstrip("/").rpartition("/")[2]) is not None or target.rstrip("/").endswith(METADATA_FNAME)
+    if not single and "://" not in target and os.path.isfile(os.path.join(target, METADATA_FNAME)):
+        single = True
+    err = console(err=True)
+    with Progress(err, enabled=err.is_terminal and not as_json) as advance:
+        if single:
+            infos = [_one(*split_target(target, opts), advance)]
+        else:
+            infos = [i for i in survey(open_target(target, opts), checksums=True, progress=advance) if i.kind == "snapshot"]
+    bad = [i for i in infos if i.status == STATUS_DAMAGED or (single and i.status == STATUS_INCOMPLETE)]
+    if as_json:
+        emit_json({
+            "target": target,
+            "ok": not bad,
+            "restore": next((i.name for i in infos if i.restore), None),
+            "snapshots": [
+                {"name": i.name, "status": i.status, "files": len(i.files), "bytes": i.nbytes,
+                 "checked": _checked(i), "problems": i.problems, "note": i.note}
+                for i in infos
+            ],
+        })
+    else:
+        _report(target, infos, bad, single)
+    return 1 if bad else 0
+
+
+def _one(store: Store, name: str, advance: Optional[Callable[[int], None]]) -> SnapshotInfo:
+    """One snapshot given by path, checked with its checksums."""
+    files, modified = snapshot_files(store, name)
+    parsed = SnapshotName.parse(name)
+    if METADATA_FNAME not in files:
+        return SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
+                            problems=[f"{METADATA_FNAME} is missing: the snapshot is incomplete"])
+    verdict = check_snapshot(store, name, files, checksums=True, progress=advance)
+    return SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED,
+                        parsed=parsed, files=files, verdict=verdict, problems=list(verdict.problems),
+                        note="; ".join(verdict.notes), checksummed=True)
+
+
+def _checked(i: SnapshotInfo) -> str:
+    if i.status == STATUS_INCOMPLETE:
+        return "-"
+    return "sizes+checksums" if (i.index or {}).get("checksums") else "sizes"
+
+
+def _report(target: str, infos: list[SnapshotInfo], bad: list[SnapshotInfo], single: bool) -> None:
+    out = console()
+    table = new_table("SNAPSHOT", "FILES", "SIZE", "CHECKED", "STATUS", right=("FILES", "SIZE"))
+    for i in infos:
+        status = Text("intact" if i.status == STATUS_COMPLETE else i.status, style=STATUS_STYLE[i.status])
+        if i.restore:
+            status.append(" *", style="bold")
+        table.add_row(i.name, str(len(i.files)), human_size(i.nbytes), _checked(i), status)
+    print_table(out, table)
+    for i in infos:
+        for problem in i.problems:
+            say(out, f"{i.name}: {problem}", style="red")
+    for i in infos:
+        for note in i.note.split("; ") if i.note and "checksums not recorded" not in i.note else ():
+            say(out, f"{i.name}: {note}")
+    unchecked = [i.name for i in infos if "checksums not recorded" in i.note]
+    if unchecked:
+        say(out, "sizes only; checksums not recorded by " + ("this snapshot" if len(infos) == 1 else f"{len(unchecked)} of these snapshots"))
+    if not infos:
+        say(out, f"no snapshots in {target}")
+    if not single:
+        pick = next((i.name for i in infos if i.restore), None)
+        say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
+    say(out, f"{len(bad)} damaged" if bad else "all intact")
