@@ -1,5 +1,8 @@
+"""``python -m tnt_snapshot_plugin``: the demo command (``tnt-snapshot-demo``)."""
+
 import sys
 
 from .demo import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,22 +9,64 @@ The framework's demo comes from its adapter plugin, found through the plugin man
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from typing import Any, Optional, Sequence
 
 from .naming import SnapshotName, is_staging_name
 from .plugins import adapters
-from .stores import open_store
+from .stores import LOCK_FNAME
 
 DEFAULT_DIRPATH = "./demo-snapshots"
+#: Written into a directory the demo uses: the mark that its snapshots are the demo's own.
+DEMO_MARKER = ".tnt_snapshot_demo"
+
+
+def _refusal(dirpath: str) -> Optional[str]:
+    """Why the demo must not use ``dirpath`` (None: it may). The demo deletes its earlier
+    snapshots before each run, so it uses only a new or empty local directory, or one holding
+    nothing but an earlier demo's snapshots (its marker file says so)."""
+    if "://" in dirpath and not dirpath.startswith("file://"):
+        return f"--dirpath {dirpath}: the demo writes to a local directory"
+    path = dirpath[len("file://") :] if dirpath.startswith("file://") else dirpath
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return f"--dirpath {dirpath} is not a directory"
+    names = set(os.listdir(path))
+    if not names:
+        return None
+    if DEMO_MARKER not in names:
+        return (
+            f"--dirpath {dirpath} is not empty and was not written by the demo (it holds "
+            f"{', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}); the demo deletes "
+            "its earlier snapshots before each run, so give it a new or empty directory"
+        )
+    foreign = sorted(
+        n for n in names
+        if n not in (DEMO_MARKER, LOCK_FNAME) and SnapshotName.parse(n) is None and not is_staging_name(n)
+    )
+    if foreign:
+        return (
+            f"--dirpath {dirpath} holds files that are not the demo's snapshots ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); give the demo a new or empty directory"
+        )
+    return None
 
 
 def _clear(dirpath: str) -> None:
-    """Remove earlier demo snapshots; only names this plugin writes are touched."""
-    store = open_store(dirpath)
-    for name in store.list_names():
+    """Make ``dirpath`` the demo's: remove an earlier demo's snapshots (only names this plugin
+    writes; :func:`_refusal` has checked there is nothing else) and write the demo's marker."""
+    path = dirpath[len("file://") :] if dirpath.startswith("file://") else dirpath
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
         if SnapshotName.parse(name) is not None or is_staging_name(name):
-            store.remove(name)
+            target = os.path.join(path, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+    with open(os.path.join(path, DEMO_MARKER), "w") as f:
+        f.write("snapshots written by tnt-snapshot-demo; the demo deletes them at its next run\n")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -65,6 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 0 < interrupt_at < total:
         parser.error(f"--interrupt-at must be between 1 and {total - 1}")
 
+    refusal = _refusal(args.dirpath)
+    if refusal is not None:
+        parser.error(refusal)
     _clear(args.dirpath)
     demo = available[args.framework].load_demo()
     report = demo(

@@ -62,6 +62,13 @@ class SnapshotSkippedWarning(SnapshotFailedWarning):
     per stuck write; every snapshot skipped is counted (``snapshot/skipped`` in the metrics)."""
 
 
+class SnapshotBusyWarning(UserWarning):
+    """A snapshot was due while the previous one was still being written, and training waited
+    for it: snapshots are due more often than the storage writes them. Issued once per saver and
+    run; later waits are counted (``snapshot/busy_waits`` in the metrics) and logged at DEBUG.
+    Filter it like any warning: ``warnings.filterwarnings("ignore", category=SnapshotBusyWarning)``."""
+
+
 class SnapshotsAheadWarning(UserWarning):
     """A run starts in a dirpath holding snapshots ahead of its own progress (another, longer
     run's); this run's snapshots are ordered after them by commit. Issued once per saver."""

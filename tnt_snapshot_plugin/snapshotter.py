@@ -55,6 +55,7 @@ from .config import SnapshotConfig
 from .distributed import AgreedFlag, Collectives, is_initialized
 from .errors import (
     ConfigError,
+    SnapshotBusyWarning,
     SnapshotError,
     SnapshotFailedWarning,
     SnapshotsAheadWarning,
@@ -851,12 +852,12 @@ class Snapshotter:
             logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
             return
         self._busy_warned = True
-        logger.warning(
-            "snapshot %s was still being written when the next one was due; training waited %.3fs "
-            "for it (consider snapshotting less often). Further waits in this run are counted in "
-            "the snapshot metrics and logged at DEBUG",
-            job.name,
-            waited,
+        warnings.warn(
+            f"snapshot {job.name} was still being written when the next one was due; training "
+            f"waited {waited:.3f}s for it (consider snapshotting less often). Further waits in this "
+            "run are counted in the snapshot metrics and logged at DEBUG",
+            SnapshotBusyWarning,
+            stacklevel=4,
         )
 
     def report_metrics(self, sink: Optional[Callable[[dict[str, float], int], None]]) -> None:
