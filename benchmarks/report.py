@@ -3,7 +3,12 @@ the targets measured once per run (hook cost in a real loop, first snapshot stal
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 MiB = 1024 * 1024
 
@@ -322,7 +327,9 @@ def targets_table(targets: list[dict[str, Any]], title: str) -> str:
     return out
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any], targets: bool = True) -> str:
+    """The whole report; ``targets=False`` leaves out the targets and their count (the
+    published performance page shows the measurements only)."""
     out = []
     machine = results["machine"]
     out.append(
@@ -334,7 +341,8 @@ def markdown(results: dict[str, Any]) -> str:
     for size in results["sizes"]:
         out.append(f"### {size['label']} ({size['state_bytes'] / MiB:.0f} MiB)\n")
         out.append(size_table(size))
-        out.append(targets_table(size_targets(size), f"targets at {size['label']} (this plugin, this run)"))
+        if targets:
+            out.append(targets_table(size_targets(size), f"targets at {size['label']} (this plugin, this run)"))
     if "hooks" in results:
         out.append("### Hook cost\n")
         out.append(hook_table(results["hooks"]))
@@ -349,12 +357,14 @@ def markdown(results: dict[str, Any]) -> str:
             "### Hook cost in a real training loop, under torch.distributed with 2 ranks (rank 0)\n\n"
             "`benchmarks/agreement.py`: two gloo processes on 127.0.0.1 run the same loops; the ranks agree "
             "on preemption every few steps (about a quarter second of training), and the last row agrees "
-            "at every step, as the plugin did before.\n"
+            "at every step, for comparison.\n"
         )
         out.append(loop_table(results["loop_2ranks"]))
     if "first_stall" in results:
         out.append("### First snapshot stall\n")
         out.append(first_stall_table(results["first_stall"]))
+    if not targets:
+        return "\n".join(out)
     run = run_targets(results)
     if run:
         out.append(targets_table(run, "targets measured once per run (this plugin, this run)"))
@@ -384,3 +394,89 @@ def first_stall_table(first: dict[str, Any]) -> str:
             f"| {v['first_over_second']:.2f}x | {v['first_over_later']:.2f}x |\n"
         )
     return out
+
+
+#: The three panels of a size's figure: the figure's key, its title and the floor it is drawn against.
+PANELS = (
+    ("stall_s", "stall (training blocked)", "copy_s", "in-memory copy"),
+    ("durable_s", "durable (until fsynced)", "durable_s", "disk write + fsync"),
+    ("restore_s", "restore (cold page cache)", "restore_s", "disk cold read"),
+)
+
+
+def plot_slug(label: str) -> str:
+    """A file name for a state's label: "64 MiB (16 x 4 MiB)" -> "64mib"."""
+    return re.sub(r"[^a-z0-9]+", "", label.split("(")[0].lower()) or "size"
+
+
+def plots(results: dict[str, Any], outdir: str | Path, prefix: str = "perf_") -> list[Path]:
+    """Draw one PNG per state size into ``outdir``: stall, durable and restore of every method
+    side by side (horizontal bars, log scale: methods differ by orders of magnitude), this
+    plugin's rows highlighted, and the machine's floor measured in the same run as a dashed line.
+    Returns the files written. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for size in results["sizes"]:
+        rows = [r for r in size["methods"] if "error" not in r]
+        names = [r["name"] for r in rows]
+        fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 0.42 * len(rows) + 1.6), sharey=True)
+        for ax, (key, title, floor_key, floor_label) in zip(axes, PANELS, strict=True):
+            values = [r.get(key) or float("nan") for r in rows]
+            colors = ["#d95f02" if not r.get("peer") else "#7570b3" for r in rows]
+            ax.barh(range(len(rows)), values, color=colors)
+            ax.set_xscale("log")
+            ax.set_title(title)
+            ax.set_xlabel("seconds (log scale)")
+            floor = size["floors"].get(floor_key)
+            if floor:
+                ax.axvline(floor, color="black", linestyle="--", linewidth=1, label=f"floor: {floor_label}")
+                ax.legend(loc="lower right", fontsize=8)
+            for i, v in enumerate(values):
+                if v == v:  # not NaN
+                    ax.text(v, i, " " + _fmt_s(v), va="center", fontsize=7)
+            ax.grid(axis="x", which="both", alpha=0.3)
+        axes[0].set_yticks(range(len(rows)))
+        axes[0].set_yticklabels(names, fontsize=8)
+        axes[0].invert_yaxis()
+        machine = results["machine"]
+        fig.suptitle(
+            f"{size['label']}: {size['state_bytes'] / MiB:.0f} MiB of fp32 tensors; "
+            f"{machine['cpus']} CPUs, torch {machine['torch']}, {results['started'][:10]}"
+        )
+        fig.tight_layout()
+        path = outdir / f"{prefix}{plot_slug(size['label'])}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python benchmarks/report.py RESULTS.json [--plots DIR] [--markdown FILE] [--no-targets]``:
+    the report of a results file written by run.py (``--out``), as markdown and as plots."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", help="a results JSON written by benchmarks/run.py")
+    parser.add_argument("--plots", default=None, help="draw one PNG per state size into this directory")
+    parser.add_argument("--markdown", default=None, help="write the tables to this file (default: stdout)")
+    parser.add_argument("--no-targets", action="store_true", help="leave out the targets and their count")
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.results).read_text())
+    text = markdown(results, targets=not args.no_targets)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    else:
+        print(text)
+    if args.plots:
+        for path in plots(results, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

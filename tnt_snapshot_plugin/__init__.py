@@ -30,7 +30,12 @@ from .naming import SnapshotName
 from .plugins import hookimpl
 from .plugins_name import PROJECT_NAME
 
-__version__ = "0.1.0"
+try:  # the version lives in one place, setup.cfg; the installed distribution's metadata carries it
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("tnt-snapshot-plugin")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "PROJECT_NAME",

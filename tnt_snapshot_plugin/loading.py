@@ -6,7 +6,7 @@ and the plugin reads it back with ``torch.load(weights_only=True)``: torch's res
 which builds only tensors, containers and the classes on an allow-list, and so runs no code a
 snapshot carries. A snapshot is still trusted input, as a pickle is.
 
-* While the plugin restores (and only then), :data:`SAFE_GLOBALS` are added to torch's allow-list
+* While the plugin restores (and only then), :func:`safe_globals` are added to torch's allow-list
   (:func:`allowed_globals`); what the user added with ``torch.serialization.add_safe_globals``
   stays allowed, and nothing the user added is removed afterwards.
 * ``weights_only=False`` (restore, the adapters' restore methods, Lightning's
@@ -73,8 +73,8 @@ def safe_globals() -> list[Any]:
 
     numpy arrays, scalars and dtypes (``_reconstruct``, ``scalar``, ``ndarray``, ``dtype`` and
     ``numpy.dtypes``' classes, as torch's documentation lists them), ``datetime``'s ``datetime``,
-    ``date``, ``time``, ``timedelta`` and ``timezone``, ``argparse.Namespace``,
-    ``collections.deque``, and the builtins ``frozenset``, ``slice`` and ``range``. Enums,
+    ``date``, ``time``, ``timedelta`` and ``timezone``, ``argparse.Namespace``, and the builtins
+    ``frozenset``, ``slice`` and ``range``. Enums,
     dataclasses and other classes of your own load once you allow them:
     ``torch.serialization.add_safe_globals([MyEnum, MyConfig])``. (torch's own list already has
     ``dict``, ``OrderedDict``, ``Counter``, ``set``, ``tuple`` and ``complex``; a

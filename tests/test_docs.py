@@ -1,0 +1,132 @@
+"""The documentation: every Python example runs, every page is in the site, every test a page
+names exists, and no page reads like a lab notebook.
+
+Each page's examples run in a fresh interpreter in an empty directory (tests/docs_runner.py), in
+order, with small real stand-ins for the user's objects (``unit``, ``model``, ...). A block is
+skipped only when its fence says ``not run`` (see docs/contributing.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from docs_runner import NOT_RUN, blocks, runnable
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Documents users read besides the pages of the site.
+USER_FACING = [*PAGES, ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md"]
+_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(::[\w\[\]|.-]+)?`|`::([\w\[\]|.-]+)`")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.slow
+@pytest.mark.frameworks
+@pytest.mark.parametrize("page", [p for p in PAGES if runnable(p.read_text())], ids=_rel)
+def test_every_python_example_runs(page, tmp_path):
+    count = len(runnable(page.read_text()))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(page)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{_rel(page)}: an example failed\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert f"ran {count} blocks" in done.stdout
+
+
+def test_the_examples_that_do_not_run_are_few_and_marked():
+    skipped = []
+    for page in PAGES:
+        for info, _ in blocks(page.read_text()):
+            assert info == "" or NOT_RUN in info, f"{_rel(page)}: a python fence with {info!r}"
+            if NOT_RUN in info:
+                skipped.append(_rel(page))
+    ran = sum(len(runnable(p.read_text())) for p in PAGES)
+    assert ran >= 10 and len(skipped) <= 3, (ran, skipped)
+
+
+def test_the_runner_finds_blocks_and_honours_the_marker():
+    text = "x\n```python\na = 1\n```\n\n```python title=\"not run: an endpoint\"\nb = 2\n```\n```bash\nc\n```\n"
+    assert blocks(text) == [("", "a = 1\n"), ('title="not run: an endpoint"', "b = 2\n")]
+    assert runnable(text) == ["a = 1\n"]
+
+
+def test_every_page_is_in_the_site_and_every_link_of_the_nav_exists():
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = re.findall(r":\s+([\w/-]+\.md)\s*$", config, flags=re.M)
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert set(nav) <= pages, f"the nav names missing pages: {set(nav) - pages}"
+    assert pages <= set(nav), f"pages left out of the nav: {pages - set(nav)}"
+    for name in re.findall(r"\(docs/([\w-]+\.md)[)#]", (ROOT / "README.md").read_text()):
+        assert (ROOT / "docs" / name).is_file(), f"the README links to docs/{name}, which does not exist"
+
+
+def _named_tests() -> list[tuple[str, str, str]]:
+    """(page, file, test name) for every test a page names, the ``::name`` shorthands resolved."""
+    found = []
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            current = None
+            for match in _REFERENCE.finditer(line):
+                if match.group(1):
+                    current = match.group(1)
+                    if match.group(2):
+                        found.append((_rel(page), current, match.group(2)[2:]))
+                elif current is not None:
+                    found.append((_rel(page), current, match.group(3)))
+    return found
+
+
+def _defined(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_every_test_the_docs_name_exists():
+    named = _named_tests()
+    assert len(named) > 50  # the guarantees, the Lightning switch table and others name many
+    missing = []
+    for page, file, name in named:
+        path = ROOT / file
+        base = name.split("[", 1)[0]  # a parametrised id names its function
+        if not path.is_file() or base not in _defined(path):
+            missing.append(f"{page}: {file}::{name}")
+    assert not missing, f"the docs name tests that do not exist: {missing}"
+
+
+#: What a diary or a scoreboard reads like; user-facing text says what the software does.
+_DIARY = re.compile(
+    r"\bI (measured|tried|dropped|found|ran|kept|made|think)\b|\b[Tt]his session\b|\bthis run, of\b"
+    r"|\b\d+ of \d+ targets\b|\btargets met\b|\b[Ww]e (measured|tried|found)\b"
+)
+
+
+def test_no_page_reads_like_a_diary_or_keeps_a_tally():
+    found = []
+    for doc in USER_FACING:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if _DIARY.search(line):
+                found.append(f"{_rel(doc)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
+
+
+def test_no_docstring_reads_like_a_diary():
+    found = []
+    for folder in ("tnt_snapshot_plugin", "adapters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node) or ""
+                    if _DIARY.search(doc):
+                        found.append(f"{_rel(path)}: {getattr(node, 'name', '<module>')}")
+    assert not found, found
