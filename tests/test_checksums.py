@@ -346,7 +346,7 @@ def test_only_damage_read_while_loading_counts_as_corruption():
     (restore_from_latest falls back); an object store that went away is raised as it is."""
     from tnt_snapshot_plugin import StorageUnavailableError
     from tnt_snapshot_plugin.distributed import Collectives
-    from tnt_snapshot_plugin.restoring import _agree_on_read_errors
+    from tnt_snapshot_plugin.restoring import agree_on_read_errors as _agree_on_read_errors
 
     solo = Collectives(None)
     _agree_on_read_errors("p", [], solo)  # nothing failed: nothing raised

@@ -1,0 +1,26 @@
+"""Restoring snapshots: one chosen path, or the latest complete one in a directory.
+
+Snapshots are trusted input, as a pickle is: torchsnapshot stores non-tensor objects with
+``torch.save``. They are read back with ``torch.load(weights_only=True)`` and the plugin's safe
+globals (loading.py), which run no code a snapshot carries; ``weights_only=False`` loads them with
+full pickle, for snapshots you (or your own jobs) wrote.
+
+* ``request.py``: :class:`RestoreRequest`, and one restore in phases (resolve, check, read,
+  agree, load);
+* ``latest.py``: which snapshot (latest, best), :func:`restore_from_latest` with its fallback;
+* ``files.py``: a snapshot's files, index and metadata as a restore reads them;
+* ``checks.py``, ``world_size.py``, ``agreement.py``: the checks before reading, restoring onto
+  another world size, and how the ranks agree.
+"""
+
+from __future__ import annotations
+
+from .agreement import agree_on_read_errors
+from .files import read_metadata, reading_io
+from .latest import best_snapshot, latest_snapshot, restore, restore_from_latest
+from .request import RestoreRequest
+
+__all__ = [
+    "RestoreRequest", "agree_on_read_errors", "best_snapshot", "latest_snapshot", "read_metadata", "reading_io",
+    "restore", "restore_from_latest",
+]

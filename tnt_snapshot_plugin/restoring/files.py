@@ -1,0 +1,94 @@
+"""How a restore reaches one snapshot's files: the reads, file sizes and checksums of its index,
+its metadata (checked), and whether the path names a complete snapshot at all."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Optional
+
+from ..distributed import Collectives
+from ..errors import SnapshotNotFoundError
+from ..format.common import METADATA_FNAME
+from ..naming import SnapshotName
+from ..stores import INDEX_FNAME, LocalStore, Store
+
+
+def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = None) -> tuple[Any, Any, Any]:
+    """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``;
+    ``read_into`` reads up to ``concurrency`` files at once (None: the store's default).
+
+    File sizes come from the plugin's index where it has one (one read), else from the store
+    (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
+    for a snapshot without them)."""
+    from .. import index as index_file
+    from ..checksums import Verifier
+
+    try:
+        index: Optional[bytes] = store.read_file(name, INDEX_FNAME)
+    except FileNotFoundError:
+        index = None
+    parsed: Any = None
+    if index is not None:
+        parsed = index_file.parse(index, path)
+    listed = parsed.get("files") if isinstance(parsed, dict) else None
+    sizes: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    records = parsed.get("checksums") if isinstance(parsed, dict) else None
+    verifier = Verifier(path, records, sizes) if isinstance(records, dict) and records else None
+
+    def file_size(rel: str) -> Optional[int]:
+        size = sizes.get(rel)
+        return size if isinstance(size, int) else store.file_size(name, rel)
+
+    return functools.partial(store.read_into, name, concurrency=concurrency), file_size, verifier
+
+
+def read_metadata(store: Store, name: str, verifier: Any) -> bytes:
+    """Snapshot ``name``'s metadata, checked against its checksum where the index has one
+    (``verifier``, from :func:`reading_io`): it holds the primitive values (numbers, strings)
+    themselves. SnapshotCorruptError on a mismatch."""
+    data = store.read_file(name, METADATA_FNAME)
+    if verifier is not None:
+        verifier.check(METADATA_FNAME, 0, data)
+    return data
+
+
+def not_a_directory(store: Store) -> Optional[str]:
+    """What is wrong with a local ``dirpath`` that exists but is no directory, else None."""
+    if isinstance(store, LocalStore) and os.path.lexists(store.root) and not os.path.isdir(store.root):
+        return "is a file, not a directory of snapshots"
+    return None
+
+
+def require_complete(store: Store, name: str, path: str, coll: Collectives) -> None:
+    def check() -> Optional[str]:
+        if store.is_complete(name):
+            return None
+        if name in store.list_names():
+            inner = store.nested(name).complete_snapshots()
+            if inner:
+                return (
+                    f"{path} is a directory of snapshots, not a snapshot; pass one of them (the "
+                    f"newest is {store.child(name)}/{inner[-1].text}) or use restore_from_latest"
+                )
+            if SnapshotName.parse(name) is None:
+                return (
+                    f"{path} is not a snapshot: it holds no .snapshot_metadata and is not named "
+                    "epoch_E_step_S; pass a snapshot directory written by the saver"
+                )
+            return (
+                f"{path} is not a complete snapshot (it has no .snapshot_metadata: an interrupted "
+                "write?); pass a committed snapshot directory"
+            )
+        if isinstance(store, LocalStore) and os.path.islink(os.path.join(store.root, name)):
+            return (
+                f"{path} is a symlink; snapshots are never read through symlinks: pass the "
+                f"snapshot directory itself ({os.path.realpath(os.path.join(store.root, name))})"
+            )
+        if isinstance(store, LocalStore) and os.path.lexists(os.path.join(store.root, name)):
+            return f"{path} is a file, not a snapshot directory; pass a directory written by the saver"
+        return f"snapshot {path} does not exist; pass a directory written by the saver"
+
+    problem = coll.on_rank0(check)
+    if problem is not None:
+        raise SnapshotNotFoundError(problem)

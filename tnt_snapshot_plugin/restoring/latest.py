@@ -1,0 +1,269 @@
+"""Which snapshot to restore: the latest complete one (falling back from damaged ones with a
+warning naming each), or the best by a metric; and :func:`restore`, the one-call form of a
+:class:`RestoreRequest`."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import warnings
+from typing import Any, Iterable, Mapping, Optional
+
+import pluggy
+
+from .. import retention, verify
+from ..distributed import Collectives
+from ..errors import ConfigError, SnapshotCorruptError
+from ..naming import SnapshotName
+from ..stores import INDEX_FNAME, Store, open_store
+from .files import not_a_directory
+from .request import RestoreRequest
+
+logger = logging.getLogger("tnt_snapshot_plugin.restoring")
+
+
+def latest_snapshot(
+    dirpath: str,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+    verified: bool = False,
+) -> Optional[str]:
+    """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None.
+
+    ``verified``: skip, with a warning, snapshots whose files are missing or truncated.
+    """
+    coll = collectives or Collectives(None)
+    store = open_store(dirpath, storage_options)
+
+    def newest() -> Optional[str]:
+        for found in reversed(store.complete_snapshots()):
+            problem = verify.check(store, found.text).problem if verified else None
+            if problem is None:
+                return store.child(found.text)
+            warnings.warn(
+                f"skipping damaged snapshot {store.child(found.text)}: {problem}", stacklevel=4
+            )
+        return None
+
+    return coll.on_rank0(newest)
+
+
+def best_snapshot(
+    dirpath: str,
+    metric: str,
+    mode: str,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+) -> Optional[str]:
+    """The path of the best complete snapshot in ``dirpath`` by ``metric`` (``mode`` "min" or
+    "max"; NaN worst; of equal values the earlier commit), any writer's, or None if no complete
+    snapshot carries the metric (rank 0 decides). Ranking: :func:`retention.ranked`."""
+    if mode not in retention.MODES:
+        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+    coll = collectives or Collectives(None)
+
+    def pick() -> Optional[str]:  # rank 0's dirpath only (the others may pass "")
+        store = open_store(dirpath, storage_options)
+        found = retention.best(store.listed(), metric, mode)
+        return store.child(found.text) if found is not None else None
+
+    return coll.on_rank0(pick)
+
+
+def restore(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    optional_keys: Iterable[str] = (),
+    storage_options: Optional[dict[str, Any]] = None,
+    collectives: Optional[Collectives] = None,
+    plugin_manager: Optional[pluggy.PluginManager] = None,
+    strict: bool = True,
+    rest: Optional[dict[str, Any]] = None,
+    io_concurrency: Optional[int] = None,
+    weights_only: bool = True,
+) -> list[str]:
+    """Load snapshot ``path`` into ``app_state`` (key -> Stateful); the keys loaded, the RNG
+    state last. Arguments: :class:`RestoreRequest`.
+
+    Under torch.distributed rank 0's ``path`` is used (the others may pass anything). Modules are
+    checked against the snapshot (keys, shapes) before anything is loaded; a tensor of another
+    dtype than saved is a StateMismatchError, never a cast. A snapshot that does not fit
+    ``app_state`` raises StateMismatchError; an exception raised by an entry's own
+    ``state_dict()``/``load_state_dict()`` propagates as it is (torch's own classes: as a
+    StateMismatchError naming the entry); only a failure to read or decode the snapshot's files
+    raises SnapshotCorruptError; an object torch's restricted unpickler refuses raises
+    UnrestorableStateError unless ``weights_only=False``.
+    """
+    return RestoreRequest(
+        app_state, optional_keys=optional_keys, storage_options=storage_options, collectives=collectives,
+        plugin_manager=plugin_manager, strict=strict, rest=rest, io_concurrency=io_concurrency,
+        weights_only=weights_only,
+    ).restore(path)
+
+
+def restore_from_latest(
+    dirpath: str,
+    app_state: Optional[Mapping[str, Any]] = None,
+    *,
+    fallback: bool = True,
+    newest: Optional[str] = None,
+    loaded_keys: Optional[list[str]] = None,
+    request: Optional[RestoreRequest] = None,
+    **fields: Any,
+) -> Optional[str]:
+    """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
+
+    ``request`` (or ``app_state`` and the other :class:`RestoreRequest` fields as keywords) says
+    what to restore into. A snapshot ``verify.check`` finds damaged, or whose files fail to load,
+    is skipped with a warning naming it, and the previous one is tried (``fallback=False`` raises
+    instead); when snapshots exist but none can be restored, SnapshotCorruptError is raised
+    rather than letting training start from scratch. Under torch.distributed rank 0 chooses (in
+    rank 0's ``dirpath``); a snapshot that any rank fails to read is skipped by every rank
+    together. After a fallback every entry is loaded from the older snapshot; an optional entry
+    it lacks is put back as it was before the restore, with a warning. A snapshot that is intact
+    but does not fit (StateMismatchError), or an error raised by an entry's own
+    ``load_state_dict``, is raised at once: an older snapshot would not fit either.
+    ``newest``: a snapshot name; only it and the snapshots before it are tried. ``loaded_keys``:
+    a list that gets the keys loaded from the snapshot restored.
+    """
+    if request is None:
+        assert app_state is not None, "restore_from_latest needs app_state or request"
+        request = RestoreRequest(app_state, **fields)
+    coll = request.collectives or Collectives(None)
+    request = request.replace(collectives=coll)
+    dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
+    store = open_store(dirpath, request.storage_options)
+    candidates = _candidates(store, dirpath, coll, newest)
+    damaged: list[str] = []
+    # A failed load may have loaded some entries already: the fallback loads every entry again
+    # from the older snapshot, and an optional entry that one lacks is put back as it was
+    # before the restore (kept here, deep-copied, only for optional entries: small by nature).
+    optional = [k for k in request.optional_keys if k in request.app_state]
+    before: dict[str, Any] = {}
+    for name in candidates:
+        path = store.child(name)
+        checked: list[verify.Verdict] = []  # rank 0's: its metadata is not read twice
+        problem = coll.on_rank0(functools.partial(_check, store, name, checked))
+        if problem is None:
+            if not damaged:
+                before = _optional_state(request.app_state, optional)
+            try:
+                loaded = request.restore(path, checked[0] if checked else None)
+            except SnapshotCorruptError as exc:
+                if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
+                    raise  # raised on this rank only: the others cannot follow to another snapshot
+                problem = str(exc)
+            else:
+                if damaged:
+                    logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
+                    _reset_unloaded(request.app_state, before, loaded, path)
+                if loaded_keys is not None:
+                    loaded_keys.extend(loaded)
+                return path
+        _skip(path, problem, fallback, damaged)
+    if damaged:
+        # Never start from scratch silently when snapshots exist but none can be read.
+        raise SnapshotCorruptError(
+            f"every snapshot in {dirpath} is damaged: {'; '.join(damaged)}. Nothing was restored; "
+            "restore a snapshot by path, or move the directory aside to start from scratch"
+        )
+    logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
+    return None
+
+
+def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[str]) -> list[str]:
+    """The complete snapshots to try, newest first (rank 0's listing); a newer directory holding
+    the plugin's index but no metadata is warned about."""
+    problem = coll.on_rank0(lambda: not_a_directory(store))
+    if problem is not None:
+        raise ConfigError(f"dirpath {dirpath!r} {problem}; pass the directory the saver wrote to")
+    candidates: list[str] = coll.on_rank0(lambda: [s.text for s in reversed(store.complete_snapshots())])
+    if coll.rank == 0 and newest is None:
+        for name in _uncommitted_after(store, candidates[0] if candidates else None):
+            warnings.warn(
+                f"skipping snapshot {store.child(name)}: it holds the plugin's index but no "
+                f".snapshot_metadata, so it was damaged after its commit or its commit was "
+                "interrupted; the newest complete snapshot before it is restored instead",
+                stacklevel=4,
+            )
+    if newest is not None and newest in candidates:
+        candidates = candidates[candidates.index(newest):]
+    return candidates
+
+
+def _skip(path: str, problem: Optional[str], fallback: bool, damaged: list[str]) -> None:
+    """Record that ``path`` is damaged, with a warning; or raise where there is no fallback."""
+    if not fallback:
+        raise SnapshotCorruptError(
+            f"the newest snapshot {path} is damaged: {problem}; pass fallback=True to restore "
+            "the previous one instead"
+        )
+    damaged.append(f"{path} ({problem})")
+    warnings.warn(
+        f"skipping damaged snapshot {path}: {problem}; falling back to the previous snapshot",
+        stacklevel=4,
+    )
+
+
+def _uncommitted_after(store: Store, newest: Optional[str]) -> list[str]:
+    """Snapshot-named directories later (by epoch and step) than complete snapshot ``newest``
+    that hold the plugin's index but no metadata: a commit writes the index just before the
+    metadata (and on local disk renames the whole directory into place), so such a directory
+    is damage, or at most an interrupted commit on an object store."""
+    parsed = SnapshotName.parse(newest) if newest is not None else None
+    after = parsed.sort_key[:2] if parsed is not None else None
+    found = []
+    for text in store.list_names():
+        name = SnapshotName.parse(text)
+        if name is None or name.phase_aware or (after is not None and name.sort_key[:2] <= after):
+            continue
+        if not store.is_complete(text) and store.has_file(text, INDEX_FNAME):
+            found.append(text)
+    return sorted(found)
+
+
+def _check(store: Store, name: str, out: list[verify.Verdict]) -> Optional[str]:
+    """``verify.check``'s problem with snapshot ``name``, or None; the verdict goes to ``out``."""
+    out.append(verify.check(store, name))
+    return out[-1].problem
+
+
+def _optional_state(app_state: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    saved: dict[str, Any] = {}
+    for key in keys:
+        try:
+            saved[key] = copy.deepcopy(app_state[key].state_dict())
+        except Exception:  # cannot be kept: it is named in a warning if it must be put back
+            saved[key] = None
+    return saved
+
+
+def _reset_unloaded(app_state: Mapping[str, Any], before: Mapping[str, Any], loaded: Iterable[str], path: str) -> None:
+    """After a fallback: put back the optional entries ``path`` did not hold, which a damaged
+    snapshot's partial load may have changed, as they were before the restore."""
+    done = set(loaded)
+    for key, state in before.items():
+        if key in done:
+            continue
+        if state is not None:
+            try:
+                app_state[key].load_state_dict(state)
+                warnings.warn(
+                    f"{key} is not in {path}, the snapshot restored after falling back: it was "
+                    "put back as it was before the restore (a damaged snapshot may have been "
+                    "partly loaded into it)",
+                    stacklevel=3,
+                )
+                continue
+            except Exception:
+                pass
+        warnings.warn(
+            f"{key} is not in {path}, the snapshot restored after falling back, and could not be "
+            "put back as it was before the restore: it may hold values of the damaged snapshot; "
+            "reset it yourself",
+            stacklevel=3,
+        )
