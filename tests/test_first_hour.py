@@ -87,3 +87,89 @@ def test_busy_waits_are_a_warning_category_users_can_filter():
 
     assert tnt_snapshot_plugin.SnapshotBusyWarning is SnapshotBusyWarning
     assert "SnapshotBusyWarning" in tnt_snapshot_plugin.__all__
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    """A real torchtnt run's directory: epoch_1_step_2, epoch_2_step_4, epoch_3_step_6."""
+    from torchtnt.framework.train import train
+
+    from toy import StatefulLoader, ToyUnit, make_data
+
+    monkeypatch.chdir(tmp_path)
+    train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=3,
+          callbacks=[TorchSnapshotSaver("run1", save_every_n_epochs=1)])
+    return tmp_path / "run1"
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    from tnt_snapshot_plugin.cli import main
+
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.frameworks
+def test_the_cli_says_what_a_path_is(run_dir, capsys):
+    # A directory of snapshots given where one snapshot is needed: named as such, with the newest.
+    for args in (["inspect", "run1"], ["export", "run1", "model.pt"], ["diff", "run1", "run1/epoch_1_step_2"]):
+        code, _, err = _cli(args, capsys)
+        assert code == 2, args
+        assert "run1 is a directory of snapshots, not a snapshot" in err
+        assert "3 complete snapshots" in err and "the newest epoch_3_step_6" in err
+        assert "name one, e.g. ./run1/epoch_3_step_6" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not os.path.exists("model.pt")
+    # Missing: says so, and lists what exists beside it (retention may have deleted it).
+    code, _, err = _cli(["inspect", "run1/epoch_0_step_1"], capsys)
+    assert code == 2
+    assert "run1/epoch_0_step_1 does not exist" in err
+    assert "epoch_1_step_2, epoch_2_step_4, epoch_3_step_6 (the newest epoch_3_step_6)" in err
+    # A missing absolute path is missing, not "a bucket or root".
+    code, _, err = _cli(["inspect", str(run_dir.parent / "nowhere")], capsys)
+    assert code == 2 and "nowhere does not exist" in err and "bucket" not in err
+    # Damaged: the file and the checksum named.
+    meta = run_dir / "epoch_3_step_6" / ".snapshot_metadata"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 1
+    meta.write_bytes(bytes(data))
+    code, _, err = _cli(["inspect", "run1/epoch_3_step_6"], capsys)
+    assert code == 2 and ".snapshot_metadata" in err and "damaged" in err
+    # Incomplete: no metadata at all.
+    meta.unlink()
+    code, _, err = _cli(["inspect", "run1/epoch_3_step_6"], capsys)
+    assert code == 2 and "is not a complete snapshot" in err
+
+
+def test_the_cli_prints_its_version(capsys):
+    from importlib.metadata import version
+
+    import tnt_snapshot_plugin
+
+    code, out, _ = _cli(["--version"], capsys)
+    assert code == 0
+    assert out.strip() == f"tnt-snapshot {version('tnt-snapshot-plugin')}"
+    assert tnt_snapshot_plugin.__version__ == version("tnt-snapshot-plugin")  # one place: setup.cfg
+
+
+def test_without_the_cli_extra_the_command_says_in_one_line_how_to_install_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "sys.modules['click'] = None  # as if the cli extra were not installed\n"
+        "from tnt_snapshot_plugin.cli import main\n"
+        "sys.exit(main(['ls', '.']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        "tnt-snapshot needs the cli extra (click, rich): pip install 'tnt-snapshot-plugin[cli]' (missing: click)"
+    ]

@@ -126,11 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _print_listing(dirpath: str) -> None:
     """What ``tnt-snapshot ls`` says of the demo's directory."""
     print(f"\n$ tnt-snapshot ls {dirpath}", flush=True)
-    try:
-        from .cli import main as cli_main
-    except ImportError:  # click/rich are the optional "cli" extra
-        print("(the tnt-snapshot command needs the cli extra: pip install 'tnt-snapshot-plugin[cli]')")
-        return
+    from .cli import main as cli_main  # without the cli extra: one line saying how to install it
+
     cli_main(["ls", dirpath])
 
 

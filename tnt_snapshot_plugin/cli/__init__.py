@@ -1,7 +1,10 @@
 """The ``tnt-snapshot`` command: list, inspect, verify, prune, diff and export snapshots.
 
-Installed with the ``cli`` extra (``pip install 'tnt-snapshot-plugin[cli]'``: click and rich), and
-imported only by the console script: the rest of the package never imports this module.
+The console script is always installed; its dependencies come with the ``cli`` extra
+(``pip install 'tnt-snapshot-plugin[cli]'``: click and rich; safetensors for ``export``). Without
+them the command prints one line saying so, and exits with status 2. Only the console script and
+the demo import this package; the library never does. ``tnt-snapshot --version`` prints the
+installed version.
 
 Every command takes a local path, a ``file://`` URL or an ``s3://`` URL. For S3 the connection
 comes from ``--endpoint-url`` / ``--region`` and from the environment variables boto3 reads
@@ -20,10 +23,31 @@ what is printed, ``survey.py`` what a directory holds, ``entries.py`` a snapshot
 
 from __future__ import annotations
 
-from . import diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
-from .app import cli, main
-from .output import safe
-from .prune import PruneCandidate, select_for_pruning
-from .survey import SnapshotInfo, check_snapshot, survey
+import sys
+from typing import Optional
+
+#: The one line the console script prints when the ``cli`` extra is not installed.
+INSTALL_HINT = "tnt-snapshot needs the cli extra (click, rich): pip install 'tnt-snapshot-plugin[cli]'"
+
+try:
+    import click  # noqa: F401
+    import rich  # noqa: F401
+except ImportError as _missing:  # the console script is always installed; its dependencies are an extra
+    _MISSING: Optional[ImportError] = _missing
+else:
+    _MISSING = None
+
+if _MISSING is None:
+    from . import diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
+    from .app import cli, main
+    from .output import safe
+    from .prune import PruneCandidate, select_for_pruning
+    from .survey import SnapshotInfo, check_snapshot, survey
+else:
+
+    def main(argv: Optional[list[str]] = None) -> int:  # type: ignore[misc]
+        """The console script without the ``cli`` extra: one line saying how to install it."""
+        print(f"{INSTALL_HINT} (missing: {getattr(_MISSING, 'name', None) or _MISSING})", file=sys.stderr)
+        return 2
 
 __all__ = ["PruneCandidate", "SnapshotInfo", "check_snapshot", "cli", "main", "safe", "select_for_pruning", "survey"]

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 import click
 
+from .. import holdings
 from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from ..stores import METADATA_FNAME, Store, open_store
 from .output import safe
@@ -39,9 +40,29 @@ def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tupl
         raise UsageProblem(f"{target!r} does not name a snapshot (expected DIRPATH/epoch_E_step_S)")
     if not sep:
         head = "."
+    elif not head and "://" not in text:
+        head = "/"  # a local absolute path: /name
     elif not head or head.endswith(":/"):
         raise UsageProblem(f"{target!r} names a bucket or root, not a snapshot")
-    return open_target(head, storage_options), name
+    store = open_target(head, storage_options)
+    _not_a_directory_of_snapshots(store, name, target, storage_options)
+    return store, name
+
+
+def _not_a_directory_of_snapshots(
+    store: Store, name: str, target: str, storage_options: Optional[dict[str, Any]]
+) -> None:
+    """A command that reads one snapshot was given a directory of them (a dirpath): say so,
+    naming the newest, rather than "not a complete snapshot"."""
+    if store.is_complete(name):
+        return
+    inner = open_target(store.child(name), storage_options)
+    names = holdings.complete_names(inner)
+    if names:
+        raise UsageProblem(
+            f"{target} is a directory of snapshots, not a snapshot: {holdings.describe(inner)}; "
+            f"name one, e.g. {inner.child(names[-1])}"
+        )
 
 
 def duration(text: str) -> float:
@@ -112,7 +133,14 @@ def fail(prog: str, message: str, code: int) -> int:
     return code
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
 @click.group(name="tnt-snapshot", cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="tnt-snapshot", message="%(prog)s %(version)s")
 def cli() -> None:
     """Look at tnt_snapshot_plugin snapshot directories: local paths, file:// or s3:// URLs."""
 

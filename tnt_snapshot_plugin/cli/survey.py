@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from .. import retention, verify
+from .. import holdings, retention, verify
 from ..errors import ConfigError, SnapshotError, SnapshotNotFoundError
 from ..format.manifest import Metadata
 from ..naming import SnapshotName, is_staging_name
@@ -104,13 +104,15 @@ def snapshot_files(store: Store, name: str) -> tuple[dict[str, FileInfo], float]
         if not os.path.isdir(path):
             if os.path.exists(path):
                 raise UsageProblem(f"{store.child(name)} is a file, not a snapshot directory")
-            raise SnapshotNotFoundError(f"{store.child(name)} does not exist")
+            raise SnapshotNotFoundError(f"{store.child(name)} does not exist; {holdings.describe(store)}")
         return _walk_local(path)
     assert isinstance(store, S3Store)
     prefix = store._key(name) + "/"
     files = {key[len(prefix):]: info for key, info in _s3_objects(store, prefix)}
     if not files:
-        raise SnapshotNotFoundError(f"{store.child(name)} does not exist (no objects under it)")
+        raise SnapshotNotFoundError(
+            f"{store.child(name)} does not exist (no objects under it); {holdings.describe(store)}"
+        )
     return files, max(i.mtime for i in files.values())
 
 
