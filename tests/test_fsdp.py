@@ -53,7 +53,9 @@ def test_fsdp_saves_during_train_with_sharded_entries(runs):
     for record in runs["save"]:
         for wrapping in WRAPPINGS:
             assert record[wrapping]["committed"] == ["epoch_0_step_2", "epoch_0_step_4"], wrapping
-            assert not [w for w in record[wrapping]["warnings"] if "snapshot" in w], wrapping
+            # a busy wait (SnapshotBusyWarning) depends on the machine's speed, not on FSDP
+            failed = [w for w in record[wrapping]["warnings"] if "snapshot" in w and "still being written" not in w]
+            assert not failed, wrapping
     rank0 = runs["save"][0]
     assert "ShardedTensorEntry" in rank0["fsdp1_sharded"]["entry_types"]
     assert "DTensorEntry" in rank0["fsdp2"]["entry_types"]
