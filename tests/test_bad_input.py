@@ -242,13 +242,13 @@ RESTORE_CASES: dict[str, tuple[Callable[[Path, ToyUnit], Any], Callable[[], ToyU
         lambda d, u: TorchSnapshotSaver.restore(str(d / "epoch_9_step_99"), u),
         ToyUnit,
         SnapshotNotFoundError,
-        r"snapshot \S+/epoch_9_step_99 does not exist; pass a directory written by the saver",
+        r"snapshot \S+/epoch_9_step_99 does not exist; \S+/snapshots holds one complete snapshot, epoch_1_step_2",
     ),
     "parent does not exist": (
         lambda d, u: TorchSnapshotSaver.restore(str(d / "missing" / "epoch_1_step_2"), u),
         ToyUnit,
         SnapshotNotFoundError,
-        r"snapshot \S+/missing/epoch_1_step_2 does not exist; pass a directory written by the saver",
+        r"snapshot \S+/missing/epoch_1_step_2 does not exist; \S+/missing holds no complete snapshot",
     ),
     "dir that is not a snapshot": (
         lambda d, u: TorchSnapshotSaver.restore(str(d / "notes"), u),
@@ -337,8 +337,10 @@ def test_bad_restore_is_refused_before_anything_is_loaded(snapshots, case):
 
 
 def test_restore_from_latest_of_a_missing_or_empty_dirpath_is_not_an_error(tmp_path):
-    """A first run: nothing to restore is the normal case, not a bad input."""
+    """A first run: nothing to restore is the normal case, not a bad input (a dirpath that does
+    not exist at all is warned about: it may be misspelt)."""
     unit = ToyUnit()
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
+    with pytest.warns(UserWarning, match="missing does not exist"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
     assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
     assert not (tmp_path / "missing").exists()

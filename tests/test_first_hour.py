@@ -173,3 +173,36 @@ def test_without_the_cli_extra_the_command_says_in_one_line_how_to_install_it(tm
     assert lines == [
         "tnt-snapshot needs the cli extra (click, rich): pip install 'tnt-snapshot-plugin[cli]' (missing: click)"
     ]
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+
+@pytest.mark.frameworks
+def test_restore_from_latest_on_a_dirpath_that_does_not_exist_warns_naming_it(tmp_path):
+    from toy import ToyUnit
+
+    misspelt = str(tmp_path / "ck" / "run_1")
+    with pytest.warns(UserWarning, match=r"restore_from_latest: dirpath .*ck/run_1 does not exist") as seen:
+        assert TorchSnapshotSaver.restore_from_latest(misspelt, ToyUnit()) is False
+    assert len([w for w in seen if "does not exist" in str(w.message)]) == 1
+    # An existing, empty dirpath (a first run after the saver made it) is the normal case: quiet.
+    (tmp_path / "ck" / "run_0").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "ck" / "run_0"), ToyUnit()) is False
+
+
+@pytest.mark.frameworks
+def test_a_snapshot_that_does_not_exist_is_named_with_those_that_do(run_dir):
+    from tnt_snapshot_plugin.errors import SnapshotNotFoundError
+    from toy import ToyUnit
+
+    # keep_last_n deleted it, or the name is misspelt: the message lists what is there.
+    with pytest.raises(SnapshotNotFoundError) as err:
+        TorchSnapshotSaver.restore("run1/epoch_0_step_1", ToyUnit())
+    message = str(err.value)
+    assert "snapshot run1/epoch_0_step_1 does not exist" in message
+    assert "3 complete snapshots: epoch_1_step_2, epoch_2_step_4, epoch_3_step_6 (the newest epoch_3_step_6)" in message
+    with pytest.raises(SnapshotNotFoundError, match="holds no complete snapshot"):
+        TorchSnapshotSaver.restore(str(run_dir.parent / "elsewhere" / "epoch_1_step_2"), ToyUnit())

@@ -141,7 +141,8 @@ def test_restore_progress_flags(tmp_path):
 
 def test_restore_from_latest_false_for_missing_or_empty_dirpath(tmp_path):
     unit = ToyUnit()
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
+    with pytest.warns(UserWarning, match="missing does not exist"):  # a misspelt path is not quiet
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
     assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
     # a directory that looks like a snapshot but was never committed is not picked
     (tmp_path / "epoch_3_step_30").mkdir()
@@ -197,6 +198,7 @@ def test_optimizer_state_is_created_only_to_be_loaded_and_leaves_the_weights(tmp
 
     unit = adamw_unit(0)
     before = weights(unit)
+    (tmp_path / "empty").mkdir()
     assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), unit) is False
     assert unit.optimizer.state_dict()["state"] == {}
     assert_bitwise_equal(weights(unit), before)

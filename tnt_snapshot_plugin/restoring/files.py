@@ -7,6 +7,7 @@ import functools
 import os
 from typing import Any, Optional
 
+from .. import holdings
 from ..distributed import Collectives
 from ..errors import SnapshotNotFoundError
 from ..format.common import METADATA_FNAME
@@ -87,7 +88,7 @@ def require_complete(store: Store, name: str, path: str, coll: Collectives) -> N
             )
         if isinstance(store, LocalStore) and os.path.lexists(os.path.join(store.root, name)):
             return f"{path} is a file, not a snapshot directory; pass a directory written by the saver"
-        return f"snapshot {path} does not exist; pass a directory written by the saver"
+        return f"snapshot {path} does not exist; {holdings.describe(store)}"
 
     problem = coll.on_rank0(check)
     if problem is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 import warnings
 from typing import Any, Iterable, Mapping, Optional
 
@@ -16,7 +17,7 @@ from .. import retention, verify
 from ..distributed import Collectives
 from ..errors import ConfigError, SnapshotCorruptError
 from ..naming import SnapshotName
-from ..stores import INDEX_FNAME, Store, open_store
+from ..stores import INDEX_FNAME, LocalStore, Store, open_store
 from .files import not_a_directory
 from .request import RestoreRequest
 
@@ -171,8 +172,21 @@ def restore_from_latest(
             f"every snapshot in {dirpath} is damaged: {'; '.join(damaged)}. Nothing was restored; "
             "restore a snapshot by path, or move the directory aside to start from scratch"
         )
+    if coll.on_rank0(lambda: _missing_directory(store)):
+        # A misspelt dirpath would otherwise start training from scratch with one INFO line.
+        warnings.warn(
+            f"restore_from_latest: dirpath {dirpath} does not exist; nothing was restored and "
+            "training starts from the beginning. Check the path if a run was expected there",
+            stacklevel=3,
+        )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+def _missing_directory(store: Store) -> bool:
+    """Whether a local ``dirpath`` does not exist at all (an object-store prefix has no such
+    thing: a first run's prefix holds no objects yet)."""
+    return isinstance(store, LocalStore) and not os.path.lexists(store.root)
 
 
 def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[str]) -> list[str]:
