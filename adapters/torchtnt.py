@@ -113,6 +113,14 @@ class TorchSnapshotSaver(Callback):
             globals; if not, raise UnrestorableStateError naming the entry and type (whatever
             ``on_save_error`` says). False: no check; restore these snapshots with
             ``weights_only=False`` (full pickle: trusted snapshots only).
+        save_policies: more reasons to snapshot, beside the cadences above: objects with
+            ``should_save(moment) -> bool`` (:mod:`tnt_snapshot_plugin.policies`: ``EveryNSteps``,
+            ``EveryNEpochs``, ``EveryNSeconds``, ... or your own); a snapshot is taken when any
+            says so.
+        preservation_policies: more snapshots to keep, beside ``keep_last_n_checkpoints`` and
+            best-k: objects with ``keep(ours) -> set of names`` (``policies.KeepEveryNSteps(10_000)``,
+            ``policies.KeepOnePerNHours(6)``, or your own); a snapshot any policy keeps is kept, and
+            retention never deletes the newest snapshot nor one the plugin did not write.
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
     Initialise the process group first: with ``WORLD_SIZE`` > 1 in the environment and none
@@ -144,6 +152,8 @@ class TorchSnapshotSaver(Callback):
         metric_logger: Optional[Any] = None,
         weights_only: bool = True,
         best_checkpoint_config: Optional[Any] = None,
+        save_policies: Optional[Iterable[Any]] = None,
+        preservation_policies: Optional[Iterable[Any]] = None,
     ) -> None:
         require_process_group("constructing the saver")
         self._metric_logger = metric_logger
@@ -174,6 +184,8 @@ class TorchSnapshotSaver(Callback):
             best_metric=monitored,
             best_mode=mode,
             best_k=best_k,
+            save_policies=save_policies,
+            preservation_policies=preservation_policies,
             names={
                 "best_metric": "best_checkpoint_config.monitored_metric",
                 "best_mode": "best_checkpoint_config.mode",

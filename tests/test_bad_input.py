@@ -134,7 +134,8 @@ SAVER_CASES: dict[str, tuple[Callable[[Path, Path], dict[str, Any]], type, str]]
     "keep_last alias conflict": (
         lambda tmp, ro: {"keep_last_n_snapshots": 2, "keep_last_n_checkpoints": 3},
         ConfigError,
-        r"keep_last_n_checkpoints is an alias of keep_last_n_snapshots; pass only one, got 2 and 3",
+        r"keep_last_n_checkpoints is another name for keep_last_n_snapshots; pass only one, or the "
+        r"same value to both \(got keep_last_n_snapshots=2 and keep_last_n_checkpoints=3\)",
     ),
     "unknown on_save_error": (
         lambda tmp, ro: {"on_save_error": "ignore"},

@@ -99,7 +99,7 @@ def test_staging_names_are_recognised_and_distinct_from_snapshots():
 
 def test_keep_last_n_checkpoints_is_an_alias():
     assert SnapshotConfig.build(keep_last_n_checkpoints=3).keep_last_n_snapshots == 3
-    with pytest.raises(ConfigError, match="alias of keep_last_n_snapshots"):
+    with pytest.raises(ConfigError, match="keep_last_n_checkpoints is another name for keep_last_n_snapshots"):
         SnapshotConfig.build(keep_last_n_checkpoints=3, keep_last_n_snapshots=2)
     with pytest.raises(ConfigError, match="keep_last_n_checkpoints must be a positive int"):
         SnapshotConfig.build(keep_last_n_checkpoints=0)

@@ -23,6 +23,7 @@ import torch
 from tnt_snapshot_plugin import hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import SnapshotFailedWarning
+from tnt_snapshot_plugin.policies import AnySave, EveryNSteps
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore
 
@@ -168,10 +169,10 @@ def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_pat
     of the gate's recomputation: its gate of 0 must not be overwritten by the value computed
     from what was read before it came."""
 
-    class SignalsWhenUsed(int):  # the cadence: a signal arrives while the gate divides by it
-        def __rfloordiv__(self, other: int) -> int:
+    class SignalsWhenAsked(EveryNSteps):  # the cadence: a signal arrives while the gate asks it
+        def next_step(self, last: int) -> int:
             os.kill(os.getpid(), signal.SIGUSR1)
-            return int(other) // int(self)
+            return super().next_step(last)
 
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     state = {"model": torch.nn.Linear(2, 2)}
@@ -185,7 +186,7 @@ def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_pat
         )
         snap.train_start(["model"])
         assert gated_steps(snap, [1], state) == [1] and snap.step_gate == 100
-        snap._every_n_steps = SignalsWhenUsed(100)
+        snap.decisions = AnySave([SignalsWhenAsked(100)])
         snap._regate()
         assert snap.step_gate == 0
         assert gated_steps(snap, [2], state) == [2]  # the preemption snapshot, at once

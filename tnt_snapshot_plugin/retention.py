@@ -43,6 +43,8 @@ class Listed:
     writer: Optional[dict[str, Any]] = None
     #: the index's ``metric`` as (name, value) when it has one (value None: not finite)
     indexed_metric: Optional[tuple[str, Optional[float]]] = None
+    #: the index's ``committed_at`` (seconds since the epoch) when it has one
+    committed_at: Optional[float] = None
     #: why its index is damaged (missing while its writer marker is there, unreadable, changed
     #: after the commit); None when it is intact or the plugin did not write the snapshot
     problem: Optional[str] = None
@@ -81,12 +83,14 @@ def from_index(name: SnapshotName, index: Optional[dict[str, Any]]) -> Listed:
         value = metric.get("value")
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         indexed = (metric["name"], float(number) if number is not None else None)
+    at = index.get("committed_at")
     return Listed(
         name,
         seq=seq,
         ours=True,
         writer=writer if isinstance(writer, dict) else None,
         indexed_metric=indexed,
+        committed_at=float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None,
     )
 
 
@@ -174,41 +178,27 @@ def to_delete(
     ``keep_last_n`` (when not None), and, when ``keep_last_n`` is None, every snapshot without a
     value for the metric; deletes the plugin's others.
     Never the newest snapshot of the directory (whoever wrote it), never a name in ``protect``,
-    never a snapshot the plugin did not write.
+    never a snapshot the plugin did not write (:func:`deletable`). The rules themselves are the
+    preservation policies ``LatestN`` and ``BestN`` (policies.py).
     """
+    from .policies import AnyPreservation, BestN, LatestN  # they build on this module
+
     if keep_last_n is not None and keep_last_n < 1:
         raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}")
+    policies: list[Any] = [] if keep_last_n is None else [LatestN(keep_last_n)]
     if best is not None:
-        return _to_delete_best(listed, keep_last_n, protect, best)
-    if keep_last_n is None:
-        return []
-    ordered = commit_order(listed)
-    if not ordered:
-        return []
-    ours = [r for r in ordered if r.ours]
-    if len(ours) <= keep_last_n:
-        return []
-    kept = ours[-keep_last_n:]
-    oldest_kept = min(r.order_key for r in kept)
-    spared = set(protect) | {ordered[-1].text} | {r.text for r in kept}
-    return [r for r in ours[:-keep_last_n] if r.order_key < oldest_kept and r.text not in spared]
+        policies.append(BestN(best, keep_unscored=keep_last_n is None))
+    return AnyPreservation(policies).to_delete(listed, protect) if policies else []
 
 
-def _to_delete_best(
-    listed: Iterable[Listed], keep_last_n: Optional[int], protect: Iterable[str], best: Best
-) -> list[Listed]:
-    ordered = commit_order(listed)
+def deletable(ordered: list[Listed], kept: Iterable[str], protect: Iterable[str] = ()) -> list[Listed]:
+    """The snapshots of ``ordered`` (commit order) that retention may delete when the preservation
+    policies keep the names ``kept``: only the plugin's own, never the newest snapshot of the
+    directory (whoever wrote it), never a name in ``kept`` or ``protect``."""
     if not ordered:
         return []
-    ours = [r for r in ordered if r.ours]
-    spared = set(protect) | {ordered[-1].text}
-    if keep_last_n is not None:
-        spared |= {r.text for r in ours[-keep_last_n:]}
-    top = ranked(ours, best.metric, best.mode)
-    spared |= {r.text for r in (top if best.k is None else top[: best.k])}
-    if keep_last_n is None:
-        spared |= {r.text for r in ours if r.metric_value(best.metric) is None}
-    return [r for r in ours if r.text not in spared]
+    spared = set(protect) | set(kept) | {ordered[-1].text}
+    return [r for r in ordered if r.ours and r.text not in spared]
 
 
 def ahead_of(listed: Iterable[Listed], epoch: int, step: int) -> list[Listed]:

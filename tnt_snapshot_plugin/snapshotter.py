@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Mapping, Opt
 
 import pluggy
 
-from . import retention
+from . import policies, retention
 from .app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
@@ -65,7 +65,8 @@ from .errors import (
 )
 from .loading import LoadCheck
 from .naming import SnapshotName, is_staging_name
-from .plugins import PluginManager, check_plugin, implemented, new_plugin_manager
+from .plugins import PluginManager, check_plugin, new_plugin_manager
+from .policies import Moment
 from .preemption import PreemptionHandler
 from .stores import DirLock, Store, open_store
 from .stores.ownership import live_runs, new_run_id, staging_token, writer_gone, writer_identity
@@ -210,10 +211,16 @@ class Snapshotter:
         self.config = config
         #: this saver's hooks: a manager of its own (entry-point plugins loaded) unless one is given
         self.plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
-        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        #: when to snapshot: the cadences and the user's policies (any), then the plugins' word
+        self.decisions = policies.save_policies(config)
+        self._plugin_decision = policies.PluginDecision(self.plugin_manager)
+        self._ask_should = self._plugin_decision.active
         if isinstance(self.plugin_manager, PluginManager):
             self.plugin_manager.on_change(self._plugins_changed)
-        self._every_n_steps = config.save_every_n_train_steps
+        #: the wall-clock cadence's interval (EveryNSeconds among the decisions; the shortest)
+        self._wall_s = min(
+            (p.seconds for p in self.decisions.policies if isinstance(p, policies.EveryNSeconds)), default=None
+        )
         #: Step ends from :attr:`last_step` (again) to before this step count need no step_end() call:
         #: nothing is pending or failed, no buffers to prepare, no wall clock, no plugin asking,
         #: no signal received, and neither the step cadence nor (under torch.distributed) the
@@ -248,7 +255,6 @@ class Snapshotter:
         self._stager = Stager()
         self._load_check = LoadCheck(weights_only=weights_only)
         self._last_name: Optional[str] = None
-        self._every_n_epochs = config.save_every_n_epochs
         # The wall-clock cadence (cadence.py, _wall), made at train start; its votes ride on the
         # preemption agreement, or on an agreement of their own when preemption is off.
         self._clock = clock
@@ -296,7 +302,7 @@ class Snapshotter:
 
     def _plugins_changed(self) -> None:
         """A plugin came or went: read again which optional hooks are implemented."""
-        self._ask_should = implemented(self.plugin_manager, "tnt_snapshot_plugin_should_snapshot")
+        self._ask_should = self._plugin_decision.active
         self._regate()
 
     # -- set-up -----------------------------------------------------------------------------
@@ -321,7 +327,7 @@ class Snapshotter:
         self._coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
         self._flag_coll = (
             Collectives.create(self._process_group, self.config.collective_timeout_s)
-            if self.config.preemption_signals or self.config.save_every_n_seconds is not None
+            if self.config.preemption_signals or self._wall_s is not None
             else Collectives(None)
         )
         own = self._store.url if self._store is not None else self._dirpath_arg
@@ -385,10 +391,10 @@ class Snapshotter:
                 self.config.preemption_signals, self._flag_coll, on_signal=self._regate, clock=self._clock
             )
             self._preemption.install()
-        if self.config.save_every_n_seconds is not None:
+        if self._wall_s is not None:
             assert self._flag_coll is not None
             self._wall = WallClock(
-                self.config.save_every_n_seconds,
+                self._wall_s,
                 is_rank0=self.collectives.rank == 0,
                 delayed=self._flag_coll.world_size > 1,
                 clock=self._clock,
@@ -488,8 +494,9 @@ class Snapshotter:
         ):
             self.step_gate = 0
             return
-        n = self._every_n_steps
-        gate = _NEVER if n is None else (last // n + 1) * n  # the next multiple of n
+        gate = self.decisions.next_step(last)  # e.g. EveryNSteps: the next multiple of n
+        if gate is None:
+            gate = _NEVER
         if preemption is not None and preemption.distributed:  # one process: the signal opens it
             gate = min(gate, preemption.next_poll(last + 1))
         self.step_gate = gate
@@ -530,16 +537,12 @@ class Snapshotter:
                 agreed = wall.vote()
             elif flag.due(step):
                 agreed = flag.poll(wall.vote(), step)
-        n = self._every_n_steps
-        due = (n is not None and step % n == 0) or (
-            agreed == TIME_DUE and wall is not None and wall.due(agreed)
-        )
-        self._save_if_due("step", epoch, step, due, collect, True)
+        time_due = agreed == TIME_DUE and wall is not None and wall.due(agreed)
+        self._save_if_due(Moment("step", epoch, step, time_due=time_due), collect, True)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)
-        n = self._every_n_epochs
-        self._save_if_due("epoch", epoch, step, n is not None and epoch % n == 0, collect, False)
+        self._save_if_due(Moment("epoch", epoch, step), collect, False)
 
     def eval_epoch_end(
         self, epoch: int, step: int, eval_epoch: int, eval_step: int, collect: Collect
@@ -548,10 +551,10 @@ class Snapshotter:
         steps completed): snapshot if the eval cadence (or a plugin) says so. The snapshot is named
         ``epoch_E_step_S_eval_V``: after the train snapshot of the same step, never the same name."""
         self._reap_or_warn(step)
-        n = self.config.save_every_n_eval_epochs
-        due = n is not None and eval_epoch % n == 0
+        moment = Moment("eval_epoch", epoch, step, eval_epoch=eval_epoch)
+        due = self.decisions.should_save(moment)
         if self._ask_should:
-            due = self._should("eval_epoch", epoch, step, due)
+            due = self._plugin_decision.decide(moment, due)
         if due:
             self.save(
                 epoch, step, functools.partial(collect, False), event="eval_epoch", eval_step=eval_step
@@ -564,14 +567,13 @@ class Snapshotter:
         elif self._failure is not None:
             self._warn_failure(step)
 
-    def _save_if_due(
-        self, event: str, epoch: int, step: int, due: bool, collect: Collect, intra_epoch: bool
-    ) -> None:
+    def _save_if_due(self, moment: Moment, collect: Collect, intra_epoch: bool) -> None:
+        due = self.decisions.should_save(moment)
         if self._ask_should:
-            due = self._should(event, epoch, step, due)
+            due = self._plugin_decision.decide(moment, due)
         if due:
             self._prepare_again = None  # the snapshot staged everything
-            self.save(epoch, step, functools.partial(collect, intra_epoch), event=event)
+            self.save(moment.epoch, moment.step, functools.partial(collect, intra_epoch), event=moment.event)
         elif self._prepare_again is not None and self._pending is None:
             again, self._prepare_again = self._prepare_again, None
             self._stage_for_prepare(again)
@@ -632,12 +634,6 @@ class Snapshotter:
         signum = preemption.received_signal
         preemption.uninstall()
         self._on_preempted(signum)
-
-    def _should(self, event: str, epoch: int, step: int, default: bool) -> bool:
-        answer = self.plugin_manager.hook.tnt_snapshot_plugin_should_snapshot(
-            event=event, epoch=epoch, step=step, default=default
-        )
-        return default if answer is None else bool(answer)
 
     # -- saving --------------------------------------------------------------------------------
 

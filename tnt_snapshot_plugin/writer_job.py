@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from . import retention
+from . import policies, retention
 from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
 from .distributed import Collectives, raise_if_any_failed
@@ -66,6 +66,8 @@ class SnapshotWriter:
         self.committed: set[str] = set()
         #: names retention never deletes (Snapshotter.protected)
         self.protected: set[str] = set()
+        #: what retention keeps (policies.py); None: nothing is ever deleted
+        self.preservation = policies.preservation(config)
         #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
         self._pool: Optional[ThreadPoolExecutor] = None
         #: the last plan's tensor layout, reused while the state's layout is unchanged
@@ -113,8 +115,8 @@ class SnapshotWriter:
         """After the failed write of ``job`` (failed on every rank): whether it ran out of space
         on some rank, and rank 0 deleted snapshots retention would delete once ``job`` commits
         (collective); the write may then be tried again."""
-        config, coll = self.config, self.coll
-        if config.keep_last_n_snapshots is None and config.best is None:
+        coll = self.coll
+        if self.preservation is None:
             return False
         no_space = _is_no_space(exc)
         if coll.world_size > 1:
@@ -151,13 +153,10 @@ class SnapshotWriter:
                 if job.name.metric is not None and job.name.metric_value is not None
                 else None
             ),
+            committed_at=time.time(),
         )
-        doomed = retention.to_delete(
-            listed + [this],
-            self.config.keep_last_n_snapshots,
-            protect=[job.name.text, newest.text, *self.protected],
-            best=self.config.best,
-        )
+        assert self.preservation is not None
+        doomed = self.preservation.to_delete(listed + [this], protect=[job.name.text, newest.text, *self.protected])
         if not doomed:
             return False
         problems = retention.apply(store, doomed)
@@ -347,7 +346,7 @@ class SnapshotWriter:
         # commit of a run; while this run holds the dirpath lock no one else commits, so later
         # sequence numbers follow from the last one without listing again.
         listed: list[retention.Listed] = []
-        retaining = self.config.keep_last_n_snapshots is not None or self.config.best is not None
+        retaining = self.preservation is not None
         if retaining or self.last_seq is None or not locked:
             try:
                 listed = store.listed()
@@ -406,15 +405,15 @@ class SnapshotWriter:
                 if job.name.metric is not None and "metric" in fields
                 else None
             ),
+            committed_at=fields["committed_at"],
         )
         if retaining:
             self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
 
     def _retain(self, job: Any, listed: list[retention.Listed]) -> None:
-        keep = self.config.keep_last_n_snapshots
-        if keep is None and self.config.best is None:
+        if self.preservation is None:
             return
-        doomed = retention.to_delete(listed, keep, protect=[job.name.text, *self.protected], best=self.config.best)
+        doomed = self.preservation.to_delete(listed, protect=[job.name.text, *self.protected])
         job.warnings.extend(retention.apply(self.store, doomed))
 
 
