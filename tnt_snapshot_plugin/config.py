@@ -11,6 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
+from . import policies
 from .errors import ConfigError
 from .naming import is_metric_name
 from .retention import MODES, Best
@@ -175,6 +176,11 @@ class SnapshotConfig:
     knobs: Knobs = field(default_factory=Knobs)
     #: best-k retention (retention.py): keep the k best snapshots by a metric
     best: Optional[Best] = None
+    #: users' own save decisions (policies.SavePolicy), beside the cadences above: any decides
+    save_policies: tuple[Any, ...] = ()
+    #: users' own preservation policies (policies.PreservationPolicy), beside keep_last_n and
+    #: best: retention keeps what any of them keeps
+    preservation_policies: tuple[Any, ...] = ()
 
     @classmethod
     def build(
@@ -200,6 +206,8 @@ class SnapshotConfig:
         best_metric: Any = None,
         best_mode: Any = "min",
         best_k: Any = None,
+        save_policies: Any = None,
+        preservation_policies: Any = None,
         names: Optional[Mapping[str, str]] = None,
     ) -> "SnapshotConfig":
         """``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
@@ -207,20 +215,19 @@ class SnapshotConfig:
         ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
         ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
         of these three settings, for the error messages. ``storage_timeout_s``: the longest
-        training waits on the storage at a due snapshot (default 60)."""
+        training waits on the storage at a due snapshot (default 60). ``save_policies``: more
+        save decisions (:class:`policies.SavePolicy` objects, e.g. ``policies.EveryNSteps(500)``
+        or a user's own): a snapshot is taken when any policy or cadence says so.
+        ``preservation_policies``: more retention rules (:class:`policies.PreservationPolicy`,
+        e.g. ``policies.KeepOnePerNHours(6)``): a snapshot is kept when any of them, or
+        ``keep_last_n_snapshots`` or best-k, keeps it; with none of these, none is deleted."""
         async_snapshot = resolve_alias(
             "async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True
         )
-        if keep_last_n_checkpoints is not None:
-            if keep_last_n_snapshots is not None and keep_last_n_snapshots != keep_last_n_checkpoints:
-                raise ConfigError(
-                    "keep_last_n_checkpoints is an alias of keep_last_n_snapshots; pass only one, "
-                    f"got {keep_last_n_snapshots!r} and {keep_last_n_checkpoints!r}"
-                )
-            keep_last_n_snapshots = keep_last_n_checkpoints
-            name_keep = "keep_last_n_checkpoints"
-        else:
-            name_keep = "keep_last_n_snapshots"
+        name_keep = "keep_last_n_snapshots" if keep_last_n_checkpoints is None else "keep_last_n_checkpoints"
+        keep_last_n_snapshots = resolve_alias(
+            "keep_last_n_snapshots", keep_last_n_snapshots, "keep_last_n_checkpoints", keep_last_n_checkpoints, None
+        )
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict or None, got {storage_options!r}")
         for name, flag in (
@@ -274,5 +281,9 @@ class SnapshotConfig:
             collective_timeout_s=float(collective_timeout_s),
             storage_timeout_s=float(storage_timeout_s),
             knobs=Knobs.of("knob_options", knob_options),
+            save_policies=policies.checked("save_policies", save_policies, policies.SavePolicy),
+            preservation_policies=policies.checked(
+                "preservation_policies", preservation_policies, policies.PreservationPolicy
+            ),
         )
 
