@@ -28,7 +28,7 @@ from stock_reader import REPLICATED, same
 from torchsnapshot.flatten import flatten as stock_flatten
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
-from tnt_snapshot_plugin.format import writer
+from tnt_snapshot_plugin.format import merging, plan_cache, writer
 from tnt_snapshot_plugin.format.common import DTYPE_NAMES, FORMAT_VERSION, METADATA_FNAME, RAW, TORCH_SAVE
 
 HERE = Path(__file__).parent
@@ -393,13 +393,13 @@ def test_a_pack_buffer_is_filled_in_and_out_of_inference_mode_from_parameters_an
             tensors = [torch.nn.Parameter(torch.randn(6)), *(torch.randn(2, 3) for _ in range(6))]
             tensors.append(torch.arange(4, dtype=torch.int64))
             bounds = [0, 24, 48, 72, 96, 120, 144, 168, 200]
-            segments = writer._segments(tensors, bounds)
+            segments = plan_cache._segments(tensors, bounds)
             assert segments == [(0, 7, torch.float32, False), (7, 8, torch.int64, True)]
             got = buffer.gather(tensors, segments, bounds)
         assert bytes(got) == b"".join(t.detach().numpy().tobytes() for t in tensors)
-    assert writer._segments(tensors[6:] * 4, [0, 24, 56, 80, 112, 136, 168, 192, 224]) is None  # a run a tensor
+    assert plan_cache._segments(tensors[6:] * 4, [0, 24, 56, 80, 112, 136, 168, 192, 224]) is None  # a run a tensor
     odd = [torch.arange(3, dtype=torch.int8), *(torch.ones(2) for _ in range(7))]  # float32 from byte 3
-    assert writer._segments(odd, [0, 3, 11, 19, 27, 35, 43, 51, 59]) is None  # not viewable in place
+    assert plan_cache._segments(odd, [0, 3, 11, 19, 27, 35, 43, 51, 59]) is None  # not viewable in place
 
 
 def test_byte_runs_never_spans_two_storages_that_merely_touch():
@@ -497,10 +497,10 @@ def test_metadata_of_a_manifest_longer_than_a_chunk_reads_back_as_json_and_as_to
     document, and YAML-hostile characters are escaped in whichever chunk they fall."""
     import yaml
 
-    count = 3 * writer.METADATA_CHUNK + 5
+    count = 3 * merging.METADATA_CHUNK + 5
     manifest = {
         f"0/m/{'é😀' if i % 700 == 3 else ''}{chr(0x2028) if i == count - 1 else ''}x{i}": writer._text(
-            {"type": "str", "serialized_value": "\x85 😀" if i == writer.METADATA_CHUNK else str(i), "replicated": False}
+            {"type": "str", "serialized_value": "\x85 😀" if i == merging.METADATA_CHUNK else str(i), "replicated": False}
         )
         for i in range(count)
     }

@@ -7,6 +7,7 @@ torchsnapshot encodes them.
 
 from __future__ import annotations
 
+from typing import Any, Optional
 from urllib.parse import unquote
 
 import numpy as np
@@ -58,6 +59,11 @@ assert set(DTYPE_SIZES) == set(DTYPES_BY_NAME), "manifest.DTYPE_SIZES and DTYPE_
 assert RAW_DTYPE_NAMES == {DTYPE_NAMES[d] for d in RAW_DTYPES}, "manifest.RAW_DTYPE_NAMES and RAW_DTYPES disagree"
 
 
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor's elements take."""
+    return tensor.numel() * tensor.element_size()
+
+
 def flat_bytes(tensor: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor of RAW_DTYPES (not empty) as a flat ``uint8`` numpy
     array over its memory, zero-copy and writable, about 1 us; the array keeps the tensor's
@@ -81,3 +87,33 @@ def flat_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 _UINT8 = np.dtype(np.uint8)
 
+
+#: Tensors stored as themselves (a subclass, ShardedTensor or DTensor, is told apart).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: The Python types stored inline in the manifest, and their manifest type names.
+PRIMITIVES = {int: "int", str: "str", bool: "bool", bytes: "bytes", float: "float"}
+
+
+def is_distributed(value: torch.Tensor) -> bool:
+    sharded_tensor, dtensor, _shard = distributed_types()
+    return (sharded_tensor is not None and isinstance(value, sharded_tensor)) or (
+        dtensor is not None and isinstance(value, dtensor)
+    )
+
+
+_DISTRIBUTED_TYPES: Optional[tuple[Any, Any, Any]] = None
+
+
+def distributed_types() -> tuple[Any, Any, Any]:
+    """(ShardedTensor, DTensor, Shard placement), or Nones where torch.distributed is missing;
+    imported on first use (only states holding tensor subclasses pay for it)."""
+    global _DISTRIBUTED_TYPES
+    if _DISTRIBUTED_TYPES is None:
+        if torch.distributed.is_available():
+            from torch.distributed._shard.sharded_tensor import ShardedTensor
+            from torch.distributed.tensor import DTensor, Shard
+
+            _DISTRIBUTED_TYPES = (ShardedTensor, DTensor, Shard)
+        else:
+            _DISTRIBUTED_TYPES = (None, None, None)
+    return _DISTRIBUTED_TYPES
