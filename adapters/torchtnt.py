@@ -14,34 +14,24 @@ Switch with one import line::
 from __future__ import annotations
 
 import signal
-import warnings
-import weakref
-from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
 from torchtnt.framework.callback import Callback
 from torchtnt.framework.state import EntryPoint, State
-from torchtnt.framework.unit import AppStateMixin, EvalUnit, PredictUnit, TrainUnit
+from torchtnt.framework.unit import EvalUnit, PredictUnit, TrainUnit
 
-from tnt_snapshot_plugin import restoring
-from tnt_snapshot_plugin.app_state import (
-    TRAIN_DATALOADER_KEY,
-    RNGState,
-    check_collisions,
-    is_stateful,
-)
-from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S, Knobs, SnapshotConfig
-from tnt_snapshot_plugin.distributed import Collectives, require_process_group
-from tnt_snapshot_plugin.errors import ConfigError
-from tnt_snapshot_plugin.fsdp import wrap_fsdp_optimizers
+from tnt_snapshot_plugin.app_state import RNGState
+from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S
+from tnt_snapshot_plugin.distributed import require_process_group
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 
-TRAIN_PROGRESS_KEY = "train_progress"
-EVAL_PROGRESS_KEY = "eval_progress"
+from . import torchtnt_restore
+from .torchtnt_options import saver_config
+from .torchtnt_restore import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, restored_rng
+from .torchtnt_state import collector, not_started, unit_metric, unit_metric_logger, unit_state
 
-#: unit -> the RNG state its last restore set, for the saver's first batch (on_train_start).
-_restored_rng: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+__all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "TorchSnapshotSaver"]
 
 
 class TorchSnapshotSaver(Callback):
@@ -157,40 +147,16 @@ class TorchSnapshotSaver(Callback):
     ) -> None:
         require_process_group("constructing the saver")
         self._metric_logger = metric_logger
-        monitored, mode = _best_config(best_checkpoint_config)
-        if monitored is not None:
-            # torchtnt's keep_last_n_checkpoints counts the best N when a metric is monitored
-            best_k = keep_last_n_checkpoints if keep_last_n_checkpoints is not None else keep_last_n_snapshots
-            keep_last_n_checkpoints = keep_last_n_snapshots = None
-        else:
-            best_k = None
-        config = SnapshotConfig.build(
-            save_every_n_train_steps=save_every_n_train_steps,
-            save_every_n_epochs=save_every_n_epochs,
-            save_every_n_eval_epochs=save_every_n_eval_epochs,
-            save_every_n_seconds=save_every_n_seconds,
-            keep_last_n_snapshots=keep_last_n_snapshots,
-            keep_last_n_checkpoints=keep_last_n_checkpoints,
-            replicated=replicated,
-            storage_options=storage_options,
-            async_snapshot=async_snapshot,
-            async_checkpoint=async_checkpoint,
-            save_on_train_end=save_on_train_end,
-            on_save_error=on_save_error,
-            preemption_signals=preemption_signals,
-            collective_timeout_s=collective_timeout_s,
+        config = saver_config(
+            best_checkpoint_config, keep_last_n_checkpoints, keep_last_n_snapshots,
+            save_every_n_train_steps=save_every_n_train_steps, save_every_n_epochs=save_every_n_epochs,
+            save_every_n_eval_epochs=save_every_n_eval_epochs, save_every_n_seconds=save_every_n_seconds,
+            replicated=replicated, storage_options=storage_options, knob_options=knob_options,
+            async_snapshot=async_snapshot, async_checkpoint=async_checkpoint,
+            save_on_train_end=save_on_train_end, on_save_error=on_save_error,
+            preemption_signals=preemption_signals, collective_timeout_s=collective_timeout_s,
             storage_timeout_s=storage_timeout_s,
-            knob_options=knob_options,
-            best_metric=monitored,
-            best_mode=mode,
-            best_k=best_k,
-            save_policies=save_policies,
-            preservation_policies=preservation_policies,
-            names={
-                "best_metric": "best_checkpoint_config.monitored_metric",
-                "best_mode": "best_checkpoint_config.mode",
-                "best_k": "keep_last_n_checkpoints",
-            },
+            save_policies=save_policies, preservation_policies=preservation_policies,
         )
         self._snapshotter = Snapshotter(
             dirpath,
@@ -198,14 +164,14 @@ class TorchSnapshotSaver(Callback):
             process_group=process_group,
             plugin_manager=plugin_manager,
             weights_only=weights_only,
-            metric=self._monitored_value if monitored is not None else None,
+            metric=self._monitored_value if config.best is not None else None,
         )
         # What on_train_start prepared, and for which (state, unit): the hooks may also be
         # called directly, without on_train_start (as torchtnt's saver allows).
         self._state: Optional[State] = None
         self._unit: Any = None
         self._train_progress: Any = None
-        self._collect: Callable[[bool], dict[str, Any]] = _not_started
+        self._collect: Callable[[bool], dict[str, Any]] = not_started
         self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     @property
@@ -217,7 +183,7 @@ class TorchSnapshotSaver(Callback):
         """(metric, value) read from the unit now (a snapshot is being taken), or None."""
         best = self._snapshotter.config.best
         assert best is not None
-        return _unit_metric(self._unit, best.metric)
+        return unit_metric(self._unit, best.metric)
 
     @property
     def snapshotter(self) -> Snapshotter:
@@ -240,17 +206,17 @@ class TorchSnapshotSaver(Callback):
         # Read once per run, so a step that does not snapshot only reads two counters.
         self._state, self._unit = state, unit
         self._train_progress = unit.train_progress
-        self._collect = _collector(state, unit)
+        self._collect = collector(state, unit)
         progress = unit.train_progress
         self._snapshotter.train_start(
-            _unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
+            unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
         )
         # the staging buffers of asynchronous snapshots, allocated and touched before training
-        self._snapshotter.prepare(lambda: _unit_state(unit))
-        metric_logger = self._metric_logger if self._metric_logger is not None else _unit_metric_logger(unit)
+        self._snapshotter.prepare(lambda: unit_state(unit))
+        metric_logger = self._metric_logger if self._metric_logger is not None else unit_metric_logger(unit)
         if metric_logger is not None:
             self._snapshotter.report_metrics(lambda metrics, step: metric_logger.log_dict(metrics, step))
-        restored = _restored_rng.pop(unit, None)
+        restored = restored_rng.pop(unit, None)
         if restored is not None and unit.train_progress.num_steps_completed_in_epoch > 0:
             # Resuming mid-epoch: the snapshot's RNG state was captured after a step, when the
             # loader's iterator had long started (and drawn its DataLoader base seed... from the
@@ -267,7 +233,7 @@ class TorchSnapshotSaver(Callback):
         that resumes from a restore needs this one, so any other run gets ``Callback``'s no-op
         here and pays no dispatch on every batch.
         """
-        if _restored_rng or self._rng_after_first_fetch is not None:
+        if restored_rng or self._rng_after_first_fetch is not None:
             return self._reset_rng_after_first_fetch
         return super().on_train_get_next_batch_end
 
@@ -327,7 +293,7 @@ class TorchSnapshotSaver(Callback):
             )
         finally:
             self._state = self._unit = None  # the next run starts afresh
-            self._collect = _not_started
+            self._collect = not_started
 
     def on_exception(
         self,
@@ -338,349 +304,6 @@ class TorchSnapshotSaver(Callback):
         """Wait for the pending snapshot; the newest complete snapshot stays intact."""
         self._snapshotter.exception()
 
-    @staticmethod
-    def restore(
-        path: str,
-        unit: AppStateMixin,
-        *,
-        train_dataloader: Optional[Any] = None,
-        process_group: Optional[Any] = None,
-        restore_options: Optional[Any] = None,
-        storage_options: Optional[dict[str, Any]] = None,
-        knob_options: Optional[Any] = None,
-        strict: Optional[bool] = None,
-        restore_train_progress: Optional[bool] = None,
-        restore_eval_progress: Optional[bool] = None,
-        restore_optimizers: Optional[bool] = None,
-        restore_lr_schedulers: Optional[bool] = None,
-        collective_timeout_s: float = 600.0,
-        plugin_manager: Optional[pluggy.PluginManager] = None,
-        weights_only: bool = True,
-    ) -> None:
-        """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
-
-        torchtnt 0.2.4's signature: ``restore_options=RestoreOptions(restore_train_progress,
-        restore_eval_progress, restore_optimizers, restore_lr_schedulers, strict)`` says what to
-        load; ``knob_options.max_per_rank_io_concurrency`` caps the files read at once (default 8
-        on local disk, 4 ranged reads on S3).
-        The same switches may be passed as keyword arguments (a keyword that contradicts
-        ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
-        Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).
-
-        Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError
-        if the unit does not fit it, SnapshotCorruptError if its files cannot be read; an error
-        raised by the unit's own ``load_state_dict`` propagates as it is.
-        ``weights_only=False`` loads the snapshot's objects with full pickle (only for snapshots
-        you trust); by default an object torch's restricted unpickler refuses raises
-        UnrestorableStateError.
-        """
-        require_process_group("restoring")
-        options = _restore_options(
-            restore_options, strict, restore_train_progress, restore_eval_progress,
-            restore_optimizers, restore_lr_schedulers,
-        )
-        knobs = Knobs.of("knob_options", knob_options)
-        app_state, optional = _restore_state(unit, train_dataloader, options)
-        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
-            restoring.restore(
-                path,
-                app_state,
-                optional_keys=optional,
-                storage_options=storage_options,
-                collectives=collectives,
-                plugin_manager=plugin_manager,
-                strict=options.strict,
-                io_concurrency=knobs.max_per_rank_io_concurrency,
-                weights_only=weights_only,
-            )
-        if options.restore_train_progress:
-            _restored_rng[unit] = RNGState().state_dict()
-
-    @staticmethod
-    def restore_from_latest(
-        dirpath: str,
-        unit: AppStateMixin,
-        *,
-        train_dataloader: Optional[Any] = None,
-        process_group: Optional[Any] = None,
-        restore_options: Optional[Any] = None,
-        storage_options: Optional[dict[str, Any]] = None,
-        knob_options: Optional[Any] = None,
-        strict: Optional[bool] = None,
-        restore_train_progress: Optional[bool] = None,
-        restore_eval_progress: Optional[bool] = None,
-        restore_optimizers: Optional[bool] = None,
-        restore_lr_schedulers: Optional[bool] = None,
-        fallback: bool = True,
-        collective_timeout_s: float = 600.0,
-        plugin_manager: Optional[pluggy.PluginManager] = None,
-        weights_only: bool = True,
-    ) -> bool:
-        """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
-
-        Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
-        complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-        one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
-        but none can be read, SnapshotCorruptError is raised rather than returning False. A
-        snapshot that does not fit the unit, or an error from the unit's own code, is raised at
-        once, with no fallback. Under torch.distributed rank 0's ``dirpath`` is used and rank 0
-        picks the snapshot.
-        ``weights_only``: as :meth:`restore`.
-        """
-        require_process_group("restoring")
-        options = _restore_options(
-            restore_options, strict, restore_train_progress, restore_eval_progress,
-            restore_optimizers, restore_lr_schedulers,
-        )
-        knobs = Knobs.of("knob_options", knob_options)
-        app_state, optional = _restore_state(unit, train_dataloader, options)
-        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
-            restored = restoring.restore_from_latest(
-                dirpath,
-                app_state,
-                optional_keys=optional,
-                storage_options=storage_options,
-                collectives=collectives,
-                plugin_manager=plugin_manager,
-                strict=options.strict,
-                fallback=fallback,
-                io_concurrency=knobs.max_per_rank_io_concurrency,
-                weights_only=weights_only,
-            )
-        if restored is not None and options.restore_train_progress:
-            _restored_rng[unit] = RNGState().state_dict()
-        return restored is not None
-
-    @staticmethod
-    def restore_from_best(
-        dirpath: str,
-        unit: AppStateMixin,
-        metric_name: str,
-        mode: str,
-        *,
-        train_dataloader: Optional[Any] = None,
-        process_group: Optional[Any] = None,
-        restore_options: Optional[Any] = None,
-        storage_options: Optional[dict[str, Any]] = None,
-        knob_options: Optional[Any] = None,
-        strict: Optional[bool] = None,
-        restore_train_progress: Optional[bool] = None,
-        restore_eval_progress: Optional[bool] = None,
-        restore_optimizers: Optional[bool] = None,
-        restore_lr_schedulers: Optional[bool] = None,
-        collective_timeout_s: float = 600.0,
-        plugin_manager: Optional[pluggy.PluginManager] = None,
-        weights_only: bool = True,
-    ) -> bool:
-        """Restore the best complete snapshot in ``dirpath`` by ``metric_name`` (torchtnt 0.2.4's
-        signature; other arguments as :meth:`restore`).
-
-        ``mode="min"`` picks the lowest value, ``"max"`` the highest (NaN ranks worst; of equal
-        values, the one committed first). Snapshots carry the metric in their names
-        (``..._<metric>=<value>``, as ``best_checkpoint_config`` writes them, and torchtnt's own
-        saver too). Returns False, with a warning, when no complete snapshot carries it. Under
-        torch.distributed rank 0 picks the snapshot.
-        """
-        require_process_group("restoring")
-        if mode not in ("min", "max"):
-            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
-        with Collectives.create(process_group, collective_timeout_s, for_restore=True) as collectives:
-            path = restoring.best_snapshot(
-                dirpath, metric_name, mode, storage_options=storage_options, collectives=collectives
-            )
-        if path is None:
-            warnings.warn(
-                f"no complete snapshot in {dirpath} carries the metric {metric_name!r}; nothing was "
-                "restored",
-                stacklevel=2,
-            )
-            return False
-        TorchSnapshotSaver.restore(
-            path,
-            unit,
-            train_dataloader=train_dataloader,
-            process_group=process_group,
-            restore_options=restore_options,
-            storage_options=storage_options,
-            knob_options=knob_options,
-            strict=strict,
-            restore_train_progress=restore_train_progress,
-            restore_eval_progress=restore_eval_progress,
-            restore_optimizers=restore_optimizers,
-            restore_lr_schedulers=restore_lr_schedulers,
-            collective_timeout_s=collective_timeout_s,
-            plugin_manager=plugin_manager,
-            weights_only=weights_only,
-        )
-        return True
-
-
-def _best_config(config: Any) -> tuple[Optional[str], str]:
-    """(monitored_metric, mode) of torchtnt's BestCheckpointConfig, or (None, "min")."""
-    if config is None:
-        return None, "min"
-    if not hasattr(config, "monitored_metric") or not hasattr(config, "mode"):
-        raise ConfigError(
-            "best_checkpoint_config must be a BestCheckpointConfig(monitored_metric, mode) "
-            f"(torchtnt.utils.checkpoint) or None, got {config!r}"
-        )
-    return config.monitored_metric, config.mode
-
-
-def _unit_metric(unit: Any, attribute: str) -> Optional[tuple[str, float]]:
-    """The unit's ``attribute`` as (attribute, float), None if its value is None; ConfigError
-    if the unit has no such attribute or its value is not a number."""
-    if not hasattr(unit, attribute):
-        raise ConfigError(
-            f"best_checkpoint_config monitors {attribute!r}, but the unit {type(unit).__name__} has "
-            f"no attribute {attribute!r} when a snapshot is taken; set self.{attribute} in the unit "
-            "(e.g. in eval_step or on_eval_epoch_end) before snapshots are taken"
-        )
-    value = getattr(unit, attribute)
-    if value is None:
-        return None
-    try:
-        if isinstance(value, (str, bytes, bool)):
-            raise TypeError(type(value).__name__)
-        number = float(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(
-            f"best_checkpoint_config monitors {attribute!r}, but the unit's {attribute} is "
-            f"{value!r}, not a number (a float, int or one-element tensor): {exc}"
-        ) from exc
-    return attribute, number
-
-
-@dataclass(frozen=True)
-class _Options:
-    """What to restore: torchtnt's RestoreOptions, merged with the keyword arguments."""
-
-    restore_train_progress: bool = True
-    restore_eval_progress: bool = True
-    restore_optimizers: bool = True
-    restore_lr_schedulers: bool = True
-    strict: bool = True
-
-
-def _restore_options(restore_options: Any, strict: Any, *flags: Any) -> _Options:
-    names = [f.name for f in fields(_Options)]
-    given = dict(zip(names, (*flags, strict), strict=True))
-    values = {}
-    if restore_options is not None and not all(hasattr(restore_options, n) for n in names):
-        raise ConfigError(
-            "restore_options must be a RestoreOptions (torchtnt.framework.callbacks."
-            f"checkpointer_types) or None, got {restore_options!r}"
-        )
-    for name in names:
-        from_options = getattr(restore_options, name) if restore_options is not None else None
-        value = given[name]
-        if value is not None and from_options is not None and value != from_options:
-            raise ConfigError(
-                f"{name}={value!r} contradicts restore_options.{name}={from_options!r}; pass "
-                "the setting once (in restore_options or as a keyword argument)"
-            )
-        value = value if value is not None else from_options
-        value = True if value is None else value
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {value!r}")
-        values[name] = value
-    return _Options(**values)
-
-
-def _not_started(intra_epoch: bool) -> dict[str, Any]:
-    raise RuntimeError(
-        "TorchSnapshotSaver.on_train_start was not called before a snapshot was due; pass the "
-        "saver in train()/fit()'s callbacks, which call its hooks in order"
-    )
-
-
-def _unit_metric_logger(unit: Any) -> Optional[Any]:
-    """The unit's torchtnt MetricLogger (an attribute ``metric_logger`` or ``logger``), if any."""
-    for name in ("metric_logger", "logger"):
-        candidate = getattr(unit, name, None)
-        if callable(getattr(candidate, "log_dict", None)):
-            return candidate
-    return None
-
-
-def _unit_state(unit: AppStateMixin) -> dict[str, Any]:
-    """The unit's app state, its optimizers over FSDP modules saved through FSDP's optimizer
-    state-dict APIs (as torchtnt's saver does)."""
-    app_state = dict(unit.app_state())
-    app_state.update(wrap_fsdp_optimizers(unit.tracked_modules(), unit.tracked_optimizers()))
-    return app_state
-
-
-class _OptimizerStateOnLoad:
-    """A tracked optimizer (or its FSDP wrapper) for restore: before its state is read, the
-    optimizer's lazily created state is made to exist (torchtnt's ``init_optim_state``) so the
-    snapshot's values load into it. Only when the snapshot is loaded, and without changing the
-    parameters: the initialising zero-gradient step would move them under weight decay."""
-
-    def __init__(self, stateful: Any, optimizer: Any) -> None:
-        self._stateful = stateful
-        self._optimizer = optimizer
-        self.__wrapped__ = stateful  # what restore errors are attributed to
-
-    def state_dict(self) -> Any:
-        if not self._optimizer.state:
-            import torch
-            from torchtnt.utils.optimizer import init_optim_state
-
-            params = [p for group in self._optimizer.param_groups for p in group["params"]]
-            with torch.no_grad():
-                kept = [p.detach().clone() for p in params]
-                init_optim_state(self._optimizer)
-                for param, value in zip(params, kept, strict=True):
-                    param.copy_(value)
-        return self._stateful.state_dict()
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        self._stateful.load_state_dict(state_dict)
-
-
-def _collector(state: State, unit: AppStateMixin) -> Callable[[bool], dict[str, Any]]:
-    def collect(intra_epoch: bool) -> dict[str, Any]:
-        # The loader's state is saved at epoch ends too (torchtnt's saver only saves it mid-epoch):
-        # a loader that reshuffles by epoch would otherwise replay the first epoch's order.
-        app_state = _unit_state(unit)
-        if state.train_state is not None:
-            loader = state.train_state.dataloader
-            if is_stateful(loader):
-                app_state[TRAIN_DATALOADER_KEY] = loader
-        return app_state
-
-    return collect
-
-
-def _restore_state(
-    unit: AppStateMixin, train_dataloader: Optional[Any], options: _Options
-) -> tuple[dict[str, Any], tuple[str, ...]]:
-    app_state = _unit_state(unit)
-    check_collisions(app_state.keys())
-    for key, optimizer in unit.tracked_optimizers().items():
-        if key in app_state:
-            app_state[key] = _OptimizerStateOnLoad(app_state[key], optimizer)
-    skipped: list[str] = []
-    if not options.restore_train_progress:
-        skipped.append(TRAIN_PROGRESS_KEY)
-    if not options.restore_eval_progress:
-        skipped.append(EVAL_PROGRESS_KEY)
-    if not options.restore_optimizers:
-        skipped += unit.tracked_optimizers().keys()
-    if not options.restore_lr_schedulers:
-        skipped += unit.tracked_lr_schedulers().keys()
-    for key in skipped:  # not loaded: the unit keeps its own value
-        app_state.pop(key, None)
-    optional: tuple[str, ...] = (EVAL_PROGRESS_KEY,)
-    if train_dataloader is not None:
-        if is_stateful(train_dataloader):
-            app_state[TRAIN_DATALOADER_KEY] = train_dataloader
-            optional += (TRAIN_DATALOADER_KEY,)
-        else:
-            warnings.warn(
-                "train_dataloader was passed to restore but has no state_dict/load_state_dict; "
-                "its position cannot be restored",
-                stacklevel=3,
-            )
-    return app_state, optional
+    restore = staticmethod(torchtnt_restore.restore)
+    restore_from_latest = staticmethod(torchtnt_restore.restore_from_latest)
+    restore_from_best = staticmethod(torchtnt_restore.restore_from_best)

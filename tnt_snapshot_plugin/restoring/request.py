@@ -16,8 +16,9 @@ import dataclasses
 import logging
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
 
@@ -63,6 +64,18 @@ class RestoreRequest:
 
     def replace(self, **changes: Any) -> RestoreRequest:
         return dataclasses.replace(self, **changes)
+
+    @contextmanager
+    def on_ranks(self, process_group: Optional[Any], collective_timeout_s: Any) -> Iterator[RestoreRequest]:
+        """This request with collectives made for one restore over ``process_group``'s ranks
+        (default: all; none outside torch.distributed), each waiting at most
+        ``collective_timeout_s`` for a failed rank, and closed afterwards. ConfigError if the
+        timeout is not a positive number of seconds. The adapters' static restores run in it."""
+        from ..config import SnapshotConfig
+
+        timeout = SnapshotConfig.build(collective_timeout_s=collective_timeout_s, preemption_signals=()).collective_timeout_s
+        with Collectives.create(process_group, timeout, for_restore=True) as collectives:
+            yield self.replace(collectives=collectives)
 
     def restore(self, path: str, checked: Optional[verify.Verdict] = None) -> list[str]:
         """Load snapshot ``path``; the keys loaded (the RNG state last). ``checked``: this rank's
