@@ -94,7 +94,8 @@ def restore_from_latest(
 ) -> bool:
     """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
 
-    Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
+    Returns True if one was restored, False if ``dirpath`` is missing (with a warning naming
+    it: a misspelt path would otherwise start training from scratch), empty or holds no
     complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
     one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
     but none can be read, SnapshotCorruptError is raised rather than returning False. A
@@ -290,7 +291,10 @@ def restore_state(
         else:
             warnings.warn(
                 "train_dataloader was passed to restore but has no state_dict/load_state_dict; "
-                "its position cannot be restored",
+                "its position cannot be restored. Harmless when resuming from an epoch-end snapshot "
+                "(the next epoch starts at its first batch anyway); from a mid-epoch snapshot the "
+                "epoch is replayed from its first batch. A loader with state_dict/load_state_dict "
+                "(torchdata's StatefulDataLoader) resumes mid-epoch",
                 stacklevel=4,
             )
     return app_state, optional
