@@ -206,3 +206,18 @@ def test_a_snapshot_that_does_not_exist_is_named_with_those_that_do(run_dir):
     assert "3 complete snapshots: epoch_1_step_2, epoch_2_step_4, epoch_3_step_6 (the newest epoch_3_step_6)" in message
     with pytest.raises(SnapshotNotFoundError, match="holds no complete snapshot"):
         TorchSnapshotSaver.restore(str(run_dir.parent / "elsewhere" / "epoch_1_step_2"), ToyUnit())
+
+
+@pytest.mark.frameworks
+def test_resuming_with_a_plain_dataloader_says_when_that_is_harmless(run_dir):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tnt_snapshot_plugin.demo_data import make_data
+    from toy import ToyUnit
+
+    plain = DataLoader(TensorDataset(*make_data(8)), batch_size=4, shuffle=True)
+    with pytest.warns(UserWarning, match="has no state_dict/load_state_dict") as seen:
+        assert TorchSnapshotSaver.restore_from_latest("run1", ToyUnit(), train_dataloader=plain)
+    message = next(str(w.message) for w in seen if "state_dict" in str(w.message))
+    assert "Harmless when resuming from an epoch-end snapshot" in message
+    assert "StatefulDataLoader" in message
