@@ -32,9 +32,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError, UnrestorableStateError
+from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
 from ..loading import load_object, refusal
 from .common import DTYPES_BY_NAME, RAW_DTYPES, decode, encode, flat_bytes
+from .inflate import inflate, note_added, subtree
 from .manifest import (
     CONTAINER_TYPES,
     PRIMITIVE_TYPES,
@@ -48,6 +49,15 @@ from .manifest import (
     saved_keys,
 )
 from .manifest import corrupt as _corrupt
+from .pieces import PiecesMixin
+from .targets import (
+    check_dtype,
+    copy_into,
+    direct,
+    fits,
+    sharded_kind,
+    takes_in_place,
+)
 
 #: (file, offset, destination: a flat writable byte buffer, a numpy array or a memoryview)
 Read = tuple[str, int, Any]
@@ -94,78 +104,7 @@ def _target_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
         out[path] = obj
 
 
-def _sharded_kind(target: Any) -> Optional[str]:
-    """"ShardedTensor" or "DTensor" for such a target, else None."""
-    if target is None or type(target) in _PLAIN_TENSORS:
-        return None
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(target, ShardedTensor):
-        return "ShardedTensor"
-    if isinstance(target, DTensor):
-        return "DTensor"
-    return None
-
-
-def _takes_in_place(target: Any, value: Any) -> bool:
-    """Whether a tensor read whole (an object entry: a Parameter) goes into ``target`` in place."""
-    return (
-        isinstance(value, torch.Tensor)
-        and type(target) in _PLAIN_TENSORS
-        and value.layout is _STRIDED
-        and target.layout is _STRIDED
-        and target.shape == value.shape
-        and _sharded_kind(value) is None
-    )
-
-
-def _check_dtype(path: str, target: Any, dtype: torch.dtype) -> None:
-    """StateMismatchError if ``target`` is a tensor of another dtype than the saved ``dtype``: the
-    saved bytes are never cast (a quantized tensor saved may fill a float target: dequantized)."""
-    if isinstance(target, torch.Tensor) and target.dtype != dtype and dtype not in _QUANTIZED:
-        raise StateMismatchError(
-            f"entry {path!r}: the snapshot holds a {dtype} tensor, the state to restore into a "
-            f"{target.dtype} one; the snapshot's values are not cast. Restore into a state of the "
-            "saved dtypes (convert after restoring), or check the snapshot: a dtype that "
-            "contradicts the state may mean its metadata is damaged"
-        )
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; a quantized source whose scheme the destination cannot take as is
-    (another scheme or dtype, or a view into a larger tensor) is dequantized first."""
-    if src.is_quantized and (
-        not dst.is_quantized or dst.qscheme() != src.qscheme() or dst.dtype != src.dtype or dst._is_view()
-    ):
-        src = src.dequantize()
-    dst.copy_(src)
-
-
-def _fits(target: Any, dtype: torch.dtype, shape: list) -> bool:
-    """Whether a tensor target takes the saved tensor in place (same dtype and shape)."""
-    return (
-        isinstance(target, torch.Tensor)
-        and _sharded_kind(target) is None
-        and target.dtype == dtype
-        and list(target.shape) == shape
-    )
-
-
-def _direct(target: Any, dtype: torch.dtype, shape: list) -> bool:
-    """Whether the saved raw bytes can be read straight into the target's memory."""
-    return (
-        target is not None
-        and type(target) in _PLAIN_TENSORS
-        and target.dtype is dtype
-        and target.layout is _STRIDED
-        and target.is_cpu
-        and target.is_contiguous()
-        and list(target.shape) == shape
-    )
-
-
-class _Plan:
+class _Plan(PiecesMixin):
     """The reads of one key and what to do once their bytes are in."""
 
     def __init__(self, what: str, file_size: Optional[FileSize], weights_only: bool) -> None:
@@ -294,7 +233,7 @@ class _Plan:
     def tensor(self, path: str, entry: dict, target: Any) -> None:
         if target is not None and entry.get("serializer") == RAW:  # the hot path: no copies
             dtype = DTYPES_BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
-            if dtype in RAW_DTYPES and _direct(target, dtype, entry.get("shape")):  # type: ignore[arg-type]
+            if dtype in RAW_DTYPES and direct(target, dtype, entry.get("shape")):  # type: ignore[arg-type]
                 # raw_into, with its checks done inline for the common case (a location already
                 # checked, a well-formed byte range of the right length): once per tensor
                 rel = entry.get("location")
@@ -319,8 +258,8 @@ class _Plan:
                 return
         dtype = self.dtype(entry, path)
         shape = self.shape(entry.get("shape"), path)
-        _check_dtype(path, target, dtype)
-        if _sharded_kind(target) is not None:  # a whole tensor saved, a sharded one to fill
+        check_dtype(path, target, dtype)
+        if sharded_kind(target) is not None:  # a whole tensor saved, a sharded one to fill
             self.spread(path, [([0] * len(shape), shape, entry)], dtype, shape, target)
             return
         get = self.payload(path, entry)
@@ -329,112 +268,11 @@ class _Plan:
     def settle(self, path: str, target: Any, get: Callable[[], torch.Tensor], dtype: torch.dtype, shape: list) -> None:
         """The value at ``path``: the target filled from ``get()`` when it takes it in place
         (a GPU, non-contiguous or quantized tensor), else the tensor read."""
-        if _fits(target, dtype, shape):
-            self.after.append(lambda: _copy_into(target.detach(), get()))
+        if fits(target, dtype, shape):
+            self.after.append(lambda: copy_into(target.detach(), get()))
             self.values[path] = target
         else:
             self.after.append(lambda: self.values.__setitem__(path, get()))
-
-    def chunked(self, path: str, entry: dict, target: Any) -> None:
-        dtype = self.dtype(entry, path)
-        shape = self.shape(entry.get("shape"), path)
-        self.spread(path, self.pieces(path, entry, "chunks"), dtype, shape, target)
-
-    def sharded(self, path: str, entry: dict, target: Any) -> None:
-        pieces = self.pieces(path, entry, "shards")
-        if not pieces:
-            raise self.corrupt(path, "it has no shards")
-        shape = [max(p[0][d] + p[1][d] for p in pieces) for d in range(len(pieces[0][0]))]
-        self.spread(path, pieces, self.dtype(pieces[0][2], path), shape, target)
-
-    def spread(self, path: str, pieces: list[tuple[list, list, dict]], dtype: torch.dtype, shape: list, target: Any) -> None:
-        """The tensor of ``shape`` saved in ``pieces`` (chunks or shards) into ``target``: each
-        local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
-        pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
-        filled whole; anything else gets a new tensor (the whole saved one)."""
-        _check_dtype(path, target, dtype)
-        kind = _sharded_kind(target)
-        if kind == "ShardedTensor" and list(target.size()) == shape:
-            for shard in target.local_shards():
-                self.fill(path, shard.tensor.detach(), list(shard.metadata.shard_offsets), pieces)
-            self.values[path] = target
-            return
-        if kind == "DTensor" and list(target.shape) == shape:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-            self.fill(path, target.to_local().detach(), list(offsets), pieces)
-            self.values[path] = target
-            return
-        fits = kind is None and _fits(target, dtype, shape)
-        if fits:
-            dst = target.detach()
-        elif dtype in _QUANTIZED:
-            raise self.corrupt(path, "a quantized tensor saved in pieces cannot be assembled without a target of its dtype and shape")
-        else:
-            dst = torch.empty(shape, dtype=dtype)
-        self.values[path] = target if fits else dst
-        if dst.dim() == 0 and pieces and len(pieces[0][0]) == 1:
-            dst = dst.view(-1)  # torchsnapshot chunks a 0-d tensor as a 1-d one
-        self.fill(path, dst, [0] * dst.dim(), pieces)
-
-    def pieces(self, path: str, entry: dict, field: str) -> list[tuple[list, list, dict]]:
-        """(offsets, sizes, tensor entry) of each saved piece of a chunked or sharded entry."""
-        found = entry.get(field)
-        if not isinstance(found, list):
-            raise self.corrupt(path, f"its {field} are {found!r}")
-        pieces: list[tuple[list, list, dict]] = []
-        for piece in found:
-            if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
-                raise self.corrupt(path, f"a piece of it is {piece!r}")
-            offsets = self.shape(piece.get("offsets"), path, "offsets")
-            sizes = self.shape(piece.get("sizes"), path, "sizes")
-            if len(offsets) != len(sizes) or (pieces and len(offsets) != len(pieces[0][0])):
-                raise self.corrupt(path, "its pieces have different ranks")
-            if piece["tensor"].get("shape") != sizes:
-                raise self.corrupt(path, f"a piece of sizes {sizes} holds a tensor of shape {piece['tensor'].get('shape')}")
-            pieces.append((offsets, sizes, piece["tensor"]))
-        return pieces
-
-    def fill(self, path: str, dst: torch.Tensor, at: list, pieces: list[tuple[list, list, dict]]) -> None:
-        """Fill ``dst`` (the box of the whole tensor starting at ``at``) from every saved piece
-        that overlaps it: straight into ``dst`` where a piece lies whole inside it and the
-        region is contiguous CPU memory of the saved dtype; else through the piece read whole."""
-        if pieces and len(pieces[0][0]) != dst.dim():
-            raise self.corrupt(path, f"its pieces have {len(pieces[0][0])} dims, the target {dst.dim()}")
-        for offsets, sizes, entry in pieces:
-            region = dst
-            src_box = []
-            whole = True
-            for d, (s_at, s_len, d_at, d_len) in enumerate(zip(offsets, sizes, at, dst.shape, strict=True)):
-                lo, hi = max(s_at, d_at), min(s_at + s_len, d_at + d_len)
-                if hi <= lo:
-                    break
-                region = region.narrow(d, lo - d_at, hi - lo)
-                src_box.append((d, lo - s_at, hi - lo))
-                whole = whole and hi - lo == s_len
-            else:
-                self.fill_region(path, entry, region, src_box, whole)
-
-    def fill_region(self, path: str, entry: dict, region: torch.Tensor, src_box: list, whole: bool) -> None:
-        if (
-            whole
-            and entry.get("serializer") == RAW
-            and region.dtype is self.dtype(entry, path)
-            and region.device.type == "cpu"
-            and region.is_contiguous()
-        ):
-            self.raw_into(path, entry, region)
-            return
-        get = self.payload(path, entry)
-
-        def copy() -> None:
-            src = get()
-            for d, start, length in src_box:
-                src = src.narrow(d, start, length)
-            _copy_into(region, src)
-
-        self.after.append(copy)
 
     def object(self, path: str, entry: dict, target: Any = None) -> None:
         rel = self.location(entry, path)
@@ -444,10 +282,10 @@ class _Plan:
 
         def load() -> None:
             value = self.unpickle(path, rel, buf)
-            if _takes_in_place(target, value):
+            if takes_in_place(target, value):
                 # a Parameter kept in a state dict: filled in place (whatever holds it, an
                 # optimizer, keeps the same object), with the saved requires_grad
-                _check_dtype(path, target, value.dtype)
+                check_dtype(path, target, value.dtype)
                 target.detach().copy_(value.detach())
                 if target.is_leaf and target.requires_grad != value.requires_grad:
                     target.requires_grad_(value.requires_grad)
@@ -538,72 +376,6 @@ class _Verify:
             raise _Mismatch(exc) from exc
 
 
-def _subtree(view: dict[str, dict], root: str) -> dict[str, dict]:
-    below = root + "/"
-    return {path: entry for path, entry in view.items() if path == root or path.startswith(below)}
-
-
-_ABSENT = object()
-
-
-def _is_int(token: str) -> bool:
-    return token.isdigit() or (len(token) > 1 and token[0] in "+-" and token[1:].isdigit())
-
-
-def _inflate(root: str, tree: dict[str, dict], values: dict[str, Any], added: dict[str, list]) -> Any:
-    """The object at ``root`` rebuilt from the container entries of ``tree`` and the leaf
-    ``values``, as torchsnapshot's inflate rebuilds it."""
-    children: dict[str, dict[str, str]] = {}
-    for path in tree:
-        if path != root:
-            parent, _, token = path.rpartition("/")
-            children.setdefault(parent, {})[token] = path
-
-    def present(path: str) -> bool:
-        return path in values or tree[path]["type"] in CONTAINER_TYPES
-
-    def build(path: str) -> Any:
-        entry = tree[path]
-        kind = entry["type"]
-        kids = children.get(path, {})
-        if kind == "list":
-            try:
-                order = sorted(kids, key=int)
-            except ValueError as exc:
-                raise _corrupt(f"entry {path!r}", f"a list holds a non-index item ({exc})") from exc
-            return [value(kids[token]) for token in order if present(kids[token])]
-        by_key: dict[Any, str] = {}
-        for token, child in kids.items():
-            key = decode(token) if "%" in token else token
-            by_key[key] = child
-            if _is_int(key):
-                by_key[int(key)] = child
-        keys = entry.get("keys")
-        if not isinstance(keys, list):
-            raise _corrupt(f"entry {path!r}", f"a {kind} without a list of keys")
-        out: dict = OrderedDict() if kind == "OrderedDict" else {}
-        try:
-            for key in keys + added.get(path, []):
-                found = by_key.get(key)
-                if found is None:
-                    continue
-                leaf = values.get(found, _ABSENT)  # value(found), in one lookup for a leaf
-                if leaf is not _ABSENT:
-                    out[key] = leaf
-                elif tree[found]["type"] in CONTAINER_TYPES:
-                    out[key] = build(found)
-        except TypeError as exc:
-            raise _corrupt(f"entry {path!r}", f"a key cannot be a dict key ({exc})") from exc
-        return out
-
-    def value(path: str) -> Any:
-        if tree[path]["type"] in CONTAINER_TYPES:
-            return build(path)
-        return values[path]
-
-    return value(root)
-
-
 def _read_tree(
     view: dict[str, dict],
     root: str,
@@ -615,7 +387,7 @@ def _read_tree(
     file_size: Optional[FileSize],
     every_sharded: bool,
 ) -> Any:
-    tree = _subtree(view, root)
+    tree = subtree(view, root)
     if root not in tree:
         raise KeyError(f"the snapshot holds no entry {root!r}")
     targets: dict[str, torch.Tensor] = {}
@@ -634,22 +406,11 @@ def _read_tree(
         elif kind in SHARDED_TYPES and not every_sharded:
             if path in targets:  # as torchsnapshot: read only the sharded entries asked for
                 plan.entry(path, entry, targets[path])
-                _note_added(tree, path, added)
+                note_added(tree, path, added)
         else:
             plan.entry(path, entry, get(path))
     plan.run(read_into, verifier)
-    return _inflate(root, tree, plan.values, added)
-
-
-def _note_added(tree: dict[str, dict], path: str, added: dict[str, list]) -> None:
-    """A sharded entry this rank did not save: its key joins the parent dict's keys."""
-    parent, _, token = path.rpartition("/")
-    entry = tree.get(parent)
-    if entry is not None and entry["type"] != "list":
-        key = decode(token)
-        keys = entry.get("keys") or []
-        if key not in keys and not (_is_int(key) and int(key) in keys):
-            added.setdefault(parent, []).append(key)
+    return inflate(root, tree, plan.values, added)
 
 
 def read_state_dict(
