@@ -3,6 +3,8 @@
 Trains a small model with the chosen framework into a local directory, crashes it on purpose,
 resumes from the latest complete snapshot in a fresh model, and prints what was saved and
 restored, with timings, and whether the resumed run ends bitwise equal to an uninterrupted one.
+The directory must be new, empty, or an earlier demo's (its marker file ``.tnt_snapshot_demo``):
+the demo deletes its earlier snapshots before each run, and refuses any other directory.
 The framework's demo comes from its adapter plugin, found through the plugin manager.
 """
 
