@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 from . import policies, retention
 from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
+from .coordination import RecordDeltas, agree_on_paths, grouped_by_rank, rank_regions, sharded_shapes
 from .distributed import Collectives, raise_if_any_failed
 from .errors import SnapshotError, SnapshotWriteError, StorageUnavailableError, UnrestorableStateError
 from .format import writer as fmt
@@ -76,6 +77,9 @@ class SnapshotWriter:
         self._pack_buffer = fmt.PackBuffer()
         #: whether this run has warned that it deleted snapshots early to make room
         self._space_warned = False
+        #: the records rank 0 holds from the last snapshot: later ones send what changed
+        self.deltas = RecordDeltas(enabled=collectives.world_size > 1)
+        self._shapes: dict[str, list[int]] = {}
 
     def close(self) -> None:
         """Let the I/O threads and the pack buffer go (training is over); a later snapshot
@@ -91,6 +95,7 @@ class SnapshotWriter:
         self.committed = set()
         self.plans.clear()
         self._space_warned = False
+        self.deltas.reset()
 
     # -- one snapshot -----------------------------------------------------------------------
 
@@ -237,13 +242,16 @@ class SnapshotWriter:
                 sizes, sums = writes.finish()
             except Exception as exc:
                 error = error or _write_error(job, exc)
-        # Every rank's records, sizes and checksums, to rank 0, which alone commits: one
-        # collective, and no rank but rank 0 holds the others' records.
-        gathered = coll.gather((entries, sizes, sums) if error is None else None)
+        # Every rank's records (those that changed since the last snapshot: coordination.py),
+        # sizes and checksums, to rank 0, which alone commits: one collective, and no rank but
+        # rank 0 holds the others' records.
+        deltas = self.deltas
+        gathered = coll.gather((deltas.outgoing(entries), sizes, sums) if error is None else None)
         try:
             # the state's own fault on every rank that failed: the same on every rank
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
         except SnapshotError as failure:
+            deltas.reset()  # on every rank: the next snapshot sends every record again
             if coll.rank == 0 and self._may_clean_up(failure):
                 try:
                     store.remove(job.staging)
@@ -251,9 +259,16 @@ class SnapshotWriter:
                     job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
             raise
 
+        # the whole shape of each sharded tensor, for the index's "ranks" (coordination.py)
+        self._shapes = sharded_shapes(leaves) if coll.rank == 0 else {}
+
         def commit() -> int:
             assert gathered is not None  # rank 0
-            parts = [part for part in gathered if part is not None]
+            parts = [
+                (deltas.incoming(rank, part[0]), part[1], part[2])
+                for rank, part in enumerate(gathered)
+                if part is not None
+            ]
             files: dict[str, int] = {}
             checksums: dict[str, dict[str, Any]] = {}
             for _entries, rank_sizes, rank_sums in parts:
@@ -263,7 +278,12 @@ class SnapshotWriter:
             return sum(files.values())
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
-        job.bytes_written = coll.on_rank0(commit)
+        try:
+            job.bytes_written = coll.on_rank0(commit)
+        except BaseException:
+            deltas.reset()  # raised on every rank (on_rank0)
+            raise
+        deltas.settle()
 
     def _may_clean_up(self, failure: BaseException) -> bool:
         """Whether to remove what a failed write left, now. Not when the storage did not answer
@@ -298,11 +318,7 @@ class SnapshotWriter:
         that every rank has (one collective under torch.distributed, made on every rank)."""
         if not job.replicated:
             return set()
-        mine = fmt.replicable(leaves, job.replicated)
-        if self.coll.world_size == 1:
-            return set(mine)
-        everyone = self.coll.all_gather(mine)
-        return set.intersection(*(set(paths) for paths in everyone))
+        return agree_on_paths(self.coll, fmt.replicable(leaves, job.replicated))
 
     def _io_pool(self) -> Optional[ThreadPoolExecutor]:
         """The I/O threads (None: write on the calling thread, ``max_per_rank_io_concurrency`` 1)."""
@@ -341,7 +357,9 @@ class SnapshotWriter:
         locked: bool,
     ) -> None:
         store = self.store
-        metadata = fmt.metadata_bytes(fmt.merge(parts), self.coll.world_size)
+        # each rank's records together, and where they lie in the index (coordination.py)
+        metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), self.coll.world_size)
+        regions = rank_regions(metadata, parts)
         # The directory is listed (one read of each index) for retention, and for the first
         # commit of a run; while this run holds the dirpath lock no one else commits, so later
         # sequence numbers follow from the last one without listing again.
@@ -373,6 +391,8 @@ class SnapshotWriter:
             "writer": writer,
             "world_size": self.coll.world_size,
         }
+        if regions is not None:
+            fields["ranks"] = {"regions": regions, "shapes": self._shapes}
         # the metadata too: it holds the primitive values (numbers, strings) themselves
         fields["checksums"] = {**checksums, METADATA_FNAME: record_views([memoryview(metadata)])}
         if job.name.metric is not None and job.name.metric_value is not None:

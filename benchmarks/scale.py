@@ -1,0 +1,638 @@
+"""How the coordination and metadata costs of a snapshot grow with the number of ranks.
+
+Simulates N ranks in one process, without N processes: each rank's manifest records are built
+by the writer's own code (``format.writer``: ``flatten``, ``plan`` and the ``_Builder`` that
+lays out tensors, packs and files), over tensors that own no memory of their own (views of one
+untouched allocation) and, for FSDP2, DTensor shards laid out as torch lays them out
+(``_compute_local_shape_and_global_offset``) and recorded as ``_Builder.add_dtensor`` records
+them. Then it runs the code paths whose cost grows with N:
+
+* per save, on every rank: what the rank sends rank 0 (``coordination.RecordDeltas``: the
+  first save, then a later one where only progress values and checksums changed);
+* rank 0's commit: merge, ``.snapshot_metadata``, the index, written through a ``LocalStore``;
+* latest selection: ``Store.listed`` and ``verify.check`` of the committed snapshot;
+* one rank's restore planning: parse and validate the metadata, the rank's view, and the
+  shards it reads to reshard from N ranks to N, N/2 and 2N.
+
+Layouts (shapes from the models' published configurations, Adam state):
+
+* ``ddp-7b``: Llama-2 7B, every value replicated (saved once, the writes spread over the ranks);
+* ``fsdp2-7b``, ``fsdp2-70b``: Llama-2 7B and 70B under ``fully_shard`` (``Shard(0)`` over N).
+
+Every rank also saves its RNG state and train progress.
+
+Whole-snapshot costs (commit, latest, restore planning) are measured up to ``--max-metadata``
+bytes of metadata; beyond it they are extrapolated from the largest measured point
+(proportional to the metadata's size, marked ``~``). Per-rank costs are measured at every N.
+
+    python benchmarks/scale.py                 # N = 8, 64, 512, 1024, 4096 (a few minutes)
+    python benchmarks/scale.py --quick         # N = 8, 64, ddp-7b and fsdp2-7b (seconds)
+    python benchmarks/scale.py --out bench-results/scale.json --plots docs/img
+
+Writes a markdown table to stdout (``--markdown FILE`` too), the raw numbers as JSON (``--out``)
+and log-log plots (``--plots DIR``, matplotlib: ``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import xxhash
+
+from tnt_snapshot_plugin import verify
+from tnt_snapshot_plugin.app_state import RNGState
+from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_by_rank, rank_regions
+from tnt_snapshot_plugin.format import manifest as mf
+from tnt_snapshot_plugin.format import writer as fmt
+from tnt_snapshot_plugin.format.common import METADATA_FNAME
+from tnt_snapshot_plugin.index import seal
+from tnt_snapshot_plugin.stores import open_store
+
+PACK_BYTES = 4 << 20
+MiB = 1 << 20
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A Llama-style decoder's published configuration."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+    def parameters(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter, as Hugging Face's LlamaForCausalLM names them."""
+        h, head_dim = self.hidden, self.hidden // self.heads
+        kv = self.kv_heads * head_dim
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            out += [
+                (f"{p}.self_attn.q_proj.weight", (h, h)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)),
+                (f"{p}.self_attn.o_proj.weight", (h, h)),
+                (f"{p}.mlp.gate_proj.weight", (self.intermediate, h)),
+                (f"{p}.mlp.up_proj.weight", (self.intermediate, h)),
+                (f"{p}.mlp.down_proj.weight", (h, self.intermediate)),
+                (f"{p}.input_layernorm.weight", (h,)),
+                (f"{p}.post_attention_layernorm.weight", (h,)),
+            ]
+        out += [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
+        return out
+
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _n, shape in self.parameters())
+
+
+LLAMA2_7B = Decoder("llama2-7b", layers=32, hidden=4096, intermediate=11008, vocab=32000, heads=32, kv_heads=32)
+LLAMA2_70B = Decoder("llama2-70b", layers=80, hidden=8192, intermediate=28672, vocab=32000, heads=64, kv_heads=8)
+#: small enough for real processes (tests/test_scale.py compares it with real FSDP2 ranks)
+TINY = Decoder("tiny", layers=2, hidden=16, intermediate=24, vocab=40, heads=4, kv_heads=2)
+
+
+class Arena:
+    """Tensors of any shape over one allocation that is never touched (no resident memory)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._buffer.numel() < numel:
+            self._buffer = torch.empty(numel)
+        return self._buffer[:numel].view(shape).to(dtype) if dtype is not torch.float32 else self._buffer[:numel].view(shape)
+
+
+@dataclass
+class Sharded:
+    """A DTensor placeholder: a parameter (or its Adam state) under ``fully_shard``, Shard(0)."""
+
+    shape: tuple[int, ...]
+
+
+def adam_param_group() -> dict[str, Any]:
+    """Adam's param_groups[0] as this torch writes it (without ``params``)."""
+    group = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]).state_dict()["param_groups"][0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def progress(step: int) -> dict[str, Any]:
+    return {"num_epochs_completed": 0, "num_steps_completed": step, "num_steps_completed_in_epoch": step}
+
+
+def app_state(layout: str, model: Decoder, arena: Arena, step: int) -> dict[str, Any]:
+    """One rank's state dicts (key -> state dict), as the saver flattens them."""
+    params = model.parameters()
+    group = adam_param_group()
+    rng = RNGState().state_dict()
+    if layout == "ddp":
+        weights = OrderedDict((name, arena.tensor(shape)) for name, shape in params)  # Module.state_dict()
+        state = {
+            i: {"step": torch.tensor(float(step)), "exp_avg": arena.tensor(shape), "exp_avg_sq": arena.tensor(shape)}
+            for i, (_name, shape) in enumerate(params)
+        }
+        optim = {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+    else:  # fsdp2: get_optimizer_state_dict's layout, keyed by parameter names
+        weights = OrderedDict((name, Sharded(shape)) for name, shape in params)
+        state = {
+            name: {"step": torch.tensor(float(step)), "exp_avg": Sharded(shape), "exp_avg_sq": Sharded(shape)}
+            for name, shape in params
+        }
+        optim = {"state": state, "param_groups": [{**group, "params": [name for name, _s in params]}]}
+    return {"model": weights, "optimizer": optim, "train_progress": progress(step), "rng_state": rng}
+
+
+REPLICATED = {"ddp": ["model/**", "optimizer/**"]}
+
+
+# --- one rank's records, as the writer makes them ---------------------------------------------
+
+
+@dataclass
+class RankPart:
+    entries: dict[str, str]
+    sizes: dict[str, int]
+    sums: dict[str, dict[str, Any]]
+    #: the whole shape of each sharded tensor (the index's "ranks")
+    shapes: Optional[dict[str, list[int]]] = None
+
+
+class _Sizes:
+    """The writer's payloads as (file, size, checksum record) without their bytes: the record
+    has the shape ``checksums.record_views`` gives (a pack: one digest per tensor)."""
+
+    def __init__(self, salt: int) -> None:
+        self.sizes: dict[str, int] = {}
+        self.sums: dict[str, dict[str, Any]] = {}
+        self._salt = salt
+
+    def __call__(self, payload: fmt.Payload) -> None:
+        nbytes = sum(v.nbytes for v in payload.views)
+        self.sizes[payload.rel] = nbytes
+        value = xxhash.xxh3_64_hexdigest(f"{payload.rel}/{self._salt}".encode())
+        if payload.packed:
+            bounds = payload.bounds or [0]
+            if payload.bounds is None:
+                for view in payload.views:
+                    bounds.append(bounds[-1] + view.nbytes)
+            self.sums[payload.rel] = {
+                "algo": "xxh3_64", "value": value, "bounds": bounds, "digests": value * (len(bounds) - 1),
+            }
+        else:
+            self.sums[payload.rel] = {"algo": "xxh3_64", "value": value}
+
+
+def _add_dtensor(builder: Any, path: str, spec: Sharded, rank: int, world: int, arena: Arena) -> None:
+    """What ``_Builder.add_dtensor`` records for this rank's Shard(0) piece of a DTensor on a
+    1-D mesh of ``world`` ranks (FSDP2)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    sizes, offsets = _compute_local_shape_and_global_offset(spec.shape, (world,), [rank], [Shard(0)])
+    rel = fmt._shard_rel(rank, path, offsets)
+    text = builder.tensor(path, arena.tensor(tuple(sizes)), rel, False, pack=True)
+    record = {
+        "type": "DTensor",
+        "shards": [{"offsets": list(offsets), "sizes": list(sizes), "tensor": json.loads(text)}],
+        "mesh": list(range(world)),
+        "dim_map": [[0]] + [[-1]] * (len(spec.shape) - 1),
+    }
+    builder.entries[f"{rank}/{path}"] = fmt._text(record)
+
+
+def rank_part(layout: str, model: Decoder, rank: int, world: int, step: int, arena: Arena) -> RankPart:
+    """Rank ``rank``'s records, file sizes and checksum records for one save at ``step``."""
+    containers: dict[str, dict] = {}
+    leaves: dict[str, Any] = {}
+    for key, sd in app_state(layout, model, arena, step).items():
+        c, leaf = fmt.flatten(key, sd)
+        containers.update(c)
+        leaves.update(leaf)
+    emit = _Sizes(step)
+    if layout == "ddp":
+        replicated = set(fmt.replicable(leaves, REPLICATED["ddp"]))
+        entries = fmt.plan(containers, leaves, rank=rank, world_size=world, replicated=replicated, emit=emit).entries
+        return RankPart(entries, emit.sizes, emit.sums, {})
+    builder = fmt._Builder(rank, PACK_BYTES, emit)  # fmt.plan's loop, with DTensor placeholders
+    for path, record in containers.items():
+        builder.entries[f"{rank}/{path}"] = fmt._text(record)
+    for path, value in leaves.items():
+        if isinstance(value, Sharded):
+            _add_dtensor(builder, path, value, rank, world, arena)
+        else:
+            builder.add(path, f"{rank}/{path}", value, False)
+    builder.finish()
+    shapes = {path: list(v.shape) for path, v in leaves.items() if isinstance(v, Sharded)}
+    return RankPart(builder.entries, emit.sizes, emit.sums, shapes)
+
+
+# --- measurements -----------------------------------------------------------------------------
+
+
+def measured(fn: Callable[[], Any], memory: bool = True) -> tuple[Any, float, int]:
+    """(result, seconds, peak bytes Python allocated meanwhile): timed without tracemalloc,
+    then run again under it for the peak (0 when ``memory`` is False)."""
+    gc.collect()
+    started = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - started
+    peak = 0
+    if memory:
+        del result
+        gc.collect()
+        tracemalloc.start()
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return result, seconds, peak
+
+
+def sample_ranks(world: int) -> list[int]:
+    return sorted({0, 1 % world, world // 2, world - 1})
+
+
+def overlapping(entry: dict, offsets: list[int], sizes: list[int]) -> list[dict]:
+    """The shards of merged sharded ``entry`` a target piece (``offsets``, ``sizes``) reads."""
+    out = []
+    for shard in entry.get("shards") or ():
+        if all(
+            o < t + s and t < o + n
+            for o, n, t, s in zip(shard["offsets"], shard["sizes"], offsets, sizes, strict=True)
+        ) and all(sizes) and all(shard["sizes"]):
+            out.append(shard)
+    return out
+
+
+def box(shape: list[int], rank: int, world: int) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of rank ``rank``'s Shard(0) piece of a tensor of ``shape`` over ``world``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    sizes, offsets = _compute_local_shape_and_global_offset(shape, (world,), [rank], [Shard(0)])
+    return list(offsets), list(sizes)
+
+
+def shard_reads(view: dict[str, dict], rank: int, new_world: int) -> int:
+    """How many saved shards rank ``rank`` of ``new_world`` reads for the sharded entries of ``view``."""
+    reads = 0
+    for entry in view.values():
+        if entry["type"] in mf.SHARDED_TYPES:
+            reads += len(overlapping(entry, *box(mf.global_shape(entry) or [], rank, new_world)))
+    return reads
+
+
+def plan_restore(data: bytes, rank: int, new_world: int) -> int:
+    """One rank's restore planning in a world of ``new_world`` as restore does it: parse and
+    validate the whole metadata, the rank's view, and the shards each sharded entry reads."""
+    meta = mf.parse_metadata(data, "scale")
+    return shard_reads(mf.rank_view(meta, rank), rank, new_world)
+
+
+def plan_restore_by_rank(
+    read_range: Callable[[int, int], bytes], regions: mf.RankRegions, world: int, rank: int, new_world: int
+) -> int:
+    """The same by ranked groups (``format.manifest.read_for_rank``): rank 0's, the rank's own and
+    those of the ranks whose shards it reads; -1 where they do not cover it (whole parse then)."""
+    boxes = None
+    if new_world != world:
+        boxes = {logical: box(shape, rank, new_world) for logical, shape in regions.shapes.items()}
+    got = mf.read_for_rank(read_range, regions, world, rank, "scale", boxes)
+    if got is None:
+        return -1
+    return shard_reads(got[1], rank, new_world)
+
+
+def needed_ranks(zero: RankPart, world: int, rank: int, new_world: int) -> set[int]:
+    """The saved ranks whose groups ``read_for_rank`` reads (its rule, from rank 0's records)."""
+    out = {0} | ({rank} if rank < world else set())
+    if new_world == world:
+        return out
+    for logical, shape in (zero.shapes or {}).items():
+        offsets, sizes = box(shape, rank, new_world)
+        chunk = json.loads(zero.entries[f"0/{logical}"])["shards"][0]["sizes"][0]
+        if chunk and sizes[0]:
+            out.update(range(offsets[0] // chunk, min((offsets[0] + sizes[0] - 1) // chunk, world - 1) + 1))
+    return out
+
+
+def by_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena) -> None:
+    """Restore planning of one rank by ranked groups, at any N: the metadata holds the groups of
+    the ranks it reads (the others' are empty), laid out and indexed as the commit does."""
+    rank = world // 2 - 1 if world > 1 else 0
+    zero = rank_part(layout, model, 0, world, 1, arena)
+    point.by_rank_s, point.by_rank_peak, point.by_rank_groups = {}, {}, {}
+    for label, new_world in (("N", world), ("N/2", max(1, world // 2)), ("2N", 2 * world)):
+        target = min(rank, new_world - 1)
+        ranks = needed_ranks(zero, world, target, new_world)
+        parts = [zero.entries if r == 0 else rank_part(layout, model, r, world, 1, arena).entries if r in ranks else {}
+                 for r in range(world)]
+        data = bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), world))
+        regions = mf.RankRegions.from_index({"ranks": {"regions": rank_regions(data, parts), "shapes": zero.shapes}})
+        assert regions is not None
+        reads, seconds, peak = measured(
+            lambda t=target, m=new_world, r=regions, d=data: plan_restore_by_rank(lambda a, b: d[a:b], r, world, t, m)
+        )
+        assert reads >= 0, f"{layout} N={world} -> {new_world}: the groups read do not cover rank {target}"
+        point.by_rank_s[label], point.by_rank_peak[label] = seconds, peak
+        point.by_rank_groups[label] = len(ranks)
+
+
+@dataclass
+class Point:
+    layout: str
+    world: int
+    records_per_rank: int = 0
+    files_per_rank: int = 0
+    part_first_bytes: int = 0  # what one rank sends rank 0 at the first save
+    part_later_bytes: int = 0  # ... at a later save (RecordDeltas)
+    part_before_bytes: int = 0  # ... at every save, before RecordDeltas
+    later_records: int = 0
+    rank_sim_s: float = 0.0
+    metadata_bytes: float = 0.0
+    index_bytes: float = 0.0
+    commit_s: float = 0.0
+    commit_peak: float = 0.0
+    store_commit_s: float = 0.0
+    directories: float = 0
+    latest_s: float = 0.0
+    latest_peak: float = 0.0
+    restore_s: dict[str, float] | None = None
+    restore_peak: dict[str, float] | None = None
+    by_rank_s: dict[str, float] | None = None
+    by_rank_peak: dict[str, float] | None = None
+    by_rank_groups: dict[str, int] | None = None
+    extrapolated: bool = False
+
+
+LAYOUTS = {"ddp-7b": ("ddp", LLAMA2_7B), "fsdp2-7b": ("fsdp2", LLAMA2_7B), "fsdp2-70b": ("fsdp2", LLAMA2_70B)}
+
+
+def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena) -> tuple[RankPart, RankPart]:
+    """Sampled ranks' parts: sizes of what each sends rank 0, averaged over the sample."""
+    first_b, later_b, before_b, records, files, later_records = [], [], [], [], [], []
+    started = time.perf_counter()
+    sample = sample_ranks(world)
+    for rank in sample:
+        deltas = RecordDeltas()
+        first = rank_part(layout, model, rank, world, 1, arena)
+        sent = deltas.outgoing(first.entries)
+        first_b.append(len(pickle.dumps((sent, first.sizes, first.sums))))
+        deltas.settle()
+        later = rank_part(layout, model, rank, world, 2, arena)
+        sent = deltas.outgoing(later.entries)
+        later_records.append(deltas.last_sent_records)
+        later_b.append(len(pickle.dumps((sent, later.sizes, later.sums))))
+        before_b.append(len(pickle.dumps((later.entries, later.sizes, later.sums))))
+        records.append(len(first.entries))
+        files.append(len(first.sizes))
+    point.rank_sim_s = (time.perf_counter() - started) / (2 * len(sample))
+    mean = lambda xs: int(sum(xs) / len(xs))  # noqa: E731
+    point.part_first_bytes, point.part_later_bytes, point.part_before_bytes = mean(first_b), mean(later_b), mean(before_b)
+    point.records_per_rank, point.files_per_rank, point.later_records = mean(records), mean(files), mean(later_records)
+    return first, later
+
+
+def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, root: Path) -> None:
+    """Rank 0's commit, latest selection and restore planning, on every rank's records."""
+    parts = [rank_part(layout, model, rank, world, 1, arena) for rank in range(world)]
+    deltas = RecordDeltas()
+    store = open_store(str(root))
+    final = "epoch_0_step_1"
+    staging = store.protocol.staging_for(final, "scale0")
+    shutil.rmtree(root / final, ignore_errors=True)
+    store.begin(staging, {"host": "scale", "pid": 0})
+    for p in parts:  # the payload files, as the ranks left them (sparse: sizes only)
+        for rel, size in p.sizes.items():
+            target = root / staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                f.truncate(size)
+    gc.collect()
+    before_commit = [p for p in root.iterdir()]
+
+    def commit() -> tuple[int, int]:
+        entries = [deltas.incoming(rank, ("all", p.entries)) for rank, p in enumerate(parts)]
+        files: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        for p in parts:
+            files.update(p.sizes)
+            sums.update(p.sums)
+        metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(entries)), world)  # as writer_job commits
+        fields = {"format": 1, "epoch": 0, "step": 1, "files": files, "seq": 1, "world_size": world,
+                  "committed_at": 0.0, "writer": {}, "checksums": sums}
+        regions = rank_regions(metadata, entries)
+        if regions is not None:
+            fields["ranks"] = {"regions": regions, "shapes": parts[0].shapes}
+        return metadata, seal(fields)
+
+    (metadata, index), point.commit_s, point.commit_peak = measured(commit)
+    point.metadata_bytes, point.index_bytes = len(metadata), len(index)
+    point.directories = sum(1 for _ in os.walk(root / staging))
+    started = time.perf_counter()
+    store.commit(staging, final, metadata, index)  # checks every file's size, fsyncs, renames
+    point.store_commit_s = time.perf_counter() - started
+    del before_commit, metadata, index
+    parts.clear()
+    gc.collect()
+
+    def latest() -> bool:
+        store = open_store(str(root))
+        newest = store.listed()[-1]
+        return verify.check(store, newest.text).intact
+
+    intact, point.latest_s, point.latest_peak = measured(latest)
+    assert intact, "the simulated snapshot does not verify"
+    data = (root / "epoch_0_step_1" / METADATA_FNAME).read_bytes()
+    point.restore_s, point.restore_peak = {}, {}
+    rank = world // 2 - 1 if world > 1 else 0
+    for label, new_world in (("N", world),):
+        target = min(rank, new_world - 1)
+        _reads, seconds, peak = measured(lambda t=target, m=new_world: plan_restore(data, t, m))
+        point.restore_s[label], point.restore_peak[label] = seconds, peak
+
+
+def predicted_metadata(point: Point, world: int) -> float:
+    """The metadata's size: every rank's records (their text, as a rank's part carries it)."""
+    return point.part_before_bytes * world
+
+
+def extrapolate(point: Point, base: Point) -> None:
+    """Whole-snapshot costs at ``point`` from measured ``base``, proportional to metadata size."""
+    scale = point.metadata_bytes / base.metadata_bytes
+    point.extrapolated = True
+    point.index_bytes = base.index_bytes * point.world / base.world
+    point.commit_s, point.commit_peak = base.commit_s * scale, base.commit_peak * scale
+    point.directories = base.directories * point.files_per_rank * point.world / (base.files_per_rank * base.world)
+    point.store_commit_s = base.store_commit_s * point.directories / base.directories
+    point.latest_s, point.latest_peak = base.latest_s * scale, base.latest_peak * scale
+    point.restore_s = {k: v * scale for k, v in (base.restore_s or {}).items()}
+    point.restore_peak = {k: v * scale for k, v in (base.restore_peak or {}).items()}
+
+
+def run(layouts: list[str], worlds: list[int], max_metadata: float, log: Callable[[str], None]) -> list[Point]:
+    points: list[Point] = []
+    arena = Arena()
+    root = Path(tempfile.mkdtemp(prefix="tnt-scale-"))
+    try:
+        for name in layouts:
+            layout, model = LAYOUTS[name]
+            base: Optional[Point] = None
+            for world in worlds:
+                point = Point(name, world)
+                per_rank(point, layout, model, world, arena)
+                by_rank(point, layout, model, world, arena)
+                point.metadata_bytes = predicted_metadata(point, world)
+                if point.metadata_bytes <= max_metadata:
+                    whole(point, layout, model, world, arena, root)
+                    base = point
+                elif base is not None:
+                    extrapolate(point, base)
+                points.append(point)
+                log(row(point))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return points
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def secs(s: float) -> str:
+    return f"{s * 1000:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+HEADER = (
+    "| layout | N | records / rank | to rank 0 per save: before / first / later (one rank) | "
+    "gathered to rank 0, later saves | .snapshot_metadata | rank 0 commit: merge, metadata, index: "
+    "time, peak | local disk commit (directories fsynced) | index | latest: time, peak | "
+    "restore planning, whole metadata: time, peak | restore planning by rank N / N/2 / 2N: time "
+    "(groups read) | peak |\n|" + "---|" * 13
+)
+
+
+def row(p: Point) -> str:
+    mark = "~" if p.extrapolated else ""
+    restore = " / ".join(mark + secs(v) for v in (p.restore_s or {}).values()) or "-"
+    restore_peak = mark + human(max((p.restore_peak or {0: 0}).values()))
+    groups = p.by_rank_groups or {}
+    by_rank = " / ".join(f"{secs(v)} ({groups.get(k, 0)})" for k, v in (p.by_rank_s or {}).items())
+    by_rank_peak = human(max((p.by_rank_peak or {0: 0}).values()))
+    return (
+        f"| {p.layout} | {p.world} | {p.records_per_rank} | {human(p.part_before_bytes)} / "
+        f"{human(p.part_first_bytes)} / {human(p.part_later_bytes)} ({p.later_records} records) | "
+        f"{human(p.part_later_bytes * p.world)} | {mark}{human(p.metadata_bytes)} | "
+        f"{mark}{secs(p.commit_s)}, {mark}{human(p.commit_peak)} | "
+        f"{mark}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} | "
+        f"{mark}{secs(p.latest_s)}, {mark}{human(p.latest_peak)} | {restore}, {restore_peak} | "
+        f"{by_rank} | {by_rank_peak} |"
+    )
+
+
+def plot(points: list[Point], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "scale_gathered.png": ("bytes sent to rank 0 per save (all ranks)", lambda p: p.part_later_bytes * p.world,
+                               lambda p: p.part_before_bytes * p.world, "before RecordDeltas"),
+        "scale_metadata.png": (".snapshot_metadata bytes", lambda p: p.metadata_bytes, None, ""),
+        "scale_commit.png": ("rank 0 commit, seconds", lambda p: p.commit_s, None, ""),
+        "scale_restore.png": ("restore planning of one rank (N -> N), seconds",
+                              lambda p: (p.by_rank_s or {}).get("N", 0.0),
+                              lambda p: (p.restore_s or {}).get("N", 0.0), "whole metadata"),
+    }
+    written = []
+    for fname, (title, value, before, before_label) in figures.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layout in dict.fromkeys(p.layout for p in points):
+            mine = [p for p in points if p.layout == layout and value(p) > 0]
+            if not mine:
+                continue
+            (line,) = ax.plot([p.world for p in mine], [value(p) for p in mine], marker="o", label=layout)
+            est = [p for p in mine if p.extrapolated]
+            if est:
+                ax.plot([p.world for p in est], [value(p) for p in est], "x", color=line.get_color(), markersize=10)
+            if before is not None:
+                ax.plot([p.world for p in mine], [before(p) for p in mine], linestyle="--",
+                        color=line.get_color(), label=f"{layout}, {before_label}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (N)")
+        ax.set_title(title + ("  (x: extrapolated)" if any(p.extrapolated for p in points) else ""), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="N = 8 and 64, ddp-7b and fsdp2-7b, 8 MiB")
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS))
+    parser.add_argument("--worlds", nargs="+", type=int)
+    parser.add_argument("--max-metadata", type=float, default=64 * MiB,
+                        help="measure whole-snapshot costs up to this many metadata bytes (default 64 MiB)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--plots", type=Path, help="directory for the log-log plots (e.g. docs/img)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    layouts = args.layouts or (["ddp-7b", "fsdp2-7b"] if args.quick else list(LAYOUTS))
+    worlds = args.worlds or ([8, 64] if args.quick else [8, 64, 512, 1024, 4096])
+    max_metadata = args.max_metadata if not args.quick else min(args.max_metadata, 8 * MiB)
+    print(HEADER, flush=True)
+    started = time.perf_counter()
+    points = run(layouts, worlds, max_metadata, lambda line: print(line, flush=True))
+    print(f"\n({time.perf_counter() - started:.0f} s; ~: extrapolated from the largest measured N, "
+          "in proportion to the metadata's size)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps([p.__dict__ for p in points], indent=1))
+    if args.markdown:
+        args.markdown.write_text(HEADER + "\n" + "\n".join(row(p) for p in points) + "\n")
+    if args.plots:
+        for path in plot(points, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

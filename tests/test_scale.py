@@ -1,0 +1,174 @@
+"""The scale benchmark's model of N ranks (benchmarks/scale.py) against real processes, and
+the per-save coordination (``coordination.RecordDeltas``, ``agree_on_paths``).
+
+tests/scale_worker.py runs 2, 4 and 8 real gloo ranks, each with a real FSDP2 decoder and Adam
+state, and plans two saves with the writer's real code; the records go to rank 0 through the
+real collective. The simulation must make the same records, the same metadata, and what each
+rank sends rank 0 and rank 0's commit time must agree within 2x.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import launching
+import pytest
+
+from tnt_snapshot_plugin.coordination import RecordDeltas, agree_on_paths
+from tnt_snapshot_plugin.errors import SnapshotError
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+WORKER = Path(__file__).with_name("scale_worker.py")
+sys.path.insert(0, str(BENCHMARKS))
+
+import scale  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("scale")
+    runs = {}
+    for world in (2, 4, 8):
+        runs[world] = launching.run_ranks(
+            lambda rank, world=world: [str(WORKER), str(rank), str(world), str(out / f"rdv{world}"), str(out)],
+            world,
+            lambda rank, world=world: out / f"scale{world}_{rank}.log",
+            lambda rank, world=world: out / f"scale{world}_rank{rank}.json",
+            f"scale {world} ranks",
+        )
+    return runs
+
+
+def _comparable(entries: dict[str, str]) -> dict[str, Any]:
+    """Records as dicts; the RNG's values (not its layout) differ between processes."""
+    out = {}
+    for path, text in entries.items():
+        record = json.loads(text)
+        if path.split("/")[1] == "rng_state" and "serialized_value" in record:
+            record = {k: v for k, v in record.items() if k not in ("serialized_value", "readable")}
+        out[path] = record
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_simulated_records_are_the_real_ones(worlds, world):
+    arena = scale.Arena()
+    for got in worlds[world]:
+        simulated = scale.rank_part("fsdp2", scale.TINY, got["rank"], world, 1, arena)
+        real, sim = _comparable(got["entries"]), _comparable(simulated.entries)
+        assert [p for p in real if real[p] != sim.get(p)] == [], (real, sim)
+        assert real == sim
+        assert len(simulated.sizes) == got["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_simulated_costs_agree_with_real_ranks_within_2x(worlds, world):
+    arena = scale.Arena()
+    rank0 = worlds[world][0]
+    assert rank0["simulated_metadata_bytes"] / rank0["metadata_bytes"] == pytest.approx(1, rel=0.01)
+    assert 0.5 <= rank0["simulated_commit_s"] / rank0["commit_s"] <= 2
+    for got in worlds[world]:
+        deltas = RecordDeltas()
+        sent = []
+        for step in (1, 2):
+            part = scale.rank_part("fsdp2", scale.TINY, got["rank"], world, step, arena)
+            sent.append(len(pickle.dumps((deltas.outgoing(part.entries), part.sizes, part.sums))))
+            deltas.settle()
+        for simulated, real in zip(sent, got["sent"], strict=True):
+            assert 0.5 <= simulated / real <= 2, (sent, got["sent"])
+        # a later save sends what changed: far less than the first
+        assert got["sent"][1] < got["sent"][0] / 2
+
+
+def test_later_parts_carry_only_changed_records():
+    deltas = RecordDeltas()
+    first = {"0/a": "A", "0/b": "B", "0/c": "C"}
+    assert deltas.outgoing(first) == ("all", first)
+    assert deltas.incoming(0, ("all", first)) == first
+    deltas.settle()
+    second = {"0/a": "A", "0/b": "B2", "0/d": "D"}
+    part = deltas.outgoing(second)
+    assert part == ("changed", {"0/b": "B2", "0/d": "D"}, ["0/c"])
+    assert deltas.incoming(0, part) == second
+    deltas.settle()
+    assert deltas.outgoing(dict(second)) == ("changed", {}, [])
+
+
+def test_a_failed_save_sends_everything_again():
+    deltas = RecordDeltas()
+    deltas.outgoing({"0/a": "A"})
+    deltas.settle()
+    deltas.outgoing({"0/a": "A2"})
+    deltas.reset()  # the snapshot failed on some rank: every rank resets
+    assert deltas.outgoing({"0/a": "A3"})[0] == "all"
+
+
+def test_a_save_that_ended_unsettled_sends_everything_again():
+    deltas = RecordDeltas()
+    deltas.outgoing({"0/a": "A"})
+    deltas.settle()
+    deltas.outgoing({"0/a": "A"})  # neither settled nor reset
+    assert deltas.outgoing({"0/a": "A"})[0] == "all"
+
+
+def test_rank0_refuses_changes_to_records_it_does_not_hold():
+    with pytest.raises(SnapshotError, match="out of step"):
+        RecordDeltas().incoming(3, ("changed", {}, []))
+
+
+def test_one_process_sends_every_record_each_time():
+    deltas = RecordDeltas(enabled=False)
+    deltas.outgoing({"0/a": "A"})
+    deltas.settle()
+    assert deltas.outgoing({"0/a": "A"}) == ("all", {"0/a": "A"})
+
+
+class _Gathering:
+    """Collectives over simulated ranks: all_gather returns what each rank passes (the pure
+    core's unit test; the real collective runs in the gloo tests)."""
+
+    def __init__(self, per_rank: list[Any]) -> None:
+        self.world_size = len(per_rank)
+        self.per_rank = per_rank
+        self.calls: list[list[Any]] = []
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        index = len(self.calls) % 2
+        got = [self.per_rank[r][index] for r in range(self.world_size)]
+        self.calls.append(got)
+        return got
+
+
+def test_equal_paths_agree_by_digest_alone():
+    paths = ["model/a", "model/b"]
+    from tnt_snapshot_plugin.coordination import paths_digest
+
+    digest = (2, paths_digest(paths))
+    coll = _Gathering([(digest, paths), (digest, paths)])
+    assert agree_on_paths(coll, paths) == set(paths)
+    assert len(coll.calls) == 1  # no list of paths exchanged
+
+
+def test_different_paths_agree_on_the_common_ones():
+    from tnt_snapshot_plugin.coordination import paths_digest
+
+    mine, theirs = ["a", "b"], ["b", "c"]
+    coll = _Gathering([((2, paths_digest(mine)), mine), ((2, paths_digest(theirs)), theirs)])
+    assert agree_on_paths(coll, mine) == {"b"}
+    assert len(coll.calls) == 2
+
+
+def test_benchmark_quick_run_writes_its_table(tmp_path):
+    out = tmp_path / "scale.json"
+    assert scale.main(["--layouts", "ddp-7b", "fsdp2-7b", "--worlds", "2", "8", "--max-metadata", "8e6",
+                       "--out", str(out)]) == 0
+    points = json.loads(out.read_text())
+    assert {(p["layout"], p["world"]) for p in points} == {(lay, n) for lay in ("ddp-7b", "fsdp2-7b") for n in (2, 8)}
+    for p in points:
+        assert p["metadata_bytes"] > 0 and p["part_later_bytes"] < p["part_first_bytes"]
