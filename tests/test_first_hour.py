@@ -221,3 +221,13 @@ def test_resuming_with_a_plain_dataloader_says_when_that_is_harmless(run_dir):
     message = next(str(w.message) for w in seen if "state_dict" in str(w.message))
     assert "Harmless when resuming from an epoch-end snapshot" in message
     assert "StatefulDataLoader" in message
+
+
+@pytest.mark.frameworks
+def test_diff_says_differs_for_rng_state_not_a_number(run_dir, capsys):
+    code, out, _ = _cli(["diff", "run1/epoch_1_step_2", "run1/epoch_2_step_4"], capsys)
+    assert code == 1
+    rng = [line for line in out.splitlines() if line.startswith("0/rng_state/")]
+    assert rng and all(line.split()[1:] == ["changed", "differs"] for line in rng), rng
+    weights = [line for line in out.splitlines() if line.startswith("0/model/")]
+    assert weights and all("max |a-b| = " in line for line in weights)  # real tensors get a number
