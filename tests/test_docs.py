@@ -130,3 +130,43 @@ def test_no_docstring_reads_like_a_diary():
                     if _DIARY.search(doc):
                         found.append(f"{_rel(path)}: {getattr(node, 'name', '<module>')}")
     assert not found, found
+
+
+_MODULES = (
+    "app_state|cadence|checksums|cli|config|distributed|errors|fileio|format|hookspecs|index|loading"
+    "|metrics|naming|plugins|policies|preemption|restoring|retention|stores|verify|writer_job"
+)
+#: A backquoted dotted name of the package's own code: `format.plan_cache.PlanCache`, `fileio.READ_THREADS`.
+_CODE_NAME = re.compile(rf"`((?:tnt_snapshot_plugin\.)?(?:{_MODULES})\.[A-Za-z_][\w.]*)(?:\(\))?`")
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    if dotted.endswith(".py"):  # a file of the package, named by its file name
+        return any((ROOT / "tnt_snapshot_plugin").rglob(dotted.rsplit(".", 1)[0].split(".")[-1] + ".py"))
+    parts = dotted.split(".")
+    if parts[0] != "tnt_snapshot_plugin":
+        parts.insert(0, "tnt_snapshot_plugin")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.frameworks
+def test_every_name_of_the_code_the_docs_mention_exists():
+    missing = []
+    for doc in USER_FACING:
+        for match in _CODE_NAME.finditer(doc.read_text()):
+            if not _resolves(match.group(1)):
+                missing.append(f"{_rel(doc)}: {match.group(1)}")
+    assert not missing, f"the docs name code that does not exist (renamed or moved?): {missing}"
