@@ -71,7 +71,7 @@ class TorchSnapshotSaver(Callback):
             (default True; ``async_snapshot`` is this plugin's name for it).
         save_every_n_seconds: snapshot at the first train step end after N seconds of training
             since train start or since the last snapshot of any cadence (rank 0's clock; under
-            torch.distributed every rank snapshots a few steps later, together: see the README).
+            torch.distributed every rank snapshots a few steps later, together: see docs/torchtnt.md).
             Combines with the step and epoch cadences: any of them due takes a snapshot.
         replicated: glob patterns of entries identical on every rank (``["**"]``: all but the
             progress, RNG and dataloader entries), saved once instead of once per rank.
