@@ -200,6 +200,14 @@ def adapters(pm: Optional[pluggy.PluginManager] = None) -> dict[str, AdapterInfo
     return found
 
 
+def extra_state_sources(pm: pluggy.PluginManager, event: str, epoch: int, step: int) -> list[tuple[str, dict[str, Any]]]:
+    """What the plugins' ``tnt_snapshot_plugin_extra_state`` hooks contribute, as (source, entries)
+    pairs for :func:`tnt_snapshot_plugin.app_state.check_collisions`: the one place both the
+    saver (before each snapshot) and restore (``event="restore"``, -1, -1) gather it."""
+    results = pm.hook.tnt_snapshot_plugin_extra_state(event=event, epoch=epoch, step=step)
+    return [(f"tnt_snapshot_plugin_extra_state result #{i}", dict(r)) for i, r in enumerate(results) if r]
+
+
 def implemented(pm: pluggy.PluginManager, hook_name: str) -> bool:
     """Whether any registered plugin implements ``hook_name`` (read off the hot path)."""
     caller: Any = getattr(pm.hook, hook_name)

@@ -32,15 +32,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar, Union
 
 import pluggy
 
-from . import policies, retention
+from . import policies, run_guard
 from .app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
@@ -58,84 +56,23 @@ from .errors import (
     SnapshotBusyWarning,
     SnapshotError,
     SnapshotFailedWarning,
-    SnapshotsAheadWarning,
     SnapshotSkippedWarning,
     SnapshotWriteError,
     UnrestorableStateError,
 )
+from .job import Job, SnapshotRecord, SnapshotStats, Worker, failure_message, is_ddp, uncopyable
 from .loading import LoadCheck
-from .naming import SnapshotName, is_staging_name
-from .plugins import PluginManager, check_plugin, new_plugin_manager
+from .naming import SnapshotName
+from .plugins import PluginManager, check_plugin, extra_state_sources, new_plugin_manager
 from .policies import Moment
 from .preemption import PreemptionHandler
 from .stores import DirLock, Store, open_store
-from .stores.ownership import live_runs, new_run_id, staging_token, writer_gone, writer_identity
+from .stores.ownership import live_runs, new_run_id, staging_token
 from .writer_job import SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
 Collect = Callable[[bool], Mapping[str, Any]]
-
-
-@dataclass
-class _Job:
-    """One snapshot being written."""
-
-    name: SnapshotName
-    path: str
-    staging: str
-    frozen: dict[str, Any]
-    replicated: list[str]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Optional[BaseException] = None
-    warnings: list[str] = field(default_factory=list)
-    stall_s: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
-    durable_s: float = 0.0
-    waited_s: float = 0.0
-    bytes_written: int = 0
-    #: the staged state dicts' source tensors, let go of on the writer thread (Stager.take_sources)
-    sources: Any = None
-
-
-@dataclass(frozen=True)
-class SnapshotRecord:
-    """One committed snapshot: where, and what it cost."""
-
-    path: str
-    epoch: int
-    step: int
-    #: how long the training thread was blocked taking it
-    stall_s: float
-    #: from the start of the snapshot until it was committed (durable and visible)
-    durable_s: float
-    #: bytes of the files written (all ranks; the sum of the index's file sizes)
-    bytes_written: int = 0
-    #: how long training waited, before taking it, for the previous snapshot to be written
-    waited_s: float = 0.0
-    #: how many times training has waited for a snapshot still being written (this saver)
-    busy_waits: int = 0
-    #: how many due snapshots were skipped so far (this saver): the previous one was still being
-    #: written after training had waited ``storage_timeout_s`` for it
-    skipped: int = 0
-
-    @property
-    def write_bytes_per_s(self) -> float:
-        """Bytes written per second, from the start of the snapshot until its commit."""
-        return self.bytes_written / self.durable_s if self.durable_s > 0 else 0.0
-
-
-@dataclass
-class SnapshotStats:
-    """Figures of the snapshots taken so far, for logs, the demo and the benchmark."""
-
-    committed: list[SnapshotRecord] = field(default_factory=list)
-    failures: int = 0
-    #: times a snapshot was due while the previous one was still being written, and the total wait
-    busy_waits: int = 0
-    busy_wait_s: float = 0.0
-    #: due snapshots skipped: the previous one still being written after ``storage_timeout_s``
-    skipped: int = 0
 
 
 T = TypeVar("T")
@@ -172,7 +109,7 @@ class Snapshotter:
     # What makes a step end more than a cadence check (see step_gate): the snapshot being
     # written and the last failure (reaped or reported at the next hook), prepare()'s second pass
     # (at the run's first step that does not snapshot), the wall-clock cadence, the signal handler.
-    _pending: _GateInput[Optional["_Job"]] = _GateInput()
+    _pending: _GateInput[Optional[Job]] = _GateInput()
     _failure: _GateInput[Optional[str]] = _GateInput()
     _prepare_again: _GateInput[Optional[Callable[[], Mapping[str, Any]]]] = _GateInput()
     _wall: _GateInput[Optional[WallClock]] = _GateInput()
@@ -253,6 +190,8 @@ class Snapshotter:
         # may be inside a collective on self._coll: it gets a group of its own.
         self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
+        #: the one thread that writes asynchronous snapshots (job.py)
+        self._worker = Worker()
         self._load_check = LoadCheck(weights_only=weights_only)
         self._last_name: Optional[str] = None
         # The wall-clock cadence (cadence.py, _wall), made at train start; its votes ride on the
@@ -376,15 +315,7 @@ class Snapshotter:
             ahead = []
         if ahead and self.collectives.rank == 0 and not self._warned_ahead:
             self._warned_ahead = True
-            warnings.warn(
-                f"{self.dirpath} holds snapshots ahead of this run's progress (epoch {epoch}, "
-                f"step {step}): {', '.join(ahead)}. This run's snapshots are ordered after them "
-                "(by commit), so restore_from_latest picks this run's newest; with "
-                "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
-                "Use a new dirpath to keep runs apart",
-                SnapshotsAheadWarning,
-                stacklevel=4,  # the framework's hook dispatch (adapter hook -> its _start -> here)
-            )
+            run_guard.warn_ahead(self.dirpath, epoch, step, ahead)
         if self.config.preemption_signals and self._preemption is None:
             assert self._flag_coll is not None
             self._preemption = PreemptionHandler(
@@ -429,54 +360,8 @@ class Snapshotter:
 
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
         if self._lock is None:
-            holder = {**writer_identity(self._run_id), "started_at": time.time()}
-            self._lock = self._store.lock(holder)
-        self._remove_leftovers()
-        if epoch is None or step is None:
-            return []
-        try:
-            return [r.text for r in retention.ahead_of(self._store.listed(), epoch, step)]
-        except Exception as exc:  # a warning's worth only
-            logger.warning("could not list %s: %s", self.dirpath, exc)
-            return []
-
-    def _remove_leftovers(self) -> None:
-        """Remove what interrupted writes left, when provably the plugin's and the writer is gone.
-
-        * staging directories holding the plugin's writer marker whose writer is gone, and those
-          a retention deletion left (their token starts with ``del``, they hold the index);
-        * snapshot-named directories without ``.snapshot_metadata`` (an interrupted write on an
-          object store, or a crash) holding the plugin's marker or index, whose writer is gone.
-
-        Nothing else is touched: not another live job's write, not a directory the plugin did
-        not write (a look-alike name without the plugin's marker), never a complete snapshot.
-        """
-        store = self._store
-        for name in store.list_names():
-            parsed = SnapshotName.parse(name)
-            if is_staging_name(name):
-                token = name.rsplit(".", 1)[1]
-                if token.startswith("del") and store.provably_ours(name):
-                    why: Optional[str] = "a deletion was interrupted"
-                else:
-                    writer = store.read_writer(name) or store.bare_staging_writer(name)
-                    why = writer_gone(writer)
-            elif parsed is not None and not parsed.phase_aware and not store.is_complete(name):
-                why = writer_gone(store.read_writer(name)) if store.provably_ours(name) else None
-            else:
-                continue
-            if why is None:
-                logger.info("leaving %s alone: not provably an abandoned write of the plugin's", name)
-                continue
-            try:
-                store.remove(name)
-                logger.info("removed %s left by an interrupted snapshot (%s)", name, why)
-            except (OSError, SnapshotError) as exc:
-                warnings.warn(
-                    f"could not remove {store.child(name)} left by an interrupted snapshot: "
-                    f"{exc}; restore ignores it, delete it by hand",
-                    stacklevel=4,
-                )
+            self._lock = run_guard.lock(self._store, self._run_id)
+        return run_guard.prepare(self._store, epoch, step)
 
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
@@ -562,7 +447,7 @@ class Snapshotter:
 
     def _reap_or_warn(self, step: int) -> None:
         """Reap a finished snapshot, or keep warning about the last failure."""
-        if self._pending is not None and self._pending.done.is_set():
+        if self._pending is not None and self._pending.done:
             self._reap()  # a failure just reaped has warned already
         elif self._failure is not None:
             self._warn_failure(step)
@@ -617,6 +502,7 @@ class Snapshotter:
         if self._pending is None:
             self._stager = Stager()
             self._writer.close()
+            self._worker.close()
 
     def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
         assert self._preemption is not None
@@ -716,18 +602,18 @@ class Snapshotter:
             try:
                 frozen = self._stager.stage(entries)
             except Exception as exc:
-                uncopyable = _uncopyable(name, entries, exc)
-                if uncopyable is None:
+                refused = uncopyable(name, entries, exc)
+                if refused is None:
                     raise
                 self._last_name = None
                 self.stats.failures += 1
-                raise uncopyable from exc
+                raise refused from exc
             finally:
                 sources = self._stager.take_sources()
         else:
             frozen = freeze_without_copy(entries)
-        auto = [key for key, obj in app_state.items() if _is_ddp(obj)]
-        job = _Job(
+        auto = [key for key, obj in app_state.items() if is_ddp(obj)]
+        job = Job(
             waited_s=self._waited_s,
             name=name,
             path=self._store.child(name.text),
@@ -740,14 +626,11 @@ class Snapshotter:
         )
         del sources
         job.stall_s = time.perf_counter() - started
+        self._pending = job
         if self.config.async_snapshot:
-            self._pending = job
-            threading.Thread(
-                target=self._run, args=(job,), name=f"tnt-snapshot-{name.text}", daemon=True
-            ).start()
+            self._worker.submit(job, self._write)
         else:
-            self._pending = job
-            self._run(job)
+            self._worker.run_here(job, self._write)
             job.stall_s = time.perf_counter() - started
             self._reap()
         logger.debug("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
@@ -783,15 +666,15 @@ class Snapshotter:
 
     def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
         """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
+        self._report_failure(failure_message(path, name, exc), exc, stacklevel=5)
+
+    def _report_failure(self, message: str, exc: BaseException, stacklevel: int) -> None:
+        """Count a failed snapshot; raise it or keep warning about it, as ``on_save_error`` says."""
         self.stats.failures += 1
-        message = (
-            f"snapshot {path} (epoch {name.epoch}, step {name.step}) failed and was not committed: "
-            f"{type(exc).__name__}: {exc}. Older snapshots are intact."
-        )
         if self.config.on_save_error == "raise":
             raise SnapshotWriteError(message) from exc
         self._failure = message
-        warnings.warn(message, SnapshotFailedWarning, stacklevel=4)
+        warnings.warn(message, SnapshotFailedWarning, stacklevel=stacklevel)
 
     def _saved_by_this_run(self, name: str) -> bool:
         """Whether this run committed snapshot ``name`` already, and it is still there (one read
@@ -818,12 +701,12 @@ class Snapshotter:
         if job is None:
             self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
             return True
-        busy = warn_busy and not job.done.is_set()
+        busy = warn_busy and not job.done
         started = time.perf_counter()
         if timeout is None:
-            job.done.wait()
+            job.wait()
         else:
-            done = job.done.wait(max(0.0, timeout - self._blocked_s))
+            done = job.wait(max(0.0, timeout - self._blocked_s))
             self._blocked_s += time.perf_counter() - started
             if not done:
                 return False
@@ -839,7 +722,7 @@ class Snapshotter:
                 logger.error("tnt_snapshot_plugin: %s", exc)
         return True
 
-    def _note_busy_wait(self, job: _Job, waited: float) -> None:
+    def _note_busy_wait(self, job: Job, waited: float) -> None:
         """Training waited for a snapshot still being written: warn once per run, count every time."""
         self.stats.busy_waits += 1
         self.stats.busy_wait_s += waited
@@ -899,14 +782,7 @@ class Snapshotter:
         return parsed
 
     def _extra_state_sources(self, event: str, epoch: int, step: int) -> list[tuple[str, dict[str, Any]]]:
-        results = self.plugin_manager.hook.tnt_snapshot_plugin_extra_state(
-            event=event, epoch=epoch, step=step
-        )
-        return [
-            (f"tnt_snapshot_plugin_extra_state result #{i}", dict(r))
-            for i, r in enumerate(results)
-            if r
-        ]
+        return extra_state_sources(self.plugin_manager, event, epoch, step)
 
     def _extra_state(self, event: str, epoch: int, step: int, unit_keys: Iterable[str]) -> dict[str, Any]:
         sources = self._extra_state_sources(event, epoch, step)
@@ -918,19 +794,10 @@ class Snapshotter:
 
     # -- the background write -----------------------------------------------------------------
 
-    def _run(self, job: _Job) -> None:
-        try:
-            self._write(job)
-        except BaseException as exc:  # reaped on the training thread
-            job.error = exc
-        finally:
-            job.durable_s = time.perf_counter() - job.started
-            job.done.set()
-
-    def _write(self, job: _Job) -> None:
-        # Let go of the GIL at once: Thread.start() on the training thread returns only when it
-        # gets the GIL back, which a new thread running Python keeps for the whole switch
-        # interval (5 ms) - measured as 5 ms more stall per asynchronous snapshot.
+    def _write(self, job: Job) -> None:
+        # Let go of the GIL at once: the training thread's submit() (which starts the worker
+        # thread at the run's first snapshot) returns only when it gets the GIL back, which a
+        # thread running Python keeps for the whole switch interval (5 ms).
         time.sleep(0)
         job.sources = None  # the training's tensors copied from: freed here, not in the stall
         self._writer.write(job, self._run_id, locked=self._lock is not None)
@@ -941,22 +808,15 @@ class Snapshotter:
             return
         for message in job.warnings:
             warnings.warn(message, stacklevel=3)
-        if isinstance(job.error, UnrestorableStateError):
+        error = job.error
+        if isinstance(error, UnrestorableStateError):
             # Not a storage failure that a later snapshot may not meet: every snapshot of this
             # state would be unrestorable, so training stops whatever on_save_error says.
             self.stats.failures += 1
             self._last_name = None
-            raise job.error
-        if job.error is not None:
-            self.stats.failures += 1
-            message = (
-                f"snapshot {job.path} (epoch {job.name.epoch}, step {job.name.step}) failed and was "
-                f"not committed: {type(job.error).__name__}: {job.error}. Older snapshots are intact."
-            )
-            if self.config.on_save_error == "raise":
-                raise SnapshotWriteError(message) from job.error
-            self._failure = message
-            warnings.warn(message, SnapshotFailedWarning, stacklevel=3)
+            raise error
+        if error is not None:
+            self._report_failure(failure_message(job.path, job.name, error), error, stacklevel=4)
             return
         self._failure = None
         self._blocked_s = 0.0  # the storage answers: a new budget of waits
@@ -987,47 +847,3 @@ class Snapshotter:
             stacklevel=3,
         )
 
-
-def _uncopyable(name: SnapshotName, entries: Mapping[str, Any], exc: BaseException) -> Optional[UnrestorableStateError]:
-    """UnrestorableStateError naming the first value of ``entries`` that cannot be copied for an
-    asynchronous snapshot (``copy.deepcopy`` refuses it, as it refused when staging raised
-    ``exc``); None if each copies on its own (``exc`` is then not the state's fault)."""
-    import copy
-
-    import torch
-
-    if isinstance(exc, (SnapshotError, MemoryError)):
-        return None
-    for key, stateful in entries.items():
-        try:
-            stack: list[tuple[str, Any]] = [(key, stateful.state_dict())]
-        except Exception:
-            return None  # the stateful's own state_dict() fails: its error is the one to see
-        while stack:
-            path, value = stack.pop()
-            if isinstance(value, torch.Tensor):
-                continue
-            if isinstance(value, dict):
-                stack.extend((f"{path}/{k}", v) for k, v in value.items())
-            elif isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
-                stack.extend((f"{path}/{i}", v) for i, v in enumerate(value))
-            else:
-                try:
-                    copy.deepcopy(value)
-                except Exception as cause:
-                    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-                    return UnrestorableStateError(
-                        f"snapshot {name}: the app-state entry {path!r} holds a {kind} that cannot "
-                        f"be copied for an asynchronous snapshot ({type(cause).__name__}: {cause}). "
-                        "Nothing was written, and training stops whatever on_save_error says: "
-                        "every snapshot of this state would fail the same way. Store it as tensors "
-                        "or plain values (numbers, strings, lists, dicts), or leave it out of the "
-                        "state_dict"
-                    )
-    return None
-
-
-def _is_ddp(obj: Any) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(obj, DistributedDataParallel)

@@ -1,0 +1,92 @@
+"""Taking a snapshot directory for a run: its lock, the leftovers of interrupted writes, and the
+warning about snapshots ahead of the run's progress (rank 0, at train start)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Optional
+
+from . import retention
+from .errors import SnapshotError, SnapshotsAheadWarning
+from .naming import SnapshotName, is_staging_name
+from .stores import DirLock, Store
+from .stores.ownership import writer_gone, writer_identity
+
+logger = logging.getLogger("tnt_snapshot_plugin.snapshotter")
+
+
+def lock(store: Store, run_id: str) -> DirLock:
+    """Take ``store``'s dirpath for the run ``run_id`` (ConfigError if another live saver holds it)."""
+    holder = {**writer_identity(run_id), "started_at": time.time()}
+    return store.lock(holder)
+
+
+def prepare(store: Store, epoch: Optional[int], step: Optional[int]) -> list[str]:
+    """Remove the leftovers of interrupted writes, and name the snapshots ahead of (epoch, step)
+    (written by another, longer run; a listing that fails is a warning's worth only)."""
+    remove_leftovers(store)
+    if epoch is None or step is None:
+        return []
+    try:
+        return [r.text for r in retention.ahead_of(store.listed(), epoch, step)]
+    except Exception as exc:
+        logger.warning("could not list %s: %s", store.url, exc)
+        return []
+
+
+def remove_leftovers(store: Store) -> None:
+    """Remove what interrupted writes left, when provably the plugin's and the writer is gone.
+
+    * staging directories holding the plugin's writer marker whose writer is gone, and those
+      a retention deletion left (their token starts with ``del``, they hold the index);
+    * snapshot-named directories without ``.snapshot_metadata`` (an interrupted write on an
+      object store, or a crash) holding the plugin's marker or index, whose writer is gone.
+
+    Nothing else is touched: not another live job's write, not a directory the plugin did
+    not write (a look-alike name without the plugin's marker), never a complete snapshot.
+    """
+    for name in store.list_names():
+        why = _abandoned(store, name)
+        if why is None:
+            continue
+        try:
+            store.remove(name)
+            logger.info("removed %s left by an interrupted snapshot (%s)", name, why)
+        except (OSError, SnapshotError) as exc:
+            warnings.warn(
+                f"could not remove {store.child(name)} left by an interrupted snapshot: "
+                f"{exc}; restore ignores it, delete it by hand",
+                stacklevel=5,
+            )
+
+
+def _abandoned(store: Store, name: str) -> Optional[str]:
+    """Why ``name`` is an abandoned write of the plugin's (None: it is not, or not provably)."""
+    parsed = SnapshotName.parse(name)
+    if is_staging_name(name):
+        token = name.rsplit(".", 1)[1]
+        if token.startswith("del") and store.provably_ours(name):
+            return "a deletion was interrupted"
+        why = writer_gone(store.read_writer(name) or store.bare_staging_writer(name))
+    elif parsed is not None and not parsed.phase_aware and not store.is_complete(name):
+        why = writer_gone(store.read_writer(name)) if store.provably_ours(name) else None
+    else:
+        return None
+    if why is None:
+        logger.info("leaving %s alone: not provably an abandoned write of the plugin's", name)
+    return why
+
+
+def warn_ahead(dirpath: str, epoch: Optional[int], step: Optional[int], ahead: list[str]) -> None:
+    """Warn that ``dirpath`` holds snapshots ahead of this run's progress (once per saver)."""
+    warnings.warn(
+        f"{dirpath} holds snapshots ahead of this run's progress (epoch {epoch}, "
+        f"step {step}): {', '.join(ahead)}. This run's snapshots are ordered after them "
+        "(by commit), so restore_from_latest picks this run's newest; with "
+        "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
+        "Use a new dirpath to keep runs apart",
+        SnapshotsAheadWarning,
+        stacklevel=5,  # the framework's hook dispatch (adapter hook -> its _start -> train_start -> here)
+    )
