@@ -138,49 +138,64 @@ def restore_from_latest(
     request = request.replace(collectives=coll)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
     store = open_store(dirpath, request.storage_options)
-    candidates = _candidates(store, dirpath, coll, newest)
-    damaged: list[str] = []
-    # A failed load may have loaded some entries already: the fallback loads every entry again
-    # from the older snapshot, and an optional entry that one lacks is put back as it was
-    # before the restore (kept here, deep-copied, only for optional entries: small by nature).
-    optional = [k for k in request.optional_keys if k in request.app_state]
-    before: dict[str, Any] = {}
-    for name in candidates:
-        path = store.child(name)
-        checked: list[verify.Verdict] = []  # rank 0's: its metadata is not read twice
-        problem = coll.on_rank0(functools.partial(_check, store, name, checked))
-        if problem is None:
-            if not damaged:
-                before = _optional_state(request.app_state, optional)
-            try:
-                loaded = request.restore(path, checked[0] if checked else None)
-            except SnapshotCorruptError as exc:
-                if coll.world_size > 1 and not getattr(exc, "all_ranks", False):
-                    raise  # raised on this rank only: the others cannot follow to another snapshot
-                problem = str(exc)
-            else:
-                if damaged:
-                    logger.info("restore_from_latest(%s) used %s; skipped: %s", dirpath, path, "; ".join(damaged))
-                    _reset_unloaded(request.app_state, before, loaded, path)
-                if loaded_keys is not None:
-                    loaded_keys.extend(loaded)
-                return path
-        _skip(path, problem, fallback, damaged)
-    if damaged:
+    fallbacks = _Fallbacks(request, store, fallback)
+    for name in _candidates(store, dirpath, coll, newest):
+        loaded = fallbacks.attempt(name)
+        if loaded is not None:
+            if loaded_keys is not None:
+                loaded_keys.extend(loaded)
+            return store.child(name)
+    if fallbacks.damaged:
         # Never start from scratch silently when snapshots exist but none can be read.
         raise SnapshotCorruptError(
-            f"every snapshot in {dirpath} is damaged: {'; '.join(damaged)}. Nothing was restored; "
-            "restore a snapshot by path, or move the directory aside to start from scratch"
+            f"every snapshot in {dirpath} is damaged: {'; '.join(fallbacks.damaged)}. Nothing was "
+            "restored; restore a snapshot by path, or move the directory aside to start from scratch"
         )
     if coll.on_rank0(lambda: _missing_directory(store)):
         # A misspelt dirpath would otherwise start training from scratch with one INFO line.
         warnings.warn(
             f"restore_from_latest: dirpath {dirpath} does not exist; nothing was restored and "
             "training starts from the beginning. Check the path if a run was expected there",
-            stacklevel=3,
+            stacklevel=2,
         )
     logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
+
+
+class _Fallbacks:
+    """restore_from_latest's walk from the newest snapshot back: each tried in turn, a damaged one
+    skipped with a warning. A failed load may have loaded some entries already: the next try
+    loads every entry again, and an optional entry the snapshot restored lacks is put back as it
+    was before the first try (kept deep-copied, only for optional entries: small by nature)."""
+
+    def __init__(self, request: RestoreRequest, store: Store, fallback: bool) -> None:
+        self.request, self.store, self.fallback = request, store, fallback
+        self.coll = request.collectives or Collectives(None)
+        self.optional = [k for k in request.optional_keys if k in request.app_state]
+        self.before: dict[str, Any] = {}
+        self.damaged: list[str] = []
+
+    def attempt(self, name: str) -> Optional[list[str]]:
+        """The keys loaded from snapshot ``name``, or None if it is damaged (warned about)."""
+        path = self.store.child(name)
+        checked: list[verify.Verdict] = []  # rank 0's: its metadata is not read twice
+        problem = self.coll.on_rank0(functools.partial(_check, self.store, name, checked))
+        if problem is None:
+            if not self.damaged:
+                self.before = _optional_state(self.request.app_state, self.optional)
+            try:
+                loaded = self.request.restore(path, checked[0] if checked else None)
+            except SnapshotCorruptError as exc:
+                if self.coll.world_size > 1 and not getattr(exc, "all_ranks", False):
+                    raise  # raised on this rank only: the others cannot follow to another snapshot
+                problem = str(exc)
+            else:
+                if self.damaged:
+                    logger.info("restore_from_latest used %s; skipped: %s", path, "; ".join(self.damaged))
+                    _reset_unloaded(self.request.app_state, self.before, loaded, path)
+                return loaded
+        _skip(path, problem, self.fallback, self.damaged)
+        return None
 
 
 def _missing_directory(store: Store) -> bool:
@@ -219,7 +234,7 @@ def _skip(path: str, problem: Optional[str], fallback: bool, damaged: list[str])
     damaged.append(f"{path} ({problem})")
     warnings.warn(
         f"skipping damaged snapshot {path}: {problem}; falling back to the previous snapshot",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

@@ -11,6 +11,7 @@ from ..app_state import RNG_STATE_KEY
 from ..distributed import Collectives
 from ..errors import SnapshotCorruptError, StateMismatchError
 from ..format.common import encode
+from ..format.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES
 
 #: How many entries a world-size error names before it counts the rest.
 _NAMED_ENTRIES = 12
@@ -30,57 +31,9 @@ def fit_world_size(
     size. The RNG state, per rank by nature, is then not restored, with a warning, rather than
     refusing every world-size change. Every rank reaches the same verdict (rank 0 decides).
     """
-    from ..format import reader as fmt
-
     saved = meta.world_size
-    wanted = {encode(key) for key in keys}
-
-    def per_rank_entries() -> dict[str, list[Any]]:
-        """logical path -> each saved rank's entry (None where a rank has none)."""
-        out: dict[str, list[Any]] = {}
-        replicated: set[str] = set()
-        for full, entry in meta.manifest.items():
-            rank, _, logical = full.partition("/")
-            kind = entry.get("type")
-            if logical.split("/", 1)[0] not in wanted or kind in _CONTAINERS:
-                continue
-            if kind in ("ShardedTensor", "DTensor") or entry.get("replicated"):
-                replicated.add(logical)
-                continue
-            out.setdefault(logical, [None] * saved)[int(rank)] = entry
-        for logical in replicated:
-            out.pop(logical, None)
-        return out
-
-    def read(rank: int, logical: str) -> Any:
-        # Verified as every read is: a damaged copy is damage (restore_from_latest falls back
-        # to an older snapshot), not a value that differs (which refuses the world-size change).
-        return fmt.read_value(meta.manifest, f"{rank}/{logical}", read_into, file_size=file_size, verifier=verifier)
-
-    def verdict() -> tuple[list[str], list[str], Optional[str]]:
-        """(logical paths equal on every saved rank, those that are not, a read error)."""
-        entries = per_rank_entries()
-        same: list[str] = []
-        differ: list[str] = []
-        to_read: list[str] = []
-        for logical, by_rank in entries.items():
-            if any(e is None for e in by_rank):
-                differ.append(logical)
-            elif all(e.get("type") in _PRIMITIVES for e in by_rank):
-                values = {(e["type"], e.get("serialized_value")) for e in by_rank}
-                (same if len(values) == 1 else differ).append(logical)
-            else:
-                to_read.append(logical)
-        try:
-            for logical in to_read:
-                first = read(0, logical)
-                equal = all(_same_value(first, read(r, logical)) for r in range(1, saved))
-                (same if equal else differ).append(logical)
-        except Exception as exc:  # damaged bytes: every rank raises it as corruption below
-            return [], [], f"{type(exc).__name__}: {exc}"
-        return sorted(same), sorted(differ), None
-
-    same, differ, unreadable = coll.on_rank0(verdict)
+    comparison = _Comparison(meta, {encode(key) for key in keys}, read_into, file_size, verifier)
+    same, differ, unreadable = coll.on_rank0(comparison.verdict)
     if unreadable is not None:
         raise SnapshotCorruptError(
             f"could not read snapshot {path}'s per-rank entries to restore it on "
@@ -115,8 +68,64 @@ def fit_world_size(
     return True
 
 
-_CONTAINERS = frozenset({"dict", "OrderedDict", "list"})
-_PRIMITIVES = frozenset({"int", "str", "bool", "bytes", "float"})
+class _Comparison:
+    """Rank 0's comparison of the per-rank entries of the app-state keys ``wanted`` (encoded)."""
+
+    def __init__(self, meta: Any, wanted: set[str], read_into: Any, file_size: Any, verifier: Any) -> None:
+        self.meta, self.wanted = meta, wanted
+        self.read_into, self.file_size, self.verifier = read_into, file_size, verifier
+
+    def per_rank_entries(self) -> dict[str, list[Any]]:
+        """logical path -> each saved rank's entry (None where a rank has none)."""
+        out: dict[str, list[Any]] = {}
+        replicated: set[str] = set()
+        for full, entry in self.meta.manifest.items():
+            rank, _, logical = full.partition("/")
+            kind = entry.get("type")
+            if logical.split("/", 1)[0] not in self.wanted or kind in _CONTAINERS:
+                continue
+            if kind in ("ShardedTensor", "DTensor") or entry.get("replicated"):
+                replicated.add(logical)
+                continue
+            out.setdefault(logical, [None] * self.meta.world_size)[int(rank)] = entry
+        for logical in replicated:
+            out.pop(logical, None)
+        return out
+
+    def read(self, rank: int, logical: str) -> Any:
+        # Verified as every read is: a damaged copy is damage (restore_from_latest falls back
+        # to an older snapshot), not a value that differs (which refuses the world-size change).
+        from ..format import reader as fmt
+
+        return fmt.read_value(
+            self.meta.manifest, f"{rank}/{logical}", self.read_into, file_size=self.file_size, verifier=self.verifier
+        )
+
+    def verdict(self) -> tuple[list[str], list[str], Optional[str]]:
+        """(logical paths equal on every saved rank, those that are not, a read error)."""
+        same: list[str] = []
+        differ: list[str] = []
+        to_read: list[str] = []
+        for logical, by_rank in self.per_rank_entries().items():
+            if any(e is None for e in by_rank):
+                differ.append(logical)
+            elif all(e.get("type") in _PRIMITIVES for e in by_rank):
+                values = {(e["type"], e.get("serialized_value")) for e in by_rank}
+                (same if len(values) == 1 else differ).append(logical)
+            else:
+                to_read.append(logical)
+        try:
+            for logical in to_read:
+                first = self.read(0, logical)
+                equal = all(_same_value(first, self.read(r, logical)) for r in range(1, self.meta.world_size))
+                (same if equal else differ).append(logical)
+        except Exception as exc:  # damaged bytes: every rank raises it as corruption below
+            return [], [], f"{type(exc).__name__}: {exc}"
+        return sorted(same), sorted(differ), None
+
+
+_CONTAINERS = CONTAINER_TYPES
+_PRIMITIVES = PRIMITIVE_TYPES
 
 
 def _ranks(n: int) -> str:
