@@ -488,9 +488,14 @@ def test_a_resume_nobody_asked_for_is_announced_in_one_line(tmp_path):
 
 
 def test_collective_timeout_s_reaches_every_collective(tmp_path):
-    saver = TorchSnapshotSaver(str(tmp_path / "snaps"), collective_timeout_s=42)
-    trainer = fit(tmp_path, saver, max_epochs=1)
-    assert trainer.strategy.checkpoint_io.collective_timeout_s == 42.0
+    class Timeouts(TorchSnapshotSaver):
+        def on_train_start(self, trainer, pl_module):
+            super().on_train_start(trainer, pl_module)
+            self.io_timeout = trainer.strategy.checkpoint_io.collective_timeout_s
+
+    saver = Timeouts(str(tmp_path / "snaps"), collective_timeout_s=42)
+    fit(tmp_path, saver, max_epochs=1)
+    assert saver.io_timeout == 42.0  # the CheckpointIO installed for the fit
     assert saver.snapshotter.config.collective_timeout_s == 42.0
     module = ToyModule(seed=3)
     for bad in (0, -1.0, math.inf):
