@@ -22,39 +22,33 @@ RESERVED = ("rng_state", "train_dataloader")
 
 def entry_rows(metadata: Metadata, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
     """One row per leaf entry of the manifest (containers skipped), sorted by path."""
-    rows = []
-    containers = manifest.CONTAINER_TYPES
-    for path in sorted(metadata.manifest):
-        entry = metadata.manifest[path]
-        kind = entry["type"]
-        if kind in containers:
-            continue
-        rank, _, logical = path.partition("/")
-        byte_range = entry.get("byte_range")
-        if kind == "Tensor" and byte_range is not None:  # most entries, without an EntryInfo
-            rows.append({
-                "path": path, "rank": int(rank), "key": logical, "kind": "tensor", "type": kind,
-                "dtype": entry["dtype"][6:], "shape": entry["shape"], "bytes": byte_range[1] - byte_range[0],
-                "replicated": entry.get("replicated") is True,
-            })
-            continue
-        info = manifest.describe(entry)
-        nbytes = info.nbytes
-        if nbytes is None:
-            nbytes = sum(
-                (r[1] - r[0]) if r is not None else (files[rel].size if rel in files else 0)
-                for rel, r in info.locations
-            )
-        row: dict[str, Any] = {
-            "path": path, "rank": int(rank), "key": logical, "kind": info.kind, "type": info.type,
-            "dtype": info.dtype, "shape": info.shape, "bytes": nbytes,
-            "replicated": entry.get("replicated") is True,
-        }
-        if info.kind == "value":
-            value = info.value
-            row["value"] = f"<{len(value)} bytes>" if isinstance(value, bytes) else value
-        rows.append(row)
-    return rows
+    manifest_ = metadata.manifest
+    return [
+        entry_row(path, manifest_[path], files)
+        for path in sorted(manifest_)
+        if manifest_[path]["type"] not in manifest.CONTAINER_TYPES
+    ]
+
+
+def entry_row(path: str, entry: dict, files: dict[str, FileInfo]) -> dict[str, Any]:
+    """What ``inspect`` shows of one leaf entry."""
+    info = manifest.describe(entry)
+    nbytes = info.nbytes
+    if nbytes is None:
+        nbytes = sum(
+            (r[1] - r[0]) if r is not None else (files[rel].size if rel in files else 0)
+            for rel, r in info.locations
+        )
+    rank, _, logical = path.partition("/")
+    row: dict[str, Any] = {
+        "path": path, "rank": int(rank), "key": logical, "kind": info.kind, "type": info.type,
+        "dtype": info.dtype, "shape": info.shape, "bytes": nbytes,
+        "replicated": entry.get("replicated") is True,
+    }
+    if info.kind == "value":
+        value = info.value
+        row["value"] = f"<{len(value)} bytes>" if isinstance(value, bytes) else value
+    return row
 
 
 def summarize(metadata: Metadata) -> dict[str, Any]:

@@ -55,9 +55,9 @@ def safe(text: Any) -> str:
 
 
 class Rows:
-    """Rows of cells printed as aligned columns; every cell escaped by :func:`safe`. On a
-    terminal a cell may be a rich ``Text`` (a coloured status); elsewhere, and for many rows,
-    plain text without trailing spaces."""
+    """Rows of cells printed as aligned columns, every cell escaped by :func:`safe` when printed.
+    On a terminal a cell may be a rich ``Text`` (a coloured status); elsewhere, and for many
+    rows, plain text without trailing spaces."""
 
     def __init__(self, *columns: str, right: Iterable[str] = ()) -> None:
         self.columns = columns
@@ -65,9 +65,11 @@ class Rows:
         self.rows: list[tuple[Any, ...]] = []
 
     def add_row(self, *cells: Any) -> None:
-        self.rows.append(tuple(
-            c if (type(c) is str and c.isprintable()) or isinstance(c, Text) else safe(c) for c in cells
-        ))
+        self.rows.append(tuple(c if isinstance(c, Text) else str(c) for c in cells))
+
+    def extend(self, rows: Iterable[tuple[str, ...]]) -> None:
+        """Add rows of str cells (many at once)."""
+        self.rows.extend(rows)
 
 
 def new_table(*columns: str, right: Iterable[str] = ()) -> Rows:
@@ -81,7 +83,7 @@ def print_table(out: Console, table: Rows) -> None:
         for col in table.columns:
             rich_table.add_column(col, justify="right" if col in table.right else "left", no_wrap=True)
         for row in table.rows:
-            rich_table.add_row(*(c if isinstance(c, Text) else Text(c) for c in row))
+            rich_table.add_row(*(c if isinstance(c, Text) else Text(safe(c)) for c in row))
         out.print(rich_table)
         return
     rows = [table.columns, *(
@@ -92,7 +94,11 @@ def print_table(out: Console, table: Rows) -> None:
     line = "  ".join(
         f"{{:{'>' if col in table.right else '<'}{w}}}" for col, w in zip(table.columns, widths, strict=True)
     ).format
-    out.file.write("".join([line(*row).rstrip() + "\n" for row in rows]))
+    text = [line(*row) for row in rows]
+    for i, printed in enumerate(text):  # one check a row; a row with a control character escaped
+        if not printed.isprintable():
+            text[i] = line(*map(safe, rows[i]))
+    out.file.write("".join([printed.rstrip() + "\n" for printed in text]))
 
 
 def say(out: Console, text: Any, style: Optional[str] = None) -> None:
