@@ -79,7 +79,6 @@ def check(
     ``progress(nbytes)`` is called as bytes are read.
     """
     verdict = Verdict(name)
-    where = store.child(name)
 
     def size_of(rel: str) -> Optional[int]:
         if sizes is not None:
@@ -97,27 +96,8 @@ def check(
             verdict.problems.append(f"file {rel} is missing")
         elif actual != size:
             verdict.problems.append(f"file {rel} has {actual} bytes, {size} were written")
-    records: dict[str, Any] = (index or {}).get("checksums") or {}
-    try:
-        data = store.read_file(name, METADATA_FNAME)
-    except SnapshotError as exc:
-        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc})")
-        return verdict
-    except OSError as exc:
-        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc.strerror or exc})")
-        return verdict
-    if isinstance(records.get(METADATA_FNAME), dict):
-        from .checksums import check_file
-
-        try:
-            check_file(where, METADATA_FNAME, index, data)
-        except SnapshotError:
-            verdict.problems.append(f"{METADATA_FNAME} differs from the checksum recorded when it was written")
-            return verdict
-    try:
-        verdict.metadata = parse_metadata(data, where)
-    except SnapshotError as exc:
-        verdict.problems.append(f"{METADATA_FNAME}: {getattr(exc, 'reason', exc)}")
+    verdict.metadata = _metadata(store, name, verdict)
+    if verdict.metadata is None:
         return verdict
     if not verdict.metadata.manifest:
         verdict.problems.append(f"{METADATA_FNAME}: an empty manifest: it holds no entries")
@@ -127,6 +107,33 @@ def check(
     if checksums:
         check_payloads(store, verdict, progress)
     return verdict
+
+
+def _metadata(store: Any, name: str, verdict: Verdict) -> Optional[Metadata]:
+    """The snapshot's metadata, checked against the index's checksum and parsed as restore
+    parses it; None, with the problem in ``verdict``, where it cannot be."""
+    index, where = verdict.index, store.child(name)
+    try:
+        data = store.read_file(name, METADATA_FNAME)
+    except SnapshotError as exc:
+        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc})")
+        return None
+    except OSError as exc:
+        verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc.strerror or exc})")
+        return None
+    if index is not None and isinstance((index.get("checksums") or {}).get(METADATA_FNAME), dict):
+        from .checksums import check_file
+
+        try:
+            check_file(where, METADATA_FNAME, index, data)
+        except SnapshotError:
+            verdict.problems.append(f"{METADATA_FNAME} differs from the checksum recorded when it was written")
+            return None
+    try:
+        return parse_metadata(data, where)
+    except SnapshotError as exc:
+        verdict.problems.append(f"{METADATA_FNAME}: {getattr(exc, 'reason', exc)}")
+        return None
 
 
 def check_payloads(store: Any, verdict: Verdict, progress: Optional[Callable[[int], None]] = None) -> Verdict:
