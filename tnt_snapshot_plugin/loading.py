@@ -89,7 +89,7 @@ def safe_globals() -> list[Any]:
 
 
 _active = 0
-_added: list[Any] = []
+_scope: Any = None  # torch.serialization.safe_globals over what the plugin added, while in use
 _scope_lock = threading.Lock()
 
 
@@ -97,18 +97,19 @@ _scope_lock = threading.Lock()
 def allowed_globals() -> Iterator[None]:
     """Allow :func:`safe_globals` in ``torch.load(weights_only=True)`` while inside.
 
-    torch's allow-list is process-wide: entries are added on entry to the first scope and removed
-    when the last scope (of any thread) exits; entries that were on the list before (added by the
-    user) are neither added nor removed.
+    torch's allow-list is process-wide: the plugin's entries that are not on it already are
+    added (torch's own ``torch.serialization.safe_globals`` scope) when the first restore of any
+    thread enters, and exactly those are removed when the last one exits; the list is never
+    cleared, so entries the user adds meanwhile, from any thread, stay.
     """
-    global _active, _added
+    global _active, _scope
     import torch.serialization as serialization
 
     with _scope_lock:
         if _active == 0:
             present = set(map(id, serialization.get_safe_globals()))
-            _added = [g for g in safe_globals() if id(g) not in present]
-            serialization.add_safe_globals(_added)
+            _scope = serialization.safe_globals([g for g in safe_globals() if id(g) not in present])
+            _scope.__enter__()
         _active += 1
     try:
         yield
@@ -116,10 +117,8 @@ def allowed_globals() -> Iterator[None]:
         with _scope_lock:
             _active -= 1
             if _active == 0:
-                keep = [g for g in serialization.get_safe_globals() if all(g is not a for a in _added)]
-                serialization.clear_safe_globals()
-                serialization.add_safe_globals(keep)
-                _added = []
+                scope, _scope = _scope, None
+                scope.__exit__(None, None, None)
 
 
 def load_object(buf: Any, *, weights_only: bool = True) -> Any:
