@@ -100,7 +100,8 @@ def allowed_globals() -> Iterator[None]:
     torch's allow-list is process-wide: the plugin's entries that are not on it already are
     added (torch's own ``torch.serialization.safe_globals`` scope) when the first restore of any
     thread enters, and exactly those are removed when the last one exits; the list is never
-    cleared, so entries the user adds meanwhile, from any thread, stay.
+    cleared, so entries the user adds meanwhile, from any thread, stay (but for one of the
+    plugin's own, which is taken away with the rest).
     """
     global _active, _scope
     import torch.serialization as serialization
