@@ -100,7 +100,7 @@ def test_synchronous_packs_are_gathered_into_one_buffer_only_where_the_store_has
     values."""
     import uuid
 
-    from tnt_snapshot_plugin.stores.fakes import MemoryStore, register, unregister
+    from tnt_snapshot_plugin.testing import MemoryStore, register, unregister
 
     name = f"gather-{uuid.uuid4().hex[:8]}"
     dirpath = str(tmp_path) if where == "local disk" else register(name, MemoryStore())
@@ -393,3 +393,19 @@ def test_a_failed_read_or_done_stops_the_other_reads_and_raises(tmp_path, thread
     # each reading thread stopped at its first done(): the files after those were never read
     assert 1 <= len(calls) <= threads
     assert sum(1 for _f, _o, buf in got if buf[0]) <= threads
+
+
+def test_a_restore_leaves_no_reading_threads_behind(tmp_path, monkeypatch):
+    want = {f"big{i}": torch.randn(4_000_000) for i in range(4)}
+    path = take(tmp_path, want)
+    got = Holder(zeros_like_state(want))
+    started = []
+    real = fileio._read_pool
+    monkeypatch.setattr(fileio, "_read_pool", lambda: started.append(1) or real())
+    restore(path, {"h": got})
+    assert started  # the restore read in parallel
+    assert_identical(got.state, want)
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("tnt-snapshot-read") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)

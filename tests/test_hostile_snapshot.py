@@ -150,6 +150,15 @@ def symlinked_payload(snapshot: Path, tmp: Path) -> None:
     target.symlink_to(tmp / "outside")
 
 
+def fifo_payload(snapshot: Path, tmp: Path) -> None:
+    """A payload replaced by a FIFO inside the snapshot: opening it to read would block forever."""
+    doc = json.loads((snapshot / METADATA).read_text())
+    [entry] = [e for p, e in doc["manifest"].items() if p.endswith("/extra/obj")]
+    target = snapshot / entry["location"]
+    target.unlink()
+    os.mkfifo(target)
+
+
 def symlinked_metadata(snapshot: Path, tmp: Path) -> None:
     (snapshot / METADATA).unlink()
     (snapshot / METADATA).symlink_to(tmp / "outside")
@@ -165,6 +174,7 @@ CASES: dict[str, Callable[[Path, Path], None]] = {
     "location absolute": lambda s, t: _edit_entry(s, "/extra/obj", location=str(t / "outside")),
     "location with a backslash": lambda s, t: _edit_entry(s, "/extra/obj", location="0\\..\\..\\outside"),
     "payload is a symlink out": symlinked_payload,
+    "payload is a FIFO": fifo_payload,
     "metadata is a symlink out": symlinked_metadata,
     "index is a symlink out": symlinked_index,
     "dtype lie (int32 for float32)": lambda s, t: _edit_entry(s, "/extra/w", dtype="torch.int32"),

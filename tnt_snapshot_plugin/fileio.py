@@ -16,7 +16,9 @@ Nothing here knows about snapshots, manifests or stores; errors are the OS's, ex
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -291,6 +293,27 @@ def preadv_into(
 
 _pool: Optional[tuple[int, Any]] = None
 _pool_lock = threading.Lock()
+_pool_users = 0
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """A scope of reads (one restore) that share the reading threads: started at the first
+    parallel read inside, shut down when the last scope of any thread exits, so that no idle
+    threads outlive the restores that used them."""
+    global _pool, _pool_users
+    with _pool_lock:
+        _pool_users += 1
+    try:
+        yield
+    finally:
+        with _pool_lock:
+            _pool_users -= 1
+            done = _pool if _pool_users == 0 else None
+            if done is not None:
+                _pool = None
+        if done is not None:
+            done[1].shutdown(wait=False)
 
 
 def _read_pool() -> Any:
@@ -305,6 +328,16 @@ def _read_pool() -> Any:
             # threads start on demand: only as many as the busiest read has asked for
             _pool = (os.getpid(), ThreadPoolExecutor(MAX_READ_THREADS, thread_name_prefix="tnt-snapshot-read"))
         return _pool[1]
+
+
+def _open_regular(path: str, error: type[Exception]) -> int:
+    """A descriptor of the regular file ``path``; ``error`` for anything else (a FIFO would
+    block the read forever, a device would read without end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{path} is not a regular file: the snapshot is damaged")
+    return fd
 
 
 def _read_files(
@@ -325,13 +358,13 @@ def _read_files(
         for i, (location, items) in enumerate(plan):
             while advise is not None and ahead < len(plan) and (ahead <= i or announced < read_ahead):
                 loc, its = plan[ahead]
-                fd = fds[loc] = os.open(os.path.join(root, loc), os.O_RDONLY | os.O_CLOEXEC)
+                fd = fds[loc] = _open_regular(os.path.join(root, loc), error)
                 first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
                 advise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
                 announced += last - first
                 ahead += 1
             if location not in fds:
-                fds[location] = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC)
+                fds[location] = _open_regular(os.path.join(root, location), error)
             fd = fds[location]
             for offset, bufs, indices in _runs(items):
                 if stop:
