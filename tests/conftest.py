@@ -16,13 +16,13 @@ def pm():
 @pytest.fixture
 def faulty_local():
     """``faulty_local(path) -> (faulty, dirpath)``: a FaultyStore around a real LocalStore at
-    ``path``, registered under a fresh ``memory://`` name (forgotten after the test), so real
+    ``path``, registered under a fresh ``fake://`` name (forgotten after the test), so real
     savers and restores opened on ``dirpath`` write to and read from the real disk at ``path``
     through faults and hooks the test chooses."""
     import uuid
 
     from tnt_snapshot_plugin.stores import LocalStore
-    from tnt_snapshot_plugin.stores.fakes import FaultyStore, register, unregister
+    from tnt_snapshot_plugin.testing import FaultyStore, register, unregister
 
     names: list[str] = []
 

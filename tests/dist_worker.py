@@ -29,7 +29,7 @@ from torchtnt.framework.train import train
 from tnt_snapshot_plugin import SnapshotError, SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.stores import LocalStore
-from tnt_snapshot_plugin.stores.fakes import FaultyStore, register
+from tnt_snapshot_plugin.testing import FaultyStore, register
 from toy import StatefulLoader, ToyUnit, make_data, seed_everything, weights
 
 #: The name the training process group's backend is registered under: a gloo process group
@@ -315,7 +315,7 @@ def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:
 def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
     """A write error on rank 1 only: every rank hears of it, nothing is committed, older intact.
 
-    Every rank saves to ``memory://warn`` / ``memory://raise``: a FaultyStore around the real local
+    Every rank saves to ``fake://warn`` / ``fake://raise``: a FaultyStore around the real local
     directory (registered in each rank's own process, so both ranks pass the same dirpath); on
     rank 1 only, its payload writes of step 4 raise ENOSPC."""
 

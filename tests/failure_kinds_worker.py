@@ -20,7 +20,7 @@ from tnt_snapshot_plugin import SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import LocalStore
-from tnt_snapshot_plugin.stores.fakes import FaultyStore, register
+from tnt_snapshot_plugin.testing import FaultyStore, register
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 

@@ -109,7 +109,8 @@ SAVER_CASES: dict[str, tuple[Callable[[Path, Path], dict[str, Any]], type, str]]
         lambda tmp, ro: {"dirpath": "gs2://bucket/run"},
         ConfigError,
         r"dirpath 'gs2://bucket/run' uses storage protocol 'gs2', which tnt_snapshot_plugin does not "
-        r"support; use a local path, file:// or s3://",
+        r"support; use a local path, file:// or s3://, or install a store for it: any fsspec protocol "
+        r"through pip install 'tnt-snapshot-plugin\[fsspec\]' .* tnt_snapshot_plugin\.stores",
     ),
     "replicated is a string": (
         lambda tmp, ro: {"replicated": "**"},
@@ -283,7 +284,8 @@ RESTORE_CASES: dict[str, tuple[Callable[[Path, ToyUnit], Any], Callable[[], ToyU
         ToyUnit,
         ConfigError,
         r"dirpath 'gs2://bucket/run' uses storage protocol 'gs2', which tnt_snapshot_plugin does not "
-        r"support; use a local path, file:// or s3://",
+        r"support; use a local path, file:// or s3://, or install a store for it: any fsspec protocol "
+        r"through pip install 'tnt-snapshot-plugin\[fsspec\]' .* tnt_snapshot_plugin\.stores",
     ),
     "latest: dirpath is a file": (
         lambda d, u: TorchSnapshotSaver.restore_from_latest(str(d / "a_file"), u),
@@ -296,7 +298,8 @@ RESTORE_CASES: dict[str, tuple[Callable[[Path, ToyUnit], Any], Callable[[], ToyU
         lambda d, u: TorchSnapshotSaver.restore_from_latest("gs2://bucket/run", u),
         ToyUnit,
         ConfigError,
-        r"dirpath 'gs2://bucket/run' uses storage protocol 'gs2'.*; use a local path, file:// or s3://",
+        r"dirpath 'gs2://bucket/run' uses storage protocol 'gs2'.*; use a local path, file:// or s3://, "
+        r"or install a store for it: .*",
     ),
     "modules differ in keys and shapes": (
         lambda d, u: TorchSnapshotSaver.restore(str(d / "epoch_1_step_2"), u),

@@ -141,8 +141,8 @@ def test_core_never_imports_a_framework_nor_torchsnapshot():
     code = (
         "import sys\n"
         "import tnt_snapshot_plugin, tnt_snapshot_plugin.snapshotter, tnt_snapshot_plugin.restoring\n"
-        "import tnt_snapshot_plugin.stores, tnt_snapshot_plugin.stores.s3, tnt_snapshot_plugin.stores.fakes\n"
-        "import tnt_snapshot_plugin.fileio, tnt_snapshot_plugin.writer_job, tnt_snapshot_plugin.demo\n"
+        "import tnt_snapshot_plugin.stores, tnt_snapshot_plugin.stores.s3, tnt_snapshot_plugin.stores.fsspec\n"
+        "import tnt_snapshot_plugin.fileio, tnt_snapshot_plugin.writer_job, tnt_snapshot_plugin.demo, tnt_snapshot_plugin.testing\n"
         "import tnt_snapshot_plugin.format.writer, tnt_snapshot_plugin.format.reader, tnt_snapshot_plugin.cli\n"
         "from tnt_snapshot_plugin.plugins import get_plugin_manager, adapters\n"
         "assert sorted(adapters(get_plugin_manager())) == ['lightning', 'torchtnt']\n"

@@ -4,7 +4,7 @@ Restore fallback over damaged snapshots; commit-aware retention with asynchronou
 failures while saving (an I/O error, a full disk, a directory removed during a save); staging
 leftovers. Failures come from the real disk where a test can make it fail (a full tmpfs when this
 process may mount one, a file the kernel refuses to delete); otherwise from the in-package
-``FaultyStore`` around the real local store (the saver opens it through a ``memory://`` dirpath,
+``FaultyStore`` around the real local store (the saver opens it through a ``fake://`` dirpath,
 ``faulty_local`` in conftest.py), raising the error the kernel would raise where the plugin writes
 every snapshot file (``Store.write_payload``).
 """
@@ -443,7 +443,7 @@ class SmallDisk:
     When this process may mount (root, as on the project's machines) the disk is real: ``fill``
     writes a ballast file until the kernel answers ENOSPC. Otherwise the directory stays on the
     ordinary disk and the saver writes to it through a FaultyStore (``dirpath`` is its
-    ``memory://`` name) whose every payload write raises ENOSPC while the disk is "full".
+    ``fake://`` name) whose every payload write raises ENOSPC while the disk is "full".
     """
 
     def __init__(self, root: Path, faulty_local) -> None:

@@ -3,7 +3,7 @@ the staging buffers are reused from one snapshot to the next.
 
 The plugin's writer writes to the real disk through the real local store; the only thing a test
 controls is *when* the background write may proceed: the saver writes through a ``FaultyStore``
-around that store (a ``memory://`` dirpath) whose hook holds every payload write until training has
+around that store (a ``fake://`` dirpath) whose hook holds every payload write until training has
 mutated the tensors, so the mutation provably happens while the write runs.
 """
 

@@ -1,6 +1,7 @@
 """The store contract (stores/): one set of tests run on local disk, on S3 (moto's real server on
-127.0.0.1) and on the in-process MemoryStore under both commit strategies; then the FaultyStore
-and the memory:// registry that lets tests run real savers on the fakes."""
+127.0.0.1), on the fsspec store over fsspec's memory filesystem and over s3fs against the same
+server, and on the in-process MemoryStore under both commit strategies; then the FaultyStore and
+the fake:// registry (tnt_snapshot_plugin.testing) that lets tests run real savers on the fakes."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from tnt_snapshot_plugin.stores import (
     Store,
     open_store,
 )
-from tnt_snapshot_plugin.stores.fakes import FaultyStore, MemoryStore, memory_store, register, unregister
+from tnt_snapshot_plugin.stores.fsspec import FsspecStore
 from tnt_snapshot_plugin.stores.ownership import new_run_id, staging_token, writer_identity
 from tnt_snapshot_plugin.stores.s3 import S3Store
+from tnt_snapshot_plugin.testing import FaultyStore, MemoryStore, memory_store, register, unregister
 
 BUCKET = "stores"
-KINDS = ["local", "s3", "memory", "memory-metadata-last"]
+KINDS = ["local", "s3", "fsspec-memory", "fsspec-s3", "memory", "memory-metadata-last"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,23 @@ def store(request, tmp_path) -> Store:
     if kind == "s3":
         options = request.getfixturevalue("s3_options")
         return S3Store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/run", options)
+    if kind == "fsspec-memory":
+        return open_store(f"memory://stores-{uuid.uuid4().hex[:8]}/run")
+    if kind == "fsspec-s3":  # s3a:// is s3fs's too; s3:// is the built-in S3 store's
+        options = s3fs_options(request.getfixturevalue("s3_options"))
+        return open_store(f"s3a://{BUCKET}/{uuid.uuid4().hex[:8]}/run", options)
     return MemoryStore(atomic_rename=kind == "memory")
+
+
+def s3fs_options(s3_options: dict[str, Any]) -> dict[str, Any]:
+    """The same endpoint and credentials as s3fs takes them."""
+    return {
+        "endpoint_url": s3_options["endpoint_url"],
+        "key": s3_options["aws_access_key_id"],
+        "secret": s3_options["aws_secret_access_key"],
+        "client_kwargs": {"region_name": s3_options["region_name"]},
+        "skip_instance_cache": True,
+    }
 
 
 def begin(store: Store, final: str) -> str:
@@ -107,7 +125,7 @@ def write_snapshot(store: Store, final: str = "epoch_0_step_1") -> None:
 
 def test_strategy_matches_the_store(store):
     assert isinstance(store.protocol, AtomicRename if store.atomic_rename else MetadataWrittenLast)
-    if isinstance(store, (LocalStore, S3Store)):
+    if isinstance(store, (LocalStore, S3Store, FsspecStore)):
         assert store.atomic_rename is isinstance(store, LocalStore)
     staging = store.staging_for("epoch_0_step_1", "tok1")
     assert (staging == "epoch_0_step_1") is (not store.atomic_rename)
@@ -320,7 +338,7 @@ def test_dirpath_lock_refuses_a_second_run_until_released(store):
 
 
 # ------------------------------------------------------------------------------------------------
-# The fakes: FaultyStore and memory:// dirpaths
+# The fakes (tnt_snapshot_plugin.testing): FaultyStore and fake:// dirpaths
 
 
 def test_the_nth_write_fails_with_enospc_and_nothing_is_committed():
@@ -388,32 +406,31 @@ def test_read_into_short_or_flipped_on_demand():
 
 def test_fakes_are_reached_from_a_dirpath():
     try:
-        fresh = open_store("memory://stores-test-a")
-        assert isinstance(fresh, MemoryStore) and open_store("memory://stores-test-a") is fresh
-        assert memory_store("stores-test-a") is fresh and fresh.url == "memory://stores-test-a"
-        write_snapshot(fresh)
-        nested = open_store("memory://stores-test-a/inner")
-        assert nested.url == "memory://stores-test-a/inner" and nested.list_names() == []
-        write_snapshot(nested)
-        assert "inner" in fresh.list_names()
-        assert [s.text for s in open_store("memory://stores-test-a/inner").complete_snapshots()] == [
-            "epoch_0_step_1"
-        ]
-
         faulty = FaultyStore(MemoryStore())
         dirpath = register("stores-test-b", faulty)
-        assert dirpath == "memory://stores-test-b" and open_store(dirpath) is faulty
+        assert dirpath == "fake://stores-test-b" and open_store(dirpath) is faulty
         assert faulty.url == faulty.inner.url == dirpath
+        fresh = open_store("fake://stores-test-a")
+        assert isinstance(fresh, MemoryStore) and open_store("fake://stores-test-a") is fresh
+        assert memory_store("stores-test-a") is fresh and fresh.url == "fake://stores-test-a"
+        write_snapshot(fresh)
+        nested = open_store("fake://stores-test-a/inner")
+        assert nested.url == "fake://stores-test-a/inner" and nested.list_names() == []
+        write_snapshot(nested)
+        assert "inner" in fresh.list_names()
+        assert [s.text for s in open_store("fake://stores-test-a/inner").complete_snapshots()] == [
+            "epoch_0_step_1"
+        ]
         with pytest.raises(ConfigError, match="already registered"):
             register("stores-test-b", MemoryStore())
         with pytest.raises(ConfigError, match="storage_options"):
             open_store(dirpath, {"endpoint_url": "x"})
-        with pytest.raises(ConfigError, match="names no memory store"):
-            open_store("memory://")
+        with pytest.raises(ConfigError, match="names no fake store"):
+            open_store("fake://")
     finally:
         unregister("stores-test-a")
         unregister("stores-test-b")
-    assert open_store("memory://stores-test-a").list_names() == []  # forgotten: a new one
+    assert open_store("fake://stores-test-a").list_names() == []  # forgotten: a new one
     unregister("stores-test-a")
 
 
@@ -459,7 +476,7 @@ def test_hooks_run_around_chosen_operations_and_can_hold_a_write():
 
 
 def test_a_real_saver_runs_on_a_faulty_store_reached_by_its_dirpath(tmp_path):
-    """The saver and restore open ``memory://NAME`` like any dirpath; the registered FaultyStore
+    """The saver and restore open ``fake://NAME`` like any dirpath; the registered FaultyStore
     (here around a local store, which torchsnapshot can still write to) fails the second commit."""
     import warnings
 

@@ -4,7 +4,7 @@
 * ``hang``: the same, but the write of step 3's first data file blocks forever (after the writer
   marker went in), having written the pid to READY: a live job in the middle of a write, which
   the test then SIGKILLs. The block is a FaultyStore hook around the real local store of DIRPATH,
-  registered in this process as ``memory://hang``.
+  registered in this process as ``fake://hang``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.stores import LocalStore
-from tnt_snapshot_plugin.stores.fakes import FaultyStore, register
+from tnt_snapshot_plugin.testing import FaultyStore, register
 from toy import StatefulLoader, ToyUnit, make_data
 
 

@@ -1,8 +1,10 @@
-"""In-package fakes of the store interface, for tests (no monkeypatching of private functions).
+"""Fakes of the store interface, for tests: the plugin's own, and users' tests of code that saves
+or restores with it. Nothing in the plugin imports this module; importing it changes nothing until
+a fake is registered.
 
 * :class:`MemoryStore`: a snapshot directory held in this process's memory, with the full
-  :class:`~.base.Store` behaviour (listing, begin/commit under either commit strategy, guarded
-  removal, verify, a dirpath lock, ``write_payload`` / ``read_into``).
+  :class:`~tnt_snapshot_plugin.stores.Store` behaviour (listing, begin/commit under either commit
+  strategy, guarded removal, verify, a dirpath lock, ``write_payload`` / ``read_into``).
 * :class:`FaultyStore`: wraps any store and fails chosen operations on demand
   (:meth:`FaultyStore.inject`): the Nth ``write_payload`` raises ``OSError(ENOSPC)``, ``commit``
   raises, ``read_into`` comes back short or with a flipped byte, ... It also runs a test's own
@@ -10,19 +12,23 @@
   test releases it, count the writes in flight, remove dirpath after a payload is written, log
   what is on disk at each commit and deletion.
 
-Reaching them from a dirpath string (so real savers and restores can run on them): every
-``memory://NAME`` dirpath names an entry of this process's registry. :func:`register` puts a
-store there under ``NAME`` and returns its dirpath; ``open_store("memory://NAME")`` returns that
-store (a fresh :class:`MemoryStore` is registered on first use of an unknown NAME), and
-``open_store("memory://NAME/sub")`` its child ``sub`` as a store (``nested``). For example::
+Reaching them from a dirpath string (so real savers and restores run on them): :func:`register`
+puts a store in this process's registry under ``NAME`` and returns its dirpath ``fake://NAME``
+(the first registration also registers the ``fake`` URL scheme with
+:func:`~tnt_snapshot_plugin.stores.register_store`); ``open_store("fake://NAME")`` returns that
+store (a fresh :class:`MemoryStore` for a NAME not registered), and ``open_store("fake://NAME/sub")``
+its child ``sub`` as a store (``nested``). For example::
+
+    from tnt_snapshot_plugin.testing import FaultyStore, MemoryStore, register
 
     faulty = FaultyStore(MemoryStore())
-    dirpath = register("run1", faulty)              # "memory://run1"
+    dirpath = register("run1", faulty)              # "fake://run1"
     faulty.inject("write_payload", OSError(errno.ENOSPC, "No space left on device"), nth=3)
-    Snapshotter(SnapshotConfig(dirpath=dirpath, ...))   # writes through `faulty`
+    Snapshotter(dirpath, SnapshotConfig.build(...))  # writes through `faulty`
 
 :func:`unregister` (or :func:`clear_registry`) forgets them. The registry is per process: ranks
-started as separate processes each have their own.
+started as separate processes each register their own. (``memory://`` URLs are fsspec's
+in-memory filesystem, served by the fsspec store like any other fsspec URL.)
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import ConfigError, SnapshotCorruptError, SnapshotNotFoundError, SnapshotWriteError
-from ..fileio import byte_views
-from ..naming import is_staging_name
-from .base import (
+from .errors import ConfigError, SnapshotCorruptError, SnapshotNotFoundError, SnapshotWriteError
+from .fileio import byte_views
+from .naming import is_staging_name
+from .stores.base import (
     INDEX_FNAME,
     METADATA_FNAME,
     WRITER_FNAME,
@@ -48,9 +54,11 @@ from .base import (
     Read,
     Store,
 )
-from .ownership import busy_error, writer_of_token
+from .stores.ownership import busy_error, writer_of_token
+from .stores.registry import register_store
 
-SCHEME = "memory://"
+#: The URL scheme of registered fakes.
+SCHEME = "fake://"
 
 
 class _Tree:
@@ -76,7 +84,7 @@ class MemoryStore(Store):
     """A snapshot directory in memory. ``atomic_rename``: commit by renaming a staging directory
     (as local disk, the default) or, False, by writing the metadata last (as object stores)."""
 
-    def __init__(self, url: str = "memory://anonymous", *, atomic_rename: bool = True,
+    def __init__(self, url: str = "fake://anonymous", *, atomic_rename: bool = True,
                  _tree: Optional[_Tree] = None, _path: str = "") -> None:
         self.url = url.rstrip("/")
         self.protocol: CommitProtocol = AtomicRename() if atomic_rename else MetadataWrittenLast()
@@ -465,16 +473,17 @@ class FaultyStore(Store):
 
 
 # --------------------------------------------------------------------------------------------
-# The registry behind memory:// dirpaths.
+# The registry behind fake:// dirpaths.
 
 _registry: dict[str, Store] = {}
 _registry_lock = threading.Lock()
 
 
 def register(name: str, store: Store, *, replace: bool = False) -> str:
-    """Make ``store`` the store of dirpath ``memory://NAME``; return that dirpath. Another store
+    """Make ``store`` the store of dirpath ``fake://NAME``; return that dirpath. Another store
     already registered under ``name`` is an error unless ``replace``. A memory store (also one
     wrapped by a FaultyStore) takes that dirpath as its ``url``."""
+    register_store(SCHEME[:-3], OPENER)
     if not name or "/" in name:
         raise ConfigError(f"a memory store name is one non-empty path component, got {name!r}")
     with _registry_lock:
@@ -494,7 +503,7 @@ def register(name: str, store: Store, *, replace: bool = False) -> str:
 
 
 def unregister(name: str) -> None:
-    """Forget ``memory://NAME`` (its contents go with it, unless a caller keeps the store)."""
+    """Forget ``fake://NAME`` (its contents go with it, unless a caller keeps the store)."""
     with _registry_lock:
         _registry.pop(name, None)
 
@@ -505,7 +514,7 @@ def clear_registry() -> None:
 
 
 def memory_store(name: str) -> Store:
-    """The store registered as ``memory://NAME``; a new :class:`MemoryStore` if there is none."""
+    """The store registered as ``fake://NAME``; a new :class:`MemoryStore` if there is none."""
     with _registry_lock:
         store = _registry.get(name)
         if store is None:
@@ -515,12 +524,23 @@ def memory_store(name: str) -> Store:
         return store
 
 
-def open_memory(dirpath: str) -> Store:
-    """The store of a ``memory://NAME[/child...]`` dirpath (see the module docstring)."""
+#: The ``fake`` scheme's opener, as registered with ``register_store``.
+OPENER = "tnt_snapshot_plugin.testing:open_fake"
+
+
+def open_fake(
+    dirpath: str, storage_options: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None
+) -> Store:
+    """The store of a ``fake://NAME[/child...]`` dirpath (see the module docstring)."""
+    if storage_options:
+        raise ConfigError(
+            f"storage_options {sorted(storage_options)} was given for the fake dirpath {dirpath!r}, "
+            "where it has no effect"
+        )
     rest = dirpath[len(SCHEME):].strip("/")
     name, *children = rest.split("/") if rest else [""]
     if not name:
-        raise ConfigError(f"dirpath {dirpath!r} names no memory store; expected memory://NAME")
+        raise ConfigError(f"dirpath {dirpath!r} names no fake store; expected {SCHEME}NAME")
     store = memory_store(name)
     for child in children:
         if child in ("", ".", ".."):
@@ -536,7 +556,7 @@ __all__ = [
     "MemoryStore",
     "clear_registry",
     "memory_store",
-    "open_memory",
+    "open_fake",
     "register",
     "unregister",
 ]

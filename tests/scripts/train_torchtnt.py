@@ -36,7 +36,7 @@ from torchtnt.framework.train import train  # noqa: E402
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
 from tnt_snapshot_plugin.stores import LocalStore  # noqa: E402
-from tnt_snapshot_plugin.stores.fakes import FaultyStore, register  # noqa: E402
+from tnt_snapshot_plugin.testing import FaultyStore, register  # noqa: E402
 from toy import StatefulLoader, ToyUnit, make_data  # noqa: E402
 
 
@@ -60,7 +60,7 @@ class SlowUnit(ToyUnit):
 
 
 # The slow disk: the real directory DIRPATH behind a FaultyStore (registered in this process as
-# ``memory://slow``) whose hook holds the files of snapshot K until step K+1 has ended (or until
+# ``fake://slow``) whose hook holds the files of snapshot K until step K+1 has ended (or until
 # the saver announces the preemption snapshot), and makes each take 0.05 s more. So whenever the saver's
 # hook runs at the end of a step, the previous step's snapshot is certainly still being written.
 _step_ended: dict[int, threading.Event] = {}

@@ -1,9 +1,11 @@
-"""The stores: where snapshot directories live (local disk, S3, and in-process fakes for tests).
+"""The stores: where snapshot directories live, chosen by the URL scheme of ``dirpath``.
 
-:func:`open_store` turns a ``dirpath`` into its :class:`~.base.Store`: a local path or ``file://``
-URL (:class:`~.local.LocalStore`), ``s3://BUCKET/PREFIX`` (:class:`~.s3.S3Store`), or
-``memory://NAME`` (the in-process registry of :mod:`.fakes`: a :class:`~.fakes.MemoryStore`, or
-whatever store a test registered under NAME, e.g. a :class:`~.fakes.FaultyStore`).
+:func:`open_store` turns a ``dirpath`` into its :class:`~.base.Store` through the scheme registry
+(:mod:`.registry`): a local path or ``file://`` URL (:class:`~.local.LocalStore`),
+``s3://BUCKET/PREFIX`` (:class:`~.s3.S3Store`), a scheme another package declares in the
+entry-point group ``tnt_snapshot_plugin.stores``, or any other scheme fsspec serves
+(:class:`~.fsspec.FsspecStore`: ``memory://``, ``gs://`` with gcsfs, ``az://`` with adlfs, ...).
+Fakes for tests (``MemoryStore``, ``FaultyStore``) live in :mod:`tnt_snapshot_plugin.testing`.
 """
 
 from __future__ import annotations
@@ -25,42 +27,27 @@ from .base import (
     Store,
 )
 from .local import LocalStore
+from .registry import opener_for, register_store, registered_schemes, unregister_store
+
+
+def url_scheme(dirpath: str) -> str:
+    """The URL scheme of ``dirpath`` (``"file"`` for a path without one)."""
+    scheme, sep, _ = dirpath.partition("://")
+    return scheme if sep else "file"
 
 
 def open_store(
     dirpath: str, storage_options: Optional[dict[str, Any]] = None, *, timeout_s: Optional[float] = None
 ) -> Store:
-    """The store for ``dirpath``: a local path, ``file://``, ``s3://`` or ``memory://`` URL.
-    ``timeout_s``: how long one request to an object store may take, retries included (None:
-    the default of ``storage_timeout_s``)."""
+    """The store for ``dirpath``: a local path or a URL whose scheme a store serves (see the
+    module docstring). ``storage_options``: the store's own (S3: endpoint and credentials; fsspec:
+    the filesystem's arguments). ``timeout_s``: how long one request to an object store may take,
+    retries included (None: the default of ``storage_timeout_s``)."""
     if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
         raise ConfigError(f"dirpath must be a non-empty path or URL string, got {dirpath!r}")
     dirpath = os.fspath(dirpath)
-    protocol = dirpath.split("://", 1)[0] if "://" in dirpath else "file"
-    if protocol in ("file", "memory") and storage_options:
-        where = "local" if protocol == "file" else "memory://"
-        raise ConfigError(
-            f"storage_options {sorted(storage_options)} was given for the {where} dirpath "
-            f"{dirpath!r}, where it has no effect; pass storage_options only with s3:// paths"
-        )
-    if "://" not in dirpath:
-        return LocalStore(dirpath)
-    if protocol == "file":
-        return LocalStore(dirpath[len("file://"):])
-    if protocol == "s3":
-        from .s3 import S3Store
-
-        if timeout_s is None:
-            return S3Store(dirpath, storage_options)
-        return S3Store(dirpath, storage_options, timeout_s)
-    if protocol == "memory":
-        from .fakes import open_memory
-
-        return open_memory(dirpath)
-    raise ConfigError(
-        f"dirpath {dirpath!r} uses storage protocol {protocol!r}, which tnt_snapshot_plugin does "
-        "not support; use a local path, file:// or s3://"
-    )
+    opener = opener_for(url_scheme(dirpath), dirpath)
+    return opener(dirpath, storage_options, timeout_s)  # type: ignore[no-any-return]
 
 
 def split_snapshot_path(path: str) -> tuple[str, str]:
@@ -85,5 +72,9 @@ __all__ = [
     "MetadataWrittenLast",
     "Store",
     "open_store",
+    "register_store",
+    "registered_schemes",
     "split_snapshot_path",
+    "unregister_store",
+    "url_scheme",
 ]

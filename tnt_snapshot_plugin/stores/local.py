@@ -301,3 +301,16 @@ def rmtree_proof_last(path: str) -> None:
         except FileNotFoundError:
             pass
     os.rmdir(path)
+
+
+def open_local(
+    url: str, storage_options: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None
+) -> LocalStore:
+    """The store of a local path or ``file://`` URL (the ``file`` scheme's opener,
+    stores/registry.py). ``storage_options`` have no meaning on local disk: ConfigError."""
+    if storage_options:
+        raise ConfigError(
+            f"storage_options {sorted(storage_options)} was given for the local dirpath {url!r}, "
+            "where it has no effect; pass storage_options only with object-store URLs (s3://, ...)"
+        )
+    return LocalStore(url[len("file://"):] if url.startswith("file://") else url)

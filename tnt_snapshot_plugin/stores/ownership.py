@@ -24,6 +24,9 @@ from ..naming import is_staging_name
 #: than this (seconds since its writer started it): no snapshot write takes a day.
 STALE_AFTER_S = 24 * 3600.0
 
+#: How long a dirpath lease of an object store lasts without renewal (renewed every minute).
+LEASE_S = 300.0
+
 #: Run ids of the savers alive in this process (a leftover of this pid with another id is stale).
 live_runs: set[str] = set()
 
@@ -119,6 +122,17 @@ def writer_gone(
     if begun is not None and isinstance(started, (int, float)) and begun > started + 1.0:
         return f"pid {pid} now belongs to a process started after the write began"
     return None
+
+
+def lease_held_by_another(lease: dict[str, Any], run_id: Any) -> bool:
+    """Whether the lease record ``lease`` keeps a saver of run ``run_id`` out of its dirpath:
+    another run's, not expired, and its writer not provably gone."""
+    return (
+        lease.get("run_id") != run_id
+        and isinstance(lease.get("expires_at"), (int, float))
+        and lease["expires_at"] > time.time()
+        and writer_gone(lease, stale_after=float("inf")) is None
+    )
 
 
 def holder_text(holder: Any) -> str:

@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..config import DEFAULT_STORAGE_TIMEOUT_S
 from ..errors import (
@@ -38,10 +38,8 @@ from .base import (
     Store,
     is_missing_key,
 )
-from .ownership import busy_error, holder_text, writer_gone
-
-#: How long an S3 lease lasts without renewal (it is renewed every minute).
-LEASE_S = 300.0
+from .ownership import LEASE_S, busy_error, holder_text, lease_held_by_another
+from .ranged_reads import FETCH_CHUNK_BYTES, FETCH_WORKERS, fetch_ranges
 
 S3_OPTION_KEYS = frozenset(
     {
@@ -53,9 +51,6 @@ S3_OPTION_KEYS = frozenset(
     }
 )
 
-#: Reads: at most this many bytes per ranged GET, and this many GETs at once.
-FETCH_CHUNK_BYTES = 32 * 1024 * 1024
-FETCH_WORKERS = 4
 #: A payload larger than this is uploaded in parts of this size (multipart upload), not one PUT.
 MULTIPART_BYTES = 64 * 1024 * 1024
 
@@ -202,57 +197,6 @@ def translated(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def fetch_ranges(
-    fetch: Callable[[str, int, int], bytes],
-    reads: Iterable[tuple[Any, ...]],
-    *,
-    error: type[Exception],
-    chunk_bytes: int = FETCH_CHUNK_BYTES,
-    workers: int = FETCH_WORKERS,
-) -> int:
-    """Fill each buffer from an object store: ``fetch(file, start, end)`` returns those bytes.
-
-    ``reads``: ``(file, offset, buffer)``. Each file's
-    buffers are covered by ranged reads of at most ``chunk_bytes`` (the small tensors packed into
-    one file come in one read), ``workers`` at a time, and copied into the buffers. A range that
-    comes back short raises ``error`` naming the file. Returns the bytes fetched.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    for location, offset, buf in reads:
-        if buf.nbytes:
-            by_file.setdefault(location, []).append((offset, buf))
-    jobs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
-    for location, items in sorted(by_file.items()):
-        items.sort(key=lambda item: item[0])
-        start = items[0][0]
-        end = max(offset + buf.nbytes for offset, buf in items)
-        for lower in range(start, end, chunk_bytes):
-            upper = min(end, lower + chunk_bytes)
-            inside = [(o, b) for o, b in items if o < upper and o + b.nbytes > lower]
-            if inside:
-                jobs.append((location, lower, upper, inside))
-
-    def one(job: tuple[str, int, int, list[tuple[int, memoryview]]]) -> int:
-        location, lower, upper, items = job
-        data = memoryview(fetch(location, lower, upper))
-        if data.nbytes < upper - lower:
-            raise error(
-                f"{location} ends at byte {lower + data.nbytes}, before the end of the entries it "
-                f"holds (byte {upper}): the object is truncated"
-            )
-        for offset, buf in items:
-            a, b = max(offset, lower), min(offset + buf.nbytes, upper)
-            buf[a - offset:b - offset] = data[a - lower:b - lower]
-        return upper - lower
-
-    if not jobs:
-        return 0
-    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="tnt-snapshot-fetch") as pool:
-        return sum(pool.map(one, jobs))
-
-
 class _LeaseChanged(Exception):
     """The lease object is not the version a conditional write expected (another saver wrote it)."""
 
@@ -306,12 +250,7 @@ class S3Lease(DirLock):
         )
 
     def _held_by_another(self, lease: dict[str, Any]) -> bool:
-        return (
-            lease.get("run_id") != self._holder.get("run_id")
-            and isinstance(lease.get("expires_at"), (int, float))
-            and lease["expires_at"] > time.time()
-            and writer_gone(lease, stale_after=float("inf")) is None
-        )
+        return lease_held_by_another(lease, self._holder.get("run_id"))
 
     def _read(self) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         """The lease (None if there is none or it is not a JSON object) and its version (ETag)."""
@@ -588,5 +527,14 @@ class S3Store(Store):
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
 
-__all__ = ["LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS", "fetch_ranges", "request_limits",
-           "s3_client", "s3_error", "s3_errors", "translated"]
+def open_s3(
+    url: str, storage_options: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None
+) -> S3Store:
+    """The store of an ``s3://BUCKET/PREFIX`` URL (the ``s3`` scheme's opener, stores/registry.py)."""
+    if timeout_s is None:
+        return S3Store(url, storage_options)
+    return S3Store(url, storage_options, timeout_s)
+
+
+__all__ = ["FETCH_CHUNK_BYTES", "FETCH_WORKERS", "LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS",
+           "fetch_ranges", "open_s3", "request_limits", "s3_client", "s3_error", "s3_errors", "translated"]
