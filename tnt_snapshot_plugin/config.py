@@ -154,7 +154,21 @@ def resolve_alias(name: str, value: Any, alias: str, alias_value: Any, default: 
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-    """What and when to snapshot. Built by the adapters from their keyword arguments."""
+    """What and when to snapshot. Built by the adapters from their keyword arguments
+    (:meth:`build`).
+
+    ``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
+    ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs.
+    ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
+    ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
+    of these three settings, for the error messages. ``storage_timeout_s``: the longest
+    training waits on the storage at a due snapshot (default 60). ``save_policies``: more
+    save decisions (:class:`policies.SavePolicy` objects, e.g. ``policies.EveryNSteps(500)``
+    or a user's own): a snapshot is taken when any policy or cadence says so.
+    ``preservation_policies``: more retention rules (:class:`policies.PreservationPolicy`,
+    e.g. ``policies.KeepOnePerNHours(6)``): a snapshot is kept when any of them, or
+    ``keep_last_n_snapshots`` or best-k, keeps it; with none of these, none is deleted.
+    """
 
     save_every_n_train_steps: Optional[int] = None
     save_every_n_epochs: Optional[int] = None
@@ -186,89 +200,38 @@ class SnapshotConfig:
     def build(
         cls,
         *,
-        save_every_n_train_steps: Any = None,
-        save_every_n_epochs: Any = None,
-        save_every_n_eval_epochs: Any = None,
-        save_every_n_seconds: Any = None,
-        keep_last_n_snapshots: Any = None,
-        keep_last_n_checkpoints: Any = None,
-        replicated: Any = None,
-        storage_options: Any = None,
-        async_snapshot: Any = None,
-        async_checkpoint: Any = None,
-        save_on_train_end: Any = True,
-        on_save_error: Any = "warn",
-        restore_fallback: Any = True,
-        preemption_signals: Any = (signal.SIGTERM,),
-        collective_timeout_s: Any = 600.0,
-        storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S,
-        knob_options: Any = None,
-        best_metric: Any = None,
-        best_mode: Any = "min",
-        best_k: Any = None,
-        save_policies: Any = None,
-        preservation_policies: Any = None,
+        save_every_n_train_steps: Any = None, save_every_n_epochs: Any = None,
+        save_every_n_eval_epochs: Any = None, save_every_n_seconds: Any = None,
+        keep_last_n_snapshots: Any = None, keep_last_n_checkpoints: Any = None,
+        replicated: Any = None, storage_options: Any = None,
+        async_snapshot: Any = None, async_checkpoint: Any = None,
+        save_on_train_end: Any = True, on_save_error: Any = "warn", restore_fallback: Any = True,
+        preemption_signals: Any = (signal.SIGTERM,), collective_timeout_s: Any = 600.0,
+        storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S, knob_options: Any = None,
+        best_metric: Any = None, best_mode: Any = "min", best_k: Any = None,
+        save_policies: Any = None, preservation_policies: Any = None,
         names: Optional[Mapping[str, str]] = None,
     ) -> "SnapshotConfig":
-        """``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
-        ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs.
-        ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
-        ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
-        of these three settings, for the error messages. ``storage_timeout_s``: the longest
-        training waits on the storage at a due snapshot (default 60). ``save_policies``: more
-        save decisions (:class:`policies.SavePolicy` objects, e.g. ``policies.EveryNSteps(500)``
-        or a user's own): a snapshot is taken when any policy or cadence says so.
-        ``preservation_policies``: more retention rules (:class:`policies.PreservationPolicy`,
-        e.g. ``policies.KeepOnePerNHours(6)``): a snapshot is kept when any of them, or
-        ``keep_last_n_snapshots`` or best-k, keeps it; with none of these, none is deleted."""
-        async_snapshot = resolve_alias(
-            "async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True
-        )
+        """The configuration of these keyword arguments, validated (the class docstring says
+        what the aliases, ``names`` and the policies are); ConfigError naming a bad one."""
+        async_snapshot = resolve_alias("async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True)
         name_keep = "keep_last_n_snapshots" if keep_last_n_checkpoints is None else "keep_last_n_checkpoints"
         keep_last_n_snapshots = resolve_alias(
             "keep_last_n_snapshots", keep_last_n_snapshots, "keep_last_n_checkpoints", keep_last_n_checkpoints, None
         )
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(f"storage_options must be a dict or None, got {storage_options!r}")
-        for name, flag in (
-            ("async_snapshot", async_snapshot),
-            ("save_on_train_end", save_on_train_end),
-            ("restore_fallback", restore_fallback),
-        ):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
-        if on_save_error not in _SAVE_ERROR_POLICIES:
-            raise ConfigError(
-                f"on_save_error must be one of {_SAVE_ERROR_POLICIES}, got {on_save_error!r}"
-            )
-        if (
-            isinstance(collective_timeout_s, bool)
-            or not isinstance(collective_timeout_s, (int, float))
-            or not math.isfinite(collective_timeout_s)
-            or collective_timeout_s <= 0
-        ):
-            raise ConfigError(
-                f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}"
-            )
-        if (
-            isinstance(storage_timeout_s, bool)
-            or not isinstance(storage_timeout_s, (int, float))
-            or not math.isfinite(storage_timeout_s)
-            or storage_timeout_s <= 0
-        ):
-            raise ConfigError(
-                "storage_timeout_s must be a positive, finite number of seconds (the longest "
-                f"training waits on the storage at a due snapshot), got {storage_timeout_s!r}"
-            )
+        _check_plain(
+            storage_options,
+            {"async_snapshot": async_snapshot, "save_on_train_end": save_on_train_end,
+             "restore_fallback": restore_fallback},
+            on_save_error,
+            collective_timeout_s,
+            storage_timeout_s,
+        )
         return cls(
             best=_best(best_metric, best_mode, best_k, dict(names or {})),
-            save_every_n_train_steps=positive_int_or_none(
-                "save_every_n_train_steps", save_every_n_train_steps
-            ),
+            save_every_n_train_steps=positive_int_or_none("save_every_n_train_steps", save_every_n_train_steps),
             save_every_n_epochs=positive_int_or_none("save_every_n_epochs", save_every_n_epochs),
-            save_every_n_eval_epochs=positive_int_or_none(
-                "save_every_n_eval_epochs", save_every_n_eval_epochs
-            ),
+            save_every_n_eval_epochs=positive_int_or_none("save_every_n_eval_epochs", save_every_n_eval_epochs),
             save_every_n_seconds=positive_seconds_or_none("save_every_n_seconds", save_every_n_seconds),
             keep_last_n_snapshots=positive_int_or_none(name_keep, keep_last_n_snapshots),
             replicated=string_list_or_none("replicated", replicated),
@@ -287,3 +250,33 @@ class SnapshotConfig:
             ),
         )
 
+
+def _check_plain(
+    storage_options: Any, flags: Mapping[str, Any], on_save_error: Any, collective_timeout_s: Any, storage_timeout_s: Any
+) -> None:
+    """ConfigError for the first of these settings with a value the plugin cannot work with."""
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ConfigError(f"storage_options must be a dict or None, got {storage_options!r}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}")
+    if on_save_error not in _SAVE_ERROR_POLICIES:
+        raise ConfigError(f"on_save_error must be one of {_SAVE_ERROR_POLICIES}, got {on_save_error!r}")
+    if not _positive_finite(collective_timeout_s):
+        raise ConfigError(
+            f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}"
+        )
+    if not _positive_finite(storage_timeout_s):
+        raise ConfigError(
+            "storage_timeout_s must be a positive, finite number of seconds (the longest "
+            f"training waits on the storage at a due snapshot), got {storage_timeout_s!r}"
+        )
+
+
+def _positive_finite(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )

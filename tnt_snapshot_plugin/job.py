@@ -9,13 +9,24 @@ thread and keeps its outcome in a future too, so both are reaped alike.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from .errors import SnapshotError, UnrestorableStateError
+from .errors import (
+    SnapshotBusyWarning,
+    SnapshotError,
+    SnapshotFailedWarning,
+    SnapshotSkippedWarning,
+    SnapshotWriteError,
+    UnrestorableStateError,
+)
 from .naming import SnapshotName
+
+logger = logging.getLogger("tnt_snapshot_plugin.snapshotter")
 
 
 @dataclass
@@ -195,3 +206,162 @@ def is_ddp(obj: Any) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(obj, DistributedDataParallel)
+
+
+class JobTracking:
+    """The saver's one snapshot in flight: waiting for it (bounded by ``storage_timeout_s`` for
+    the cadences' snapshots), skipping a due one while it is stuck, reaping its outcome (the
+    ``snapshot_committed`` hook, or the failure, raised or warned as ``on_save_error`` says). A
+    part of :class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`."""
+
+    def _init_jobs(self) -> None:
+        """No snapshot in flight yet; figures from zero."""
+        #: the one thread that writes asynchronous snapshots
+        self._worker = Worker()
+        self.stats = SnapshotStats()
+        self._busy_warned = False
+        self._waited_s = 0.0
+        #: how long training has waited for writes at due snapshots since the last commit: at
+        #: most ``storage_timeout_s`` (then due snapshots are skipped while a write is pending)
+        self._blocked_s = 0.0
+        #: whether a skip was warned about since the last commit (one warning per outage)
+        self._skip_warned = False
+
+    def _skip(self, name: SnapshotName) -> None:
+        """The due snapshot ``name`` is not taken: a write is still pending, and training has
+        waited ``storage_timeout_s`` for writes since the last commit. One warning until a
+        snapshot commits again; every skip is counted (``stats.skipped``, ``snapshot/skipped``
+        in the metrics)."""
+        job = self._pending
+        assert job is not None
+        self.stats.skipped += 1
+        path = self._store.child(name.text)
+        if self._skip_warned:
+            logger.info("snapshot %s skipped: snapshot %s is still being written", path, job.path)
+            return
+        self._skip_warned = True
+        warnings.warn(
+            f"snapshot {path} (epoch {name.epoch}, step {name.step}) was skipped: snapshot "
+            f"{job.path} is still being written ({time.perf_counter() - job.started:.1f}s so far) "
+            f"and training has waited {self._blocked_s:.1f}s for the storage since the last "
+            f"commit, the most storage_timeout_s={self.config.storage_timeout_s:g} allows; the "
+            "storage is slow or not answering. Training goes on: until a snapshot commits again, "
+            "a snapshot due while a write is pending is skipped without waiting (each counted "
+            "as snapshot/skipped in the snapshot metrics, logged at INFO). Older snapshots are "
+            "intact",
+            SnapshotSkippedWarning,
+            stacklevel=4,
+        )
+
+    def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
+        """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
+        self._report_failure(failure_message(path, name, exc), exc, stacklevel=6)  # via save()
+
+    def _report_failure(self, message: str, exc: BaseException, stacklevel: int) -> None:
+        """Count a failed snapshot; raise it or keep warning about it, as ``on_save_error`` says."""
+        self.stats.failures += 1
+        if self.config.on_save_error == "raise":
+            raise SnapshotWriteError(message) from exc
+        self._failure = message
+        warnings.warn(message, SnapshotFailedWarning, stacklevel=stacklevel)
+
+    def wait(
+        self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None
+    ) -> bool:
+        """Block until the pending snapshot (if any) is committed or failed, and reap it.
+
+        ``timeout``: wait no longer than that, counting every such wait since the last commit
+        (False: it is still being written; nothing is reaped). None: as long as it takes."""
+        job = self._pending
+        if job is None:
+            self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
+            return True
+        busy = warn_busy and not job.done
+        started = time.perf_counter()
+        if timeout is None:
+            job.wait()
+        else:
+            done = job.wait(max(0.0, timeout - self._blocked_s))
+            self._blocked_s += time.perf_counter() - started
+            if not done:
+                return False
+        self._waited_s = 0.0
+        if busy:
+            self._note_busy_wait(job, time.perf_counter() - started)
+        if raise_errors:
+            self._reap()
+        else:
+            try:
+                self._reap()
+            except SnapshotError as exc:
+                logger.error("tnt_snapshot_plugin: %s", exc)
+        return True
+
+    def _note_busy_wait(self, job: Job, waited: float) -> None:
+        """Training waited for a snapshot still being written: warn once per run, count every time."""
+        self.stats.busy_waits += 1
+        self.stats.busy_wait_s += waited
+        self._waited_s = waited  # recorded with the snapshot about to be taken
+        if self._busy_warned:
+            logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
+            return
+        self._busy_warned = True
+        warnings.warn(
+            f"snapshot {job.name} was still being written when the next one was due; training "
+            f"waited {waited:.3f}s for it (consider snapshotting less often). Further waits in this "
+            "run are counted in the snapshot metrics and logged at DEBUG",
+            SnapshotBusyWarning,
+            stacklevel=4,
+        )
+
+    def _reap(self) -> None:
+        job, self._pending = self._pending, None
+        if job is None:
+            return
+        for message in job.warnings:
+            warnings.warn(message, stacklevel=3)
+        error = job.error
+        if isinstance(error, UnrestorableStateError):
+            # Not a storage failure that a later snapshot may not meet: every snapshot of this
+            # state would be unrestorable, so training stops whatever on_save_error says.
+            self.stats.failures += 1
+            self._last_name = None
+            raise error
+        if error is not None:
+            self._report_failure(failure_message(job.path, job.name, error), error, stacklevel=4)
+            return
+        self._failure = None
+        self._blocked_s = 0.0  # the storage answers: a new budget of waits
+        self._skip_warned = False
+        record = SnapshotRecord(
+            job.path,
+            job.name.epoch,
+            job.name.step,
+            job.stall_s,
+            job.durable_s,
+            bytes_written=job.bytes_written,
+            waited_s=job.waited_s,
+            busy_waits=self.stats.busy_waits,
+            skipped=self.stats.skipped,
+        )
+        self.stats.committed.append(record)
+        from .metrics import log_line
+
+        logger.info("%s", log_line(record))
+        self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
+            path=job.path, epoch=job.name.epoch, step=job.name.step, record=record
+        )
+
+    def _reap_or_warn(self, step: int) -> None:
+        """Reap a finished snapshot, or keep warning about the last failure."""
+        if self._pending is not None and self._pending.done:
+            self._reap()  # a failure just reaped has warned already
+        elif self._failure is not None:
+            self._warn_failure(step)
+
+    def _warn_failure(self, step: int) -> None:
+        warnings.warn(
+            f"{self._failure} No snapshot has succeeded since; training is at step {step}.",
+            SnapshotFailedWarning,
+            stacklevel=3,
+        )

@@ -1,5 +1,7 @@
-"""Taking a snapshot directory for a run: its lock, the leftovers of interrupted writes, and the
-warning about snapshots ahead of the run's progress (rank 0, at train start)."""
+"""A snapshot directory held by a run: its lock, the leftovers of interrupted writes and the
+warning about snapshots ahead of the run's progress (rank 0, at train start), and the name each
+snapshot claims in it (:class:`RunGuard`, a part of
+:class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import warnings
 from typing import Optional
 
 from . import retention
-from .errors import SnapshotError, SnapshotsAheadWarning
+from .errors import ConfigError, SnapshotError, SnapshotsAheadWarning
 from .naming import SnapshotName, is_staging_name
 from .stores import DirLock, Store
-from .stores.ownership import writer_gone, writer_identity
+from .stores.ownership import staging_token, writer_gone, writer_identity
 
 logger = logging.getLogger("tnt_snapshot_plugin.snapshotter")
 
@@ -90,3 +92,63 @@ def warn_ahead(dirpath: str, epoch: Optional[int], step: Optional[int], ahead: l
         SnapshotsAheadWarning,
         stacklevel=5,  # the framework's hook dispatch (adapter hook -> its _start -> train_start -> here)
     )
+
+
+class RunGuard:
+    """The saver's hold on its dirpath: taken at train start (rank 0), and each snapshot's name
+    and staging name claimed in it, agreed by the ranks."""
+
+    def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
+        if self._lock is None:
+            self._lock = lock(self._store, self._run_id)
+        return prepare(self._store, epoch, step)
+
+    def _claim(
+        self, name: SnapshotName, epoch: int, step: int, eval_step: Optional[int]
+    ) -> Optional[tuple[SnapshotName, str]]:
+        """The snapshot's name (rank 0's metric in it) and staging name, agreed by the ranks; None
+        when this run saved it already or the storage is unreachable (reported as a failure)."""
+        # Rank 0 also picks the staging name, which every rank then writes into.
+        self._writes += 1
+        token = staging_token(self._run_id, self._writes)
+
+        def on_rank0() -> tuple[bool, str, str]:
+            # The monitored metric is read on rank 0 only, inside the agreement: a metric that
+            # only rank 0 sets works, and its error reaches every rank instead of leaving the
+            # others waiting here.
+            chosen = name if self._metric is None else self._name(epoch, step, eval_step, self._metric())
+            return (
+                self._saved_by_this_run(chosen.text),
+                self._store.staging_for(chosen.text, token),
+                chosen.text,
+            )
+
+        try:
+            exists, staging, chosen = self.collectives.on_rank0(on_rank0)
+        except ConfigError:
+            self._last_name = None
+            raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
+        except Exception as exc:  # the storage is unreachable (botocore retried already)
+            self._last_name = None
+            self._fail(name, self._store.child(name.text), exc)
+            return None
+        if exists:
+            logger.info("snapshot %s already exists; not writing it again", name.text)
+            return None
+        if chosen != name.text:  # rank 0's metric names the snapshot
+            name = SnapshotName.parse(chosen) or name
+        return name, staging
+
+    def _saved_by_this_run(self, name: str) -> bool:
+        """Whether this run committed snapshot ``name`` already, and it is still there (one read
+        of its index, only for a name this run committed: a snapshot's stall does no I/O for
+        this). Another run's snapshot of that name is replaced: it is not this run's state."""
+        if name not in self._writer.committed:
+            return False
+        index = self._store.read_index(name)
+        writer = index.get("writer") if index is not None else None
+        return (
+            isinstance(writer, dict)
+            and writer.get("run_id") == self._run_id
+            and self._store.is_complete(name)
+        )

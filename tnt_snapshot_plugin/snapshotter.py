@@ -25,20 +25,37 @@ How a snapshot is taken (asynchronous mode):
    deletes older snapshots only then.
 3. at the next hook on the training thread: the outcome is reaped - the ``snapshot_committed``
    hook runs, or the failure is reported with its step.
+
+Constructor arguments beyond ``dirpath``, ``config`` (SnapshotConfig), ``process_group`` and
+``plugin_manager`` (default: a new one for this saver, entry-point plugins loaded):
+``never_replicated``: entry keys that differ between ranks by nature (beyond the built-in
+reserved and ``*_progress`` keys), never marked replicated whatever the ``replicated`` globs
+say. ``on_preempted(signum)``: called once the preemption snapshot is durable, instead of
+handing the signal to the handler that was installed before the saver's, for frameworks with
+their own way to stop on a signal (it may raise to stop training). ``clock``: the time source of
+``save_every_n_seconds`` (tests pass a fake one). ``weights_only``: how restore will load this
+run's snapshots. True (default): every snapshot is checked to load under
+``torch.load(weights_only=True)`` and the plugin's safe globals before it is written
+(``loading.LoadCheck``; UnrestorableStateError otherwise). False: no check; the snapshots must
+then be restored with ``weights_only=False``. ``metric``: the adapter's source of the monitored
+metric (best-k retention, ``config.best``): called on the training thread only when a snapshot
+is taken, returns (name, value) or None (the snapshot is then saved without a metric); the value
+goes into the snapshot's name (``..._<name>=<value>``) and index. It may raise ConfigError (a
+metric the framework never produced), which stops training whatever ``on_save_error`` says.
+Under torch.distributed rank 0's value names the snapshot.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import pluggy
 
-from . import policies, run_guard
+from . import run_guard
 from .app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
@@ -48,72 +65,33 @@ from .app_state import (
     freeze_without_copy,
     replicated_patterns,
 )
-from .cadence import GO_ON, PREEMPTED, TIME_DUE, WallClock
 from .config import SnapshotConfig
-from .distributed import AgreedFlag, Collectives, is_initialized
+from .distributed import Collectives, is_initialized
 from .errors import (
-    ConfigError,
-    SnapshotBusyWarning,
-    SnapshotError,
     SnapshotFailedWarning,
-    SnapshotSkippedWarning,
-    SnapshotWriteError,
-    UnrestorableStateError,
 )
-from .job import Job, SnapshotRecord, SnapshotStats, Worker, failure_message, is_ddp, uncopyable
+from .events import Collect, SaverEvents
+from .job import Job, JobTracking, is_ddp, uncopyable
 from .loading import LoadCheck
 from .naming import SnapshotName
-from .plugins import PluginManager, check_plugin, extra_state_sources, new_plugin_manager
-from .policies import Moment
-from .preemption import PreemptionHandler
+from .plugins import new_plugin_manager
+from .run_guard import RunGuard
+from .saver_plugins import SaverPlugins
 from .stores import DirLock, Store, open_store
-from .stores.ownership import live_runs, new_run_id, staging_token
+from .stores.ownership import live_runs, new_run_id
 from .writer_job import SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
-Collect = Callable[[bool], Mapping[str, Any]]
-
-
-T = TypeVar("T")
 
 #: The events whose snapshot is skipped, rather than waited for, when the previous snapshot is
 #: still being written after ``storage_timeout_s``: the cadences. A final or preemption snapshot
 #: (and one the user asks for) waits for the previous one, however long it takes.
 _BOUNDED_EVENTS = frozenset({"step", "epoch", "eval_epoch"})
 
-#: The step gate when no step cadence is set: no step count reaches it.
-_NEVER = 1 << 62
 
-
-class _GateInput(Generic[T]):
-    """An attribute of :class:`Snapshotter` that its step gate depends on: each assignment
-    recomputes ``Snapshotter.step_gate``. There is no ``__get__`` at run time, so reads come
-    straight from the instance dict, as for a plain attribute."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __set__(self, obj: "Snapshotter", value: T) -> None:
-        obj.__dict__[self._name] = value
-        obj._regate()
-
-    if TYPE_CHECKING:  # what a read returns, for the type checker only
-
-        def __get__(self, obj: "Snapshotter", objtype: Optional[type] = None) -> T: ...
-
-
-class Snapshotter:
+class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
     """Cadence, naming, async bookkeeping, commit and retention for one snapshot directory."""
-
-    # What makes a step end more than a cadence check (see step_gate): the snapshot being
-    # written and the last failure (reaped or reported at the next hook), prepare()'s second pass
-    # (at the run's first step that does not snapshot), the wall-clock cadence, the signal handler.
-    _pending: _GateInput[Optional[Job]] = _GateInput()
-    _failure: _GateInput[Optional[str]] = _GateInput()
-    _prepare_again: _GateInput[Optional[Callable[[], Mapping[str, Any]]]] = _GateInput()
-    _wall: _GateInput[Optional[WallClock]] = _GateInput()
-    _preemption: _GateInput[Optional[PreemptionHandler]] = _GateInput()
 
     def __init__(
         self,
@@ -128,54 +106,12 @@ class Snapshotter:
         weights_only: bool = True,
         metric: Optional[Callable[[], Optional[tuple[str, float]]]] = None,
     ) -> None:
-        """``never_replicated``: entry keys that differ between ranks by nature (beyond the
-        built-in reserved and ``*_progress`` keys), never marked replicated whatever the
-        ``replicated`` globs say. ``on_preempted(signum)``: called once the preemption snapshot is
-        durable, instead of handing the signal to the handler that was installed before the saver's,
-        for frameworks with their own way to stop on a signal (it may raise to stop training).
-        ``clock``: the time source of ``save_every_n_seconds`` (tests pass a fake one).
-        ``weights_only``: how restore will load this run's snapshots. True (default): every
-        snapshot is checked to load under ``torch.load(weights_only=True)`` and the plugin's safe
-        globals before it is written (``loading.LoadCheck``; UnrestorableStateError otherwise).
-        False: no check; the snapshots must then be restored with ``weights_only=False``.
-        ``metric``: the adapter's source of the monitored metric (best-k retention,
-        ``config.best``): called on the training thread only when a snapshot is taken, returns
-        (name, value) or None (the snapshot is then saved without a metric); the value goes into
-        the snapshot's name (``..._<name>=<value>``) and index. It may raise ConfigError (a
-        metric the framework never produced), which stops training whatever ``on_save_error``
-        says. Under torch.distributed rank 0's value names the snapshot.
-        """
         self.config = config
         #: this saver's hooks: a manager of its own (entry-point plugins loaded) unless one is given
         self.plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
-        #: when to snapshot: the cadences and the user's policies (any), then the plugins' word
-        self.decisions = policies.save_policies(config)
-        self._plugin_decision = policies.PluginDecision(self.plugin_manager)
-        self._ask_should = self._plugin_decision.active
-        if isinstance(self.plugin_manager, PluginManager):
-            self.plugin_manager.on_change(self._plugins_changed)
-        #: the wall-clock cadence's interval (EveryNSeconds among the decisions; the shortest)
-        self._wall_s = min(
-            (p.seconds for p in self.decisions.policies if isinstance(p, policies.EveryNSeconds)), default=None
-        )
-        #: Step ends from :attr:`last_step` (again) to before this step count need no step_end() call:
-        #: nothing is pending or failed, no buffers to prepare, no wall clock, no plugin asking,
-        #: no signal received, and neither the step cadence nor (under torch.distributed) the
-        #: ranks' next agreement is due before it. 0 (every step) while something needs a look,
-        #: and until a step end has told the run's step count. The adapters skip a step end when
-        #: ``last_step <= step < step_gate``; it is recomputed after every step_end() that ran,
-        #: whenever one of its inputs is assigned (_GateInput), and when a watched signal arrives.
-        self.step_gate = 0
-        #: the step of the last step end that ran (-1: none yet this run). A step count below it
-        #: (progress rolled back mid-run by a restore) always reaches step_end().
-        self.last_step = -1
-        self.__dict__.update(
-            _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
-        )
-        self._regate()
+        self._init_events(config, clock, on_preempted)
         self._process_group = process_group
         self._never_replicated = tuple(never_replicated)
-        self._on_preempted = on_preempted
         self._metric = metric
         # Under torch.distributed only rank 0's dirpath counts (the others may pass anything,
         # "" included): it is opened once broadcast, in attach(), on every rank alike.
@@ -186,26 +122,10 @@ class Snapshotter:
             else open_store(dirpath, config.storage_options, timeout_s=config.storage_timeout_s)
         )
         self._coll: Optional[Collectives] = None
-        # The preemption agreement runs on the training thread while the writer thread
-        # may be inside a collective on self._coll: it gets a group of its own.
-        self._flag_coll: Optional[Collectives] = None
         self._stager = Stager()
-        #: the one thread that writes asynchronous snapshots (job.py)
-        self._worker = Worker()
         self._load_check = LoadCheck(weights_only=weights_only)
         self._last_name: Optional[str] = None
-        # The wall-clock cadence (cadence.py, _wall), made at train start; its votes ride on the
-        # preemption agreement, or on an agreement of their own when preemption is off.
-        self._clock = clock
-        self._wall_flag: Optional[AgreedFlag] = None
-        self.stats = SnapshotStats()
-        self._busy_warned = False
-        self._waited_s = 0.0
-        #: how long training has waited for writes at due snapshots since the last commit: at
-        #: most ``storage_timeout_s`` (then due snapshots are skipped while a write is pending)
-        self._blocked_s = 0.0
-        #: whether a skip was warned about since the last commit (one warning per outage)
-        self._skip_warned = False
+        self._init_jobs()
         self._metrics: Optional[Any] = None
         #: identifies this saver's run in its writes (staging names, markers, the index), so a
         #: leftover can be told from a live write; renewed at each train start
@@ -218,31 +138,6 @@ class Snapshotter:
         #: the run resumed from, as Lightning's ModelCheckpoint keeps it)
         self.protected: set[str] = set()
         self.attach()
-
-    # -- plugins ------------------------------------------------------------------------------
-
-    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
-        """Register ``plugin`` on this saver only (its ``@hookimpl`` methods apply from the next
-        hook on) and return its name. Raises ConfigError, registering nothing, when a
-        ``tnt_snapshot_plugin_*`` attribute is not a known hook (a misspelling), lacks the
-        ``@hookimpl`` marker, or takes a parameter its hook does not have."""
-        pm = self.plugin_manager
-        if isinstance(pm, PluginManager):
-            return pm.register(plugin, name)  # checked, and tells _plugins_changed
-        registered = check_plugin(pm, plugin, name)
-        self._plugins_changed()
-        return registered
-
-    def unregister(self, plugin: Any) -> None:
-        """Remove a plugin registered on this saver; its hooks are not called from then on."""
-        self.plugin_manager.unregister(plugin)
-        if not isinstance(self.plugin_manager, PluginManager):
-            self._plugins_changed()
-
-    def _plugins_changed(self) -> None:
-        """A plugin came or went: read again which optional hooks are implemented."""
-        self._ask_should = self._plugin_decision.active
-        self._regate()
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -316,24 +211,7 @@ class Snapshotter:
         if ahead and self.collectives.rank == 0 and not self._warned_ahead:
             self._warned_ahead = True
             run_guard.warn_ahead(self.dirpath, epoch, step, ahead)
-        if self.config.preemption_signals and self._preemption is None:
-            assert self._flag_coll is not None
-            self._preemption = PreemptionHandler(
-                self.config.preemption_signals, self._flag_coll, on_signal=self._regate, clock=self._clock
-            )
-            self._preemption.install()
-        if self._wall_s is not None:
-            assert self._flag_coll is not None
-            self._wall = WallClock(
-                self._wall_s,
-                is_rank0=self.collectives.rank == 0,
-                delayed=self._flag_coll.world_size > 1,
-                clock=self._clock,
-            )
-            self._wall.restart()
-            if self._flag_coll.world_size > 1 and self._preemption is None:
-                # no preemption agreement to ride on
-                self._wall_flag = AgreedFlag(self._flag_coll, self._clock)
+        self._start_watching()
 
     def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
         """Allocate and touch the staging buffers of asynchronous snapshots now, for the state
@@ -358,110 +236,7 @@ class Snapshotter:
         finally:
             self._stager.take_sources()  # let go of the training's tensors (not a snapshot's stall)
 
-    def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
-        if self._lock is None:
-            self._lock = run_guard.lock(self._store, self._run_id)
-        return run_guard.prepare(self._store, epoch, step)
-
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
-
-    def _regate(self) -> None:
-        """Recompute :attr:`step_gate` from its inputs."""
-        preemption, last = self._preemption, self.last_step
-        if (
-            last < 0
-            or self._pending is not None
-            or self._failure is not None
-            or self._prepare_again is not None
-            or self._wall is not None
-            or self._ask_should
-            or (preemption is not None and preemption.received is not None)
-        ):
-            self.step_gate = 0
-            return
-        gate = self.decisions.next_step(last)  # e.g. EveryNSteps: the next multiple of n
-        if gate is None:
-            gate = _NEVER
-        if preemption is not None and preemption.distributed:  # one process: the signal opens it
-            gate = min(gate, preemption.next_poll(last + 1))
-        self.step_gate = gate
-        if preemption is not None and preemption.received is not None:
-            # The signal came while this ran (its handler runs between two bytecodes of it):
-            # the handler's own gate of 0 may have just been overwritten above.
-            self.step_gate = 0
-
-    def step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        # The hot path. A training loop runs it cold (the step's own work has evicted it from
-        # the CPU caches), so the common step, which has nothing to do, reads two attributes and
-        # returns (step_gate; the adapters check it before calling).
-        if self.last_step <= step < self.step_gate:
-            return
-        try:
-            self._step_end(epoch, step, collect)
-        finally:
-            self.last_step = step
-            self._regate()
-
-    def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
-        if self._pending is not None or self._failure is not None:
-            self._reap_or_warn(step)
-        preemption, wall = self._preemption, self._wall
-        agreed = GO_ON
-        # In one process every step polls (the vote is the answer); under torch.distributed
-        # only the agreement's steps do, the same on every rank (AgreedFlag), and the votes
-        # are cast there.
-        if preemption is not None:
-            if preemption.due(step):
-                agreed = preemption.poll(GO_ON if wall is None else wall.vote(), step)
-                if agreed == PREEMPTED:
-                    self._preempt(epoch, step, collect)
-                    return
-        elif wall is not None:
-            flag = self._wall_flag
-            if flag is None:
-                agreed = wall.vote()
-            elif flag.due(step):
-                agreed = flag.poll(wall.vote(), step)
-        time_due = agreed == TIME_DUE and wall is not None and wall.due(agreed)
-        self._save_if_due(Moment("step", epoch, step, time_due=time_due), collect, True)
-
-    def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
-        self._reap_or_warn(step)
-        self._save_if_due(Moment("epoch", epoch, step), collect, False)
-
-    def eval_epoch_end(
-        self, epoch: int, step: int, eval_epoch: int, eval_step: int, collect: Collect
-    ) -> None:
-        """An eval epoch ended while training (``eval_epoch`` eval epochs and ``eval_step`` eval
-        steps completed): snapshot if the eval cadence (or a plugin) says so. The snapshot is named
-        ``epoch_E_step_S_eval_V``: after the train snapshot of the same step, never the same name."""
-        self._reap_or_warn(step)
-        moment = Moment("eval_epoch", epoch, step, eval_epoch=eval_epoch)
-        due = self.decisions.should_save(moment)
-        if self._ask_should:
-            due = self._plugin_decision.decide(moment, due)
-        if due:
-            self.save(
-                epoch, step, functools.partial(collect, False), event="eval_epoch", eval_step=eval_step
-            )
-
-    def _reap_or_warn(self, step: int) -> None:
-        """Reap a finished snapshot, or keep warning about the last failure."""
-        if self._pending is not None and self._pending.done:
-            self._reap()  # a failure just reaped has warned already
-        elif self._failure is not None:
-            self._warn_failure(step)
-
-    def _save_if_due(self, moment: Moment, collect: Collect, intra_epoch: bool) -> None:
-        due = self.decisions.should_save(moment)
-        if self._ask_should:
-            due = self._plugin_decision.decide(moment, due)
-        if due:
-            self._prepare_again = None  # the snapshot staged everything
-            self.save(moment.epoch, moment.step, functools.partial(collect, intra_epoch), event=moment.event)
-        elif self._prepare_again is not None and self._pending is None:
-            again, self._prepare_again = self._prepare_again, None
-            self._stage_for_prepare(again)
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
         """Take the final snapshot unless this state is already saved, and wait for it."""
@@ -490,36 +265,13 @@ class Snapshotter:
             live_runs.discard(self._run_id)
             self._run_id = new_run_id()
             self._writer.new_run()
-        if self._preemption is not None:
-            self._preemption.uninstall()
-            self._preemption = None
-        if self._wall_flag is not None:
-            self._wall_flag.drain()
-            self._wall_flag = None
-        self._wall = None
+        self._stop_triggers()
         self.report_metrics(None)
         self._prepare_again = None
         if self._pending is None:
             self._stager = Stager()
             self._writer.close()
             self._worker.close()
-
-    def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
-        assert self._preemption is not None
-        logger.warning("tnt_snapshot_plugin: preemption signal received; snapshotting step %d", step)
-        self.save(epoch, step, functools.partial(collect, True), event="preemption")
-        self.wait()
-        preemption, self._preemption = self._preemption, None
-        if self._wall is not None and self._flag_coll is not None and self._flag_coll.world_size > 1:
-            # Training may go on (a handler that returns): the time cadence's votes need an
-            # agreement of their own now; its first poll comes after the handler's is drained.
-            self._wall_flag = AgreedFlag(self._flag_coll, self._clock)
-        if self._on_preempted is None:
-            preemption.finish()
-            return
-        signum = preemption.received_signal
-        preemption.uninstall()
-        self._on_preempted(signum)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -558,35 +310,23 @@ class Snapshotter:
             self._skip(name)
             return False
         self._last_name = progress
-        # Rank 0 also picks the staging name, which every rank then writes into.
-        self._writes += 1
-        token = staging_token(self._run_id, self._writes)
-
-        def on_rank0() -> tuple[bool, str, str]:
-            # The monitored metric is read on rank 0 only, inside the agreement: a metric that
-            # only rank 0 sets works, and its error reaches every rank instead of leaving the
-            # others waiting here.
-            chosen = name if self._metric is None else self._name(epoch, step, eval_step, self._metric())
-            return (
-                self._saved_by_this_run(chosen.text),
-                self._store.staging_for(chosen.text, token),
-                chosen.text,
-            )
-
-        try:
-            exists, staging, chosen = self.collectives.on_rank0(on_rank0)
-        except ConfigError:
-            self._last_name = None
-            raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
-        except Exception as exc:  # the storage is unreachable (botocore retried already)
-            self._last_name = None
-            self._fail(name, self._store.child(name.text), exc)
+        claimed = self._claim(name, epoch, step, eval_step)
+        if claimed is None:
             return False
-        if exists:
-            logger.info("snapshot %s already exists; not writing it again", name.text)
-            return False
-        if chosen != name.text:  # rank 0's metric names the snapshot
-            name = SnapshotName.parse(chosen) or name
+        self._start(claimed[0], claimed[1], event, epoch, step, app_state)
+        return True
+
+    def _start(
+        self,
+        name: SnapshotName,
+        staging: str,
+        event: str,
+        epoch: int,
+        step: int,
+        app_state: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]]],
+    ) -> None:
+        """Collect and stage the state (the training's stall), then write it: in the background
+        (asynchronous) or now."""
         if callable(app_state):
             app_state = app_state()
         # The unit's own keys were checked at train start; the adapter may add reserved entries
@@ -595,23 +335,8 @@ class Snapshotter:
             event, epoch, step, [k for k in app_state if k not in RESERVED_KEYS]
         )
         entries = {**app_state, **extra, RNG_STATE_KEY: RNGState()}
-
         started = time.perf_counter()
-        sources = None
-        if self.config.async_snapshot:
-            try:
-                frozen = self._stager.stage(entries)
-            except Exception as exc:
-                refused = uncopyable(name, entries, exc)
-                if refused is None:
-                    raise
-                self._last_name = None
-                self.stats.failures += 1
-                raise refused from exc
-            finally:
-                sources = self._stager.take_sources()
-        else:
-            frozen = freeze_without_copy(entries)
+        frozen, sources = self._freeze(name, entries)
         auto = [key for key, obj in app_state.items() if is_ddp(obj)]
         job = Job(
             waited_s=self._waited_s,
@@ -636,161 +361,22 @@ class Snapshotter:
         logger.debug("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
         if self._wall is not None:
             self._wall.restart()  # the interval counts training time, not this stall
-        return True
 
-    def _skip(self, name: SnapshotName) -> None:
-        """The due snapshot ``name`` is not taken: a write is still pending, and training has
-        waited ``storage_timeout_s`` for writes since the last commit. One warning until a
-        snapshot commits again; every skip is counted (``stats.skipped``, ``snapshot/skipped``
-        in the metrics)."""
-        job = self._pending
-        assert job is not None
-        self.stats.skipped += 1
-        path = self._store.child(name.text)
-        if self._skip_warned:
-            logger.info("snapshot %s skipped: snapshot %s is still being written", path, job.path)
-            return
-        self._skip_warned = True
-        warnings.warn(
-            f"snapshot {path} (epoch {name.epoch}, step {name.step}) was skipped: snapshot "
-            f"{job.path} is still being written ({time.perf_counter() - job.started:.1f}s so far) "
-            f"and training has waited {self._blocked_s:.1f}s for the storage since the last "
-            f"commit, the most storage_timeout_s={self.config.storage_timeout_s:g} allows; the "
-            "storage is slow or not answering. Training goes on: until a snapshot commits again, "
-            "a snapshot due while a write is pending is skipped without waiting (each counted "
-            "as snapshot/skipped in the snapshot metrics, logged at INFO). Older snapshots are "
-            "intact",
-            SnapshotSkippedWarning,
-            stacklevel=4,
-        )
-
-    def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
-        """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
-        self._report_failure(failure_message(path, name, exc), exc, stacklevel=5)
-
-    def _report_failure(self, message: str, exc: BaseException, stacklevel: int) -> None:
-        """Count a failed snapshot; raise it or keep warning about it, as ``on_save_error`` says."""
-        self.stats.failures += 1
-        if self.config.on_save_error == "raise":
-            raise SnapshotWriteError(message) from exc
-        self._failure = message
-        warnings.warn(message, SnapshotFailedWarning, stacklevel=stacklevel)
-
-    def _saved_by_this_run(self, name: str) -> bool:
-        """Whether this run committed snapshot ``name`` already, and it is still there (one read
-        of its index, only for a name this run committed: a snapshot's stall does no I/O for
-        this). Another run's snapshot of that name is replaced: it is not this run's state."""
-        if name not in self._writer.committed:
-            return False
-        index = self._store.read_index(name)
-        writer = index.get("writer") if index is not None else None
-        return (
-            isinstance(writer, dict)
-            and writer.get("run_id") == self._run_id
-            and self._store.is_complete(name)
-        )
-
-    def wait(
-        self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None
-    ) -> bool:
-        """Block until the pending snapshot (if any) is committed or failed, and reap it.
-
-        ``timeout``: wait no longer than that, counting every such wait since the last commit
-        (False: it is still being written; nothing is reaped). None: as long as it takes."""
-        job = self._pending
-        if job is None:
-            self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
-            return True
-        busy = warn_busy and not job.done
-        started = time.perf_counter()
-        if timeout is None:
-            job.wait()
-        else:
-            done = job.wait(max(0.0, timeout - self._blocked_s))
-            self._blocked_s += time.perf_counter() - started
-            if not done:
-                return False
-        self._waited_s = 0.0
-        if busy:
-            self._note_busy_wait(job, time.perf_counter() - started)
-        if raise_errors:
-            self._reap()
-        else:
-            try:
-                self._reap()
-            except SnapshotError as exc:
-                logger.error("tnt_snapshot_plugin: %s", exc)
-        return True
-
-    def _note_busy_wait(self, job: Job, waited: float) -> None:
-        """Training waited for a snapshot still being written: warn once per run, count every time."""
-        self.stats.busy_waits += 1
-        self.stats.busy_wait_s += waited
-        self._waited_s = waited  # recorded with the snapshot about to be taken
-        if self._busy_warned:
-            logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
-            return
-        self._busy_warned = True
-        warnings.warn(
-            f"snapshot {job.name} was still being written when the next one was due; training "
-            f"waited {waited:.3f}s for it (consider snapshotting less often). Further waits in this "
-            "run are counted in the snapshot metrics and logged at DEBUG",
-            SnapshotBusyWarning,
-            stacklevel=4,
-        )
-
-    def report_metrics(self, sink: Optional[Callable[[dict[str, float], int], None]]) -> None:
-        """Send each committed snapshot's figures (:func:`metrics.snapshot_metrics`) to
-        ``sink(metrics, step)`` on rank 0, until training ends; None stops. Adapters pass the
-        framework's logger here."""
-        from .metrics import MetricsReporter
-
-        if self._metrics is not None:
-            with contextlib.suppress(ValueError):
-                self.plugin_manager.unregister(self._metrics)
-            self._metrics = None
-        if sink is not None:
-            self._metrics = MetricsReporter(sink, self)
-            self.plugin_manager.register(self._metrics)
-
-    def _name(
-        self,
-        epoch: int,
-        step: int,
-        eval_step: Optional[int] = None,
-        metric: Optional[tuple[str, float]] = None,
-    ) -> SnapshotName:
+    def _freeze(self, name: SnapshotName, entries: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """``entries``' state dicts as the write reads them: copied into the staging buffers
+        (asynchronous) or as they are; and the tensors copied from, for the writer to let go."""
+        if not self.config.async_snapshot:
+            return freeze_without_copy(entries), None
         try:
-            default = SnapshotName.of(epoch, step, eval_step, metric)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"the monitored metric {metric!r} cannot name a snapshot: {exc}") from exc
-        chosen = self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_name(
-            epoch=epoch, step=step, default=default.text
-        )
-        if chosen is None or chosen == default.text:
-            return default
-        parsed = SnapshotName.parse(chosen) if isinstance(chosen, str) else None
-        if (
-            parsed is None
-            or parsed.phase_aware
-            or (parsed.epoch, parsed.step, parsed.eval_step) != (epoch, step, eval_step)
-        ):
-            raise ConfigError(
-                f"a tnt_snapshot_plugin_snapshot_name hook returned {chosen!r}; it must be "
-                f"{default.text!r}, optionally followed by '_metric=value', so restore can find it"
-            )
-        return parsed
-
-    def _extra_state_sources(self, event: str, epoch: int, step: int) -> list[tuple[str, dict[str, Any]]]:
-        return extra_state_sources(self.plugin_manager, event, epoch, step)
-
-    def _extra_state(self, event: str, epoch: int, step: int, unit_keys: Iterable[str]) -> dict[str, Any]:
-        sources = self._extra_state_sources(event, epoch, step)
-        check_collisions(unit_keys, sources)
-        merged: dict[str, Any] = {}
-        for _source, entries in sources:
-            merged.update(entries)
-        return merged
+            return self._stager.stage(entries), self._stager.take_sources()
+        except Exception as exc:
+            self._stager.take_sources()
+            refused = uncopyable(name, entries, exc)
+            if refused is None:
+                raise
+            self._last_name = None
+            self.stats.failures += 1
+            raise refused from exc
 
     # -- the background write -----------------------------------------------------------------
 
@@ -801,49 +387,4 @@ class Snapshotter:
         time.sleep(0)
         job.sources = None  # the training's tensors copied from: freed here, not in the stall
         self._writer.write(job, self._run_id, locked=self._lock is not None)
-
-    def _reap(self) -> None:
-        job, self._pending = self._pending, None
-        if job is None:
-            return
-        for message in job.warnings:
-            warnings.warn(message, stacklevel=3)
-        error = job.error
-        if isinstance(error, UnrestorableStateError):
-            # Not a storage failure that a later snapshot may not meet: every snapshot of this
-            # state would be unrestorable, so training stops whatever on_save_error says.
-            self.stats.failures += 1
-            self._last_name = None
-            raise error
-        if error is not None:
-            self._report_failure(failure_message(job.path, job.name, error), error, stacklevel=4)
-            return
-        self._failure = None
-        self._blocked_s = 0.0  # the storage answers: a new budget of waits
-        self._skip_warned = False
-        record = SnapshotRecord(
-            job.path,
-            job.name.epoch,
-            job.name.step,
-            job.stall_s,
-            job.durable_s,
-            bytes_written=job.bytes_written,
-            waited_s=job.waited_s,
-            busy_waits=self.stats.busy_waits,
-            skipped=self.stats.skipped,
-        )
-        self.stats.committed.append(record)
-        from .metrics import log_line
-
-        logger.info("%s", log_line(record))
-        self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
-            path=job.path, epoch=job.name.epoch, step=job.name.step, record=record
-        )
-
-    def _warn_failure(self, step: int) -> None:
-        warnings.warn(
-            f"{self._failure} No snapshot has succeeded since; training is at step {step}.",
-            SnapshotFailedWarning,
-            stacklevel=3,
-        )
 
