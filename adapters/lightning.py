@@ -34,12 +34,18 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
   hands every other path to the ``CheckpointIO`` it wraps, so ``ModelCheckpoint`` works as before.
   Lightning then restores that dict as it restores its own checkpoints. At ``teardown`` (or on
   an exception) the strategy's own ``CheckpointIO`` is put back.
+
+This module is the callback itself: Lightning's events mapped onto the core's
+:class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`. The rest lives beside it, one job a module:
+``lightning_options`` (``ModelCheckpoint``'s arguments, checked and mapped), ``lightning_engine``
+(the Snapshotter, ``dirpath`` resolution, pickling for ``ddp_spawn``), ``lightning_best`` (best-k),
+``lightning_resume`` (``ckpt_path``, the RNG around a resume), ``lightning_io`` (the CheckpointIO)
+and ``lightning_restore`` (restores outside ``fit``).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import signal
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -47,17 +53,15 @@ import pluggy
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from tnt_snapshot_plugin.app_state import RESERVED_KEYS, Value
-from tnt_snapshot_plugin.errors import ConfigError, KeyCollisionError
-from tnt_snapshot_plugin.plugins import check_plugin, new_plugin_manager
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.errors import KeyCollisionError
 
 from . import lightning_restore
 from .lightning_best import BestSnapshots, MonitorNotFoundError
+from .lightning_engine import NEVER_REPLICATED, SaverEngine
 from .lightning_io import Restored, SnapshotCheckpointIO, snapshot_path
 from .lightning_options import NOT_APPLICABLE, InvalidArgumentError, refuse_not_applicable, saver_config
 from .lightning_resume import ResumeFromSnapshots
@@ -78,11 +82,9 @@ LIGHTNING_KEYS = (
     "optimizer_states",
     "lr_schedulers",
 )
-#: Entries that can differ between ranks (per-rank loader positions, callback states).
-NEVER_REPLICATED = ("loops", "callbacks")
 
 
-class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
+class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
     """Snapshot a Lightning run's whole training state in torchsnapshot's format; resume it exactly.
 
     Use it when a run must survive crashes and preemption without losing more than a few steps,
@@ -237,112 +239,15 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
         self.verbose, self.save_last, self.save_top_k = verbose, save_last, save_top_k
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._weights_only = weights_only
-        self._portable = process_group is None and plugin_manager is None
-        self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
-        if isinstance(self._given_dirpath, str) and self._given_dirpath.startswith("~"):
-            self._given_dirpath = os.path.expanduser(self._given_dirpath)  # as ModelCheckpoint does
-        self._process_group = process_group
-        self._plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
-        self._engine: Optional[Snapshotter] = None
-        if self._given_dirpath is not None:
-            self._make_engine(self._given_dirpath)
         self._trainer: Optional[pl.Trainer] = None
         self._collect: Callable[[bool], dict[str, Value]] = _not_started
         self._warned_unlogged = False
         self._last_step: Optional[int] = None
-        self._last_committed: Optional[str] = None
         #: (epoch, step) of the last snapshot this run took (the final one is not taken again)
         self._saved_at: Optional[tuple[int, int]] = None
         self._announced = 0
         self._init_resume()
-
-    def _make_engine(self, dirpath: str) -> Snapshotter:
-        self._engine = Snapshotter(
-            dirpath,
-            self._config,
-            process_group=self._process_group,
-            plugin_manager=self._plugin_manager,
-            never_replicated=NEVER_REPLICATED,
-            on_preempted=_stop_like_lightning,
-            weights_only=self._weights_only,
-            metric=self._monitored_value if self._config.best is not None else None,
-        )
-        return self._engine
-
-    def _resolve_dirpath(self, trainer: pl.Trainer) -> Snapshotter:
-        """The engine, made on first use with ``dirpath`` resolved as ``ModelCheckpoint`` does."""
-        if self._engine is None:
-            if trainer.loggers:
-                first = trainer.loggers[0]
-                save_dir = first.save_dir if first.save_dir is not None else trainer.default_root_dir
-                version = first.version if isinstance(first.version, str) else f"version_{first.version}"
-                path = os.path.join(save_dir, str(first.name), version, "checkpoints")
-            else:
-                path = os.path.join(trainer.default_root_dir, "checkpoints")
-            self._make_engine(path)
-        assert self._engine is not None
-        return self._engine
-
-    @property
-    def _snapshotter(self) -> Snapshotter:
-        if self._engine is None:
-            raise ConfigError(
-                "TorchSnapshotSaver(dirpath=None) has no dirpath until the Trainer's setup "
-                "resolves it (under the logger's directory or default_root_dir, as "
-                "ModelCheckpoint does); pass dirpath to use it before training"
-            )
-        return self._engine
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
-        if not self._portable:
-            raise TypeError(
-                "a TorchSnapshotSaver given its own process_group or plugin_manager (or plugins) cannot be sent "
-                'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
-                'the training process, or use strategy="ddp"'
-            )
-        if (self._engine is not None and self._engine.stats.committed) or self._io is not None:
-            raise TypeError(
-                "a TorchSnapshotSaver that has already trained cannot be sent to another process; "
-                "create a new one"
-            )
-        return {"arguments": self._arguments, "last_committed": self._last_committed}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        arguments = dict(state["arguments"])
-        self.__init__(arguments.pop("dirpath"), **arguments)  # type: ignore[misc]
-        self._last_committed = state["last_committed"]
-
-    # -- what Lightning and users read ----------------------------------------------------------
-
-    @property
-    def dirpath(self) -> Optional[str]:  # type: ignore[override]
-        """Parent directory the snapshots are saved to (rank 0's, once training started); None
-        until ``setup`` resolves it when none was given."""
-        return self._engine.dirpath if self._engine is not None else None
-
-    @dirpath.setter
-    def dirpath(self, value: Any) -> None:
-        raise AttributeError("TorchSnapshotSaver.dirpath is set by its constructor (or resolved at setup)")
-
-    @property
-    def snapshotter(self) -> Snapshotter:
-        """The framework-neutral engine (stats, wait(), the plugin manager)."""
-        return self._snapshotter
-
-    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
-        """Register a plugin on this saver only, checked at once (:meth:`Snapshotter.register`)."""
-        self._portable = False  # a registered plugin would not travel with ddp_spawn's pickle
-        if self._engine is not None:
-            return self._engine.register(plugin, name)
-        return check_plugin(self._plugin_manager, plugin, name)
-
-    def unregister(self, plugin: Any) -> None:
-        """Remove a plugin registered on this saver."""
-        if self._engine is not None:
-            self._engine.unregister(plugin)
-        else:
-            self._plugin_manager.unregister(plugin)
+        self._init_engine(dirpath, process_group, plugin_manager)
 
     @property
     def every_n_epochs(self) -> Optional[int]:  # type: ignore[override]
@@ -350,25 +255,6 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
         return self._config.save_every_n_epochs
 
 
-    @property
-    @override
-    def state_key(self) -> str:
-        # From the dirpath given, not the cadence: changing the cadence between runs keeps the
-        # state, and two savers on one dirpath (which would race) are refused by Lightning.
-        return self._generate_state_key(dirpath=self._given_dirpath)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """``dirpath`` and the newest snapshot committed when the state was taken."""
-        committed = self._engine.stats.committed if self._engine is not None else []
-        return {
-            "dirpath": self.dirpath,
-            "last_committed": committed[-1].path if committed else self._last_committed,
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_committed = state_dict.get("last_committed")
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -391,24 +277,13 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
                 "optimizer_states": Value([opt.state_dict() for opt in trainer.optimizers]),
             }
         )
-        loggers = list(trainer.loggers)
-        if loggers:  # each committed snapshot's figures, at the global step it was taken
-
-            def log_metrics(metrics: dict[str, float], step: int) -> None:
-                for lightning_logger in loggers:
-                    lightning_logger.log_metrics(metrics, step=step)
-
-            snapshotter.report_metrics(log_metrics)
+        if trainer.loggers:  # each committed snapshot's figures, at the global step it was taken
+            snapshotter.report_metrics(_log_metrics_to(list(trainer.loggers)))
         self._resume_at_train_start(trainer, snapshotter)
 
     @override
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Snapshot if this batch stepped the optimizer and the step cadence (or a plugin) says so."""
         step = trainer.global_step
@@ -496,15 +371,7 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
 
         def collect(intra_epoch: bool) -> dict[str, Value]:
             self._saved_at = (trainer.current_epoch if epoch is None else epoch, trainer.global_step)
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            clash = sorted(set(checkpoint) & set(RESERVED_KEYS))
-            if clash:
-                raise KeyCollisionError(
-                    f"Detected collision for key in app state: the Lightning checkpoint has keys "
-                    f"{clash} (added by an on_save_checkpoint hook?) that tnt_snapshot_plugin "
-                    f"reserves for its own entries {RESERVED_KEYS}; rename them"
-                )
-            return {key: Value(value) for key, value in checkpoint.items()}
+            return _checkpoint(trainer)
 
         return collect
 
@@ -512,10 +379,27 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots):
     restore_from_latest = staticmethod(lightning_restore.restore_from_latest)
 
 
-def _stop_like_lightning(signum: int) -> None:
-    """After the preemption snapshot: stop the run the way Lightning stops on SIGTERM."""
-    raise SIGTERMException(128 + int(signum))
+def _checkpoint(trainer: pl.Trainer) -> dict[str, Value]:
+    """The dict Lightning's ``ModelCheckpoint`` would write now, one entry per top-level key."""
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    clash = sorted(set(checkpoint) & set(RESERVED_KEYS))
+    if clash:
+        raise KeyCollisionError(
+            f"Detected collision for key in app state: the Lightning checkpoint has keys "
+            f"{clash} (added by an on_save_checkpoint hook?) that tnt_snapshot_plugin "
+            f"reserves for its own entries {RESERVED_KEYS}; rename them"
+        )
+    return {key: Value(value) for key, value in checkpoint.items()}
 
+
+def _log_metrics_to(loggers: list[Any]) -> Callable[[dict[str, float], int], None]:
+    """A metrics reporter that hands each snapshot's figures to every Lightning logger."""
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        for lightning_logger in loggers:
+            lightning_logger.log_metrics(metrics, step=step)
+
+    return log_metrics
 
 
 def _not_started(intra_epoch: bool) -> dict[str, Value]:
