@@ -311,6 +311,6 @@ def open_local(
     if storage_options:
         raise ConfigError(
             f"storage_options {sorted(storage_options)} was given for the local dirpath {url!r}, "
-            "where it has no effect; pass storage_options only with object-store URLs (s3://, ...)"
+            "where it has no effect; pass storage_options only with s3:// or other object-store URLs"
         )
     return LocalStore(url[len("file://"):] if url.startswith("file://") else url)
