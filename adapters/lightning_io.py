@@ -16,13 +16,12 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 from tnt_snapshot_plugin.app_state import RNG_STATE_KEY, RNGState
+from tnt_snapshot_plugin.config import collective_timeout
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotNotFoundError, StateMismatchError
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.restoring import RestoreRequest
 from tnt_snapshot_plugin.stores import METADATA_FNAME, split_snapshot_path
-
-from .lightning_options import collective_timeout
 
 
 @dataclass(frozen=True)

@@ -100,11 +100,6 @@ def saver_config(arguments: dict[str, Any]) -> SnapshotConfig:
     )
 
 
-def collective_timeout(seconds: Any) -> float:
-    """``collective_timeout_s`` validated as the saver's is (ConfigError otherwise)."""
-    return SnapshotConfig.build(collective_timeout_s=seconds, preemption_signals=()).collective_timeout_s
-
-
 def _every(name: str, value: Any, torchtnt_name: str, torchtnt_value: Any) -> Optional[int]:
     """A cadence given under ModelCheckpoint's ``name`` (None: not given, 0: off, n >= 1) or
     torchtnt's ``torchtnt_name`` (>= 1, checked by the config): the count, 0 (off) or None."""

@@ -262,15 +262,20 @@ def _check_plain(
             raise ConfigError(f"{name} must be True or False, got {flag!r}")
     if on_save_error not in _SAVE_ERROR_POLICIES:
         raise ConfigError(f"on_save_error must be one of {_SAVE_ERROR_POLICIES}, got {on_save_error!r}")
-    if not _positive_finite(collective_timeout_s):
-        raise ConfigError(
-            f"collective_timeout_s must be a positive number of seconds, got {collective_timeout_s!r}"
-        )
+    collective_timeout(collective_timeout_s)
     if not _positive_finite(storage_timeout_s):
         raise ConfigError(
             "storage_timeout_s must be a positive, finite number of seconds (the longest "
             f"training waits on the storage at a due snapshot), got {storage_timeout_s!r}"
         )
+
+
+def collective_timeout(value: Any) -> float:
+    """``collective_timeout_s`` checked (a positive, finite number of seconds), as a float: the
+    one check of every saver's and every restore's. ConfigError otherwise."""
+    if not _positive_finite(value):
+        raise ConfigError(f"collective_timeout_s must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _positive_finite(value: Any) -> bool:

@@ -71,10 +71,9 @@ class RestoreRequest:
         (default: all; none outside torch.distributed), each waiting at most
         ``collective_timeout_s`` for a failed rank, and closed afterwards. ConfigError if the
         timeout is not a positive number of seconds. The adapters' static restores run in it."""
-        from ..config import SnapshotConfig
+        from ..config import collective_timeout
 
-        timeout = SnapshotConfig.build(collective_timeout_s=collective_timeout_s, preemption_signals=()).collective_timeout_s
-        with Collectives.create(process_group, timeout, for_restore=True) as collectives:
+        with Collectives.create(process_group, collective_timeout(collective_timeout_s), for_restore=True) as collectives:
             yield self.replace(collectives=collectives)
 
     def restore(self, path: str, checked: Optional[verify.Verdict] = None) -> list[str]:
