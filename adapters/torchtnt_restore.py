@@ -145,26 +145,24 @@ def restore_from_best(
     saver too). Returns False, with a warning, when no complete snapshot carries it. Under
     torch.distributed rank 0 picks the snapshot.
     """
-    require_process_group("restoring")
-    if mode not in ("min", "max"):
-        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
-    with RestoreRequest({}).on_ranks(process_group, collective_timeout_s) as found:
+    request, options = unit_request(
+        unit, train_dataloader, restore_options, storage_options, knob_options, plugin_manager, weights_only,
+        strict=strict, restore_train_progress=restore_train_progress, restore_eval_progress=restore_eval_progress,
+        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
+    )
+    with request.on_ranks(process_group, collective_timeout_s) as request:
         path = restoring.best_snapshot(
-            dirpath, metric_name, mode, storage_options=storage_options, collectives=found.collectives
+            dirpath, metric_name, mode, storage_options=storage_options, collectives=request.collectives
         )
+        if path is not None:
+            request.restore(path)
     if path is None:
         warnings.warn(
             f"no complete snapshot in {dirpath} carries the metric {metric_name!r}; nothing was restored",
             stacklevel=2,
         )
         return False
-    restore(
-        path, unit, train_dataloader=train_dataloader, process_group=process_group,
-        restore_options=restore_options, storage_options=storage_options, knob_options=knob_options,
-        strict=strict, restore_train_progress=restore_train_progress, restore_eval_progress=restore_eval_progress,
-        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
-        collective_timeout_s=collective_timeout_s, plugin_manager=plugin_manager, weights_only=weights_only,
-    )
+    options.hand_rng_to_saver(unit)
     return True
 
 
