@@ -56,8 +56,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from tnt_snapshot_plugin.app_state import RESERVED_KEYS, Value
-from tnt_snapshot_plugin.errors import KeyCollisionError
+from tnt_snapshot_plugin.app_state import Value, check_collisions
 
 from . import lightning_restore
 from .lightning_best import BestSnapshots, MonitorNotFoundError
@@ -382,13 +381,8 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
 def _checkpoint(trainer: pl.Trainer) -> dict[str, Value]:
     """The dict Lightning's ``ModelCheckpoint`` would write now, one entry per top-level key."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    clash = sorted(set(checkpoint) & set(RESERVED_KEYS))
-    if clash:
-        raise KeyCollisionError(
-            f"Detected collision for key in app state: the Lightning checkpoint has keys "
-            f"{clash} (added by an on_save_checkpoint hook?) that tnt_snapshot_plugin "
-            f"reserves for its own entries {RESERVED_KEYS}; rename them"
-        )
+    # a key the plugin reserves (its RNG state) could come from an on_save_checkpoint hook
+    check_collisions((), [("the Lightning checkpoint (an on_save_checkpoint hook's key?)", checkpoint)])
     return {key: Value(value) for key, value in checkpoint.items()}
 
 
