@@ -39,7 +39,8 @@ class SnapshotCheckpointIO(CheckpointIO):
     ``.snapshot_metadata`` file) reads every entry into Lightning's checkpoint dict and sets the
     RNG state; any other path, and every save and removal, goes to the wrapped CheckpointIO
     (``TorchCheckpointIO`` by default), so ``ModelCheckpoint`` is unaffected.
-    :class:`TorchSnapshotSaver` installs one in ``setup()``; without the saver, pass one to the
+    :class:`TorchSnapshotSaver` installs one in ``setup()`` and puts the Trainer's own back at
+    ``teardown`` (or on an exception); without the saver, pass one to the
     Trainer: ``Trainer(plugins=[SnapshotCheckpointIO()])``. Under torch.distributed every rank
     loads rank 0's choice of snapshot, each its own state.
     """
@@ -79,7 +80,8 @@ class SnapshotCheckpointIO(CheckpointIO):
         weights_only: bool = True,
         collective_timeout_s: float = 600.0,
     ) -> "SnapshotCheckpointIO":
-        """Wrap ``trainer``'s CheckpointIO in one of these (once), configured as given."""
+        """Wrap ``trainer``'s CheckpointIO in one of these (once), configured as given;
+        :meth:`uninstall` puts the wrapped one back."""
         strategy = trainer.strategy
         io = strategy.checkpoint_io
         if not isinstance(io, cls):
