@@ -93,7 +93,7 @@ def tnt_snapshot_plugin_snapshot_committed(path: str, epoch: int, step: int, rec
     :param path: the committed snapshot's path (a local path or URL).
     :param epoch: epochs completed when it was taken.
     :param step: train steps completed when it was taken.
-    :param record: its :class:`~tnt_snapshot_plugin.snapshotter.SnapshotRecord`: what it cost
+    :param record: its :class:`~tnt_snapshot_plugin.job.SnapshotRecord`: what it cost
         (``stall_s``, ``durable_s``, ``bytes_written``, ``waited_s``, ``busy_waits``);
         :func:`tnt_snapshot_plugin.metrics.snapshot_metrics` turns it into logger metrics.
     """

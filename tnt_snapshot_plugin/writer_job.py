@@ -22,7 +22,6 @@ that restore would pick is left behind. Cadence, staging copies and reaping stay
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import math
 import time
@@ -32,13 +31,15 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 from . import policies, retention
 from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
-from .coordination import RecordDeltas, agree_on_paths, grouped_by_rank, rank_regions, sharded_shapes
+from .coordination import RecordDeltas, grouped_by_rank, rank_regions, sharded_shapes
 from .distributed import Collectives, raise_if_any_failed
+from .encoding import agree_replicated, check_loadable, flatten, unencodable, write_error
 from .errors import SnapshotError, SnapshotWriteError, StorageUnavailableError, UnrestorableStateError
 from .format import writer as fmt
 from .format.common import METADATA_FNAME
 from .index import seal as seal_index
 from .loading import LoadCheck
+from .retaining import chain, free_space_for, retain_after_commit
 from .stores import Store
 from .stores.ownership import writer_identity
 
@@ -112,136 +113,23 @@ class SnapshotWriter:
         try:
             self._write_once(job, run_id, locked=locked)
         except Exception as exc:
-            if not self._free_space_for(job, exc):
+            if not free_space_for(self, job, exc):
                 raise
             self._write_once(job, run_id, locked=locked)
 
-    def _free_space_for(self, job: Any, exc: BaseException) -> bool:
-        """After the failed write of ``job`` (failed on every rank): whether it ran out of space
-        on some rank, and rank 0 deleted snapshots retention would delete once ``job`` commits
-        (collective); the write may then be tried again."""
-        coll = self.coll
-        if self.preservation is None:
-            return False
-        no_space = _is_no_space(exc)
-        if coll.world_size > 1:
-            no_space = any(coll.all_gather(no_space))
-        if not no_space:
-            return False
-
-        def free() -> bool:
-            try:
-                return self._free_early(job)
-            except Exception as error:  # the write's own failure is the one reported
-                job.warnings.append(
-                    f"could not make room for snapshot {job.name} in {self.store.url}: "
-                    f"{type(error).__name__}: {error}"
-                )
-                return False
-
-        return coll.on_rank0(free)
-
-    def _free_early(self, job: Any) -> bool:
-        """Rank 0: delete what retention would delete once ``job`` commits, sparing the newest
-        committed snapshot; whether anything was deleted."""
-        store = self.store
-        listed = [r for r in store.listed() if r.text != job.name.text]
-        if not listed:
-            return False
-        newest = listed[-1]  # commit order: never freed, whatever retention would say
-        this = retention.Listed(
-            job.name,
-            seq=retention.next_seq(listed),
-            ours=True,
-            indexed_metric=(
-                (job.name.metric, job.name.metric_value)
-                if job.name.metric is not None and job.name.metric_value is not None
-                else None
-            ),
-            committed_at=time.time(),
-        )
-        assert self.preservation is not None
-        doomed = self.preservation.to_delete(listed + [this], protect=[job.name.text, newest.text, *self.protected])
-        if not doomed:
-            return False
-        problems = retention.apply(store, doomed)
-        freed = [r.text for r in doomed if r.text not in store.list_names()]
-        job.warnings.extend(problems)
-        if not freed:
-            return False
-        message = (
-            f"{store.url} ran out of space writing snapshot {job.name}; deleted "
-            f"{', '.join(freed)} before its commit (retention deletes them once it is committed) "
-            "and wrote it again"
-        )
-        if self._space_warned:
-            logger.info("%s", message)
-        else:
-            self._space_warned = True
-            job.warnings.append(
-                message + ". Later snapshots of this run do the same, logged at INFO; give "
-                "dirpath room for one snapshot more than it keeps to write them only once"
-            )
-        return True
-
     def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
         coll, store = self.coll, self.store
-        self._check_loadable(job)
+        check_loadable(self.load_check, self.coll, job)
         writer = writer_identity(run_id)
-
-        def begin() -> None:
-            occupant = store.occupant(job.name.text)
-            if occupant == "foreign":
-                raise SnapshotWriteError(
-                    f"{store.child(job.name.text)} exists and was not written by the plugin (it "
-                    "holds no index or writer marker of the plugin's); it is left alone and this "
-                    "snapshot cannot take its name: move it out of dirpath"
-                )
-            if occupant == "ours" and job.staging == job.name.text:
-                store.remove(job.staging)  # written in place (object stores): clear the old first
-            store.begin(job.staging, {**writer, "started_at": time.time()})
-
-        coll.on_rank0(begin)
+        coll.on_rank0(lambda: self._begin(job, writer))
         entries: dict[str, str] = {}  # manifest path -> record (JSON text)
         sizes: dict[str, int] = {}
         sums: dict[str, dict[str, Any]] = {}
-        error: Optional[BaseException] = None
-        containers: dict[str, dict[str, Any]] = {}
-        leaves: dict[str, Any] = {}
-        try:
-            for key, frozen in job.frozen.items():
-                c, leaf = fmt.flatten(key, frozen.state_dict())
-                containers.update(c)
-                leaves.update(leaf)
-        except Exception as exc:  # recorded, and raised on every rank below
-            error = _unencodable(job, exc, leaves)
+        containers, leaves, error = flatten(job)
         # Collective, made by every rank whatever happened above.
-        replicated = self._agree_replicated(job, leaves if error is None else {})
+        replicated = agree_replicated(self.coll, job, leaves if error is None else {})
         if error is None:
-            writes = _Writes(self, job.staging)
-            # A pack is gathered into one buffer, reused by the next pack, only where nothing
-            # reads it after submit() returns: written at once, or the store's start_payload
-            # has copied it (local disk: into the page cache).
-            gather = writes.pool is None or store.start_payload_copies
-            try:
-                entries = fmt.plan(
-                    containers,
-                    leaves,
-                    rank=coll.rank,
-                    world_size=coll.world_size,
-                    replicated=replicated,
-                    emit=writes.submit,
-                    cache=self.plans,
-                    pack_buffer=self._pack_buffer if gather else None,
-                ).entries
-            except Exception as exc:
-                # A failure of the storage comes out of writes.submit (it remembers it); any
-                # other is the format's, encoding the state.
-                error = _write_error(job, exc) if exc is writes.failed else _unencodable(job, exc, leaves)
-            try:  # every write submitted is waited for, even after a failure (then discarded)
-                sizes, sums = writes.finish()
-            except Exception as exc:
-                error = error or _write_error(job, exc)
+            entries, sizes, sums, error = self._write_payloads(job, containers, leaves, replicated)
         # Every rank's records (those that changed since the last snapshot: coordination.py),
         # sizes and checksums, to rank 0, which alone commits: one collective, and no rank but
         # rank 0 holds the others' records.
@@ -285,40 +173,64 @@ class SnapshotWriter:
             raise
         deltas.settle()
 
+    def _begin(self, job: Any, writer: dict[str, Any]) -> None:
+        """Rank 0: the staging directory of ``job``, marked as the plugin's; a name a foreign
+        directory holds is refused."""
+        store = self.store
+        occupant = store.occupant(job.name.text)
+        if occupant == "foreign":
+            raise SnapshotWriteError(
+                f"{store.child(job.name.text)} exists and was not written by the plugin (it "
+                "holds no index or writer marker of the plugin's); it is left alone and this "
+                "snapshot cannot take its name: move it out of dirpath"
+            )
+        if occupant == "ours" and job.staging == job.name.text:
+            store.remove(job.staging)  # written in place (object stores): clear the old first
+        store.begin(job.staging, {**writer, "started_at": time.time()})
+
+    def _write_payloads(
+        self, job: Any, containers: dict[str, dict[str, Any]], leaves: dict[str, Any], replicated: set[str]
+    ) -> tuple[dict[str, str], dict[str, int], dict[str, dict[str, Any]], Optional[BaseException]]:
+        """Plan this rank's part and write its files: (records, sizes, checksums, error)."""
+        coll, store = self.coll, self.store
+        entries: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        error: Optional[BaseException] = None
+        writes = _Writes(self, job.staging)
+        # A pack is gathered into one buffer, reused by the next pack, only where nothing
+        # reads it after submit() returns: written at once, or the store's start_payload
+        # has copied it (local disk: into the page cache).
+        gather = writes.pool is None or store.start_payload_copies
+        try:
+            entries = fmt.plan(
+                containers,
+                leaves,
+                rank=coll.rank,
+                world_size=coll.world_size,
+                replicated=replicated,
+                emit=writes.submit,
+                cache=self.plans,
+                pack_buffer=self._pack_buffer if gather else None,
+            ).entries
+        except Exception as exc:
+            # A failure of the storage comes out of writes.submit (it remembers it); any
+            # other is the format's, encoding the state.
+            error = write_error(job, exc) if exc is writes.failed else unencodable(job, exc, leaves)
+        try:  # every write submitted is waited for, even after a failure (then discarded)
+            sizes, sums = writes.finish()
+        except Exception as exc:
+            error = error or write_error(job, exc)
+        return entries, sizes, sums, error
+
     def _may_clean_up(self, failure: BaseException) -> bool:
         """Whether to remove what a failed write left, now. Not when the storage did not answer
         and training is waiting (a synchronous snapshot): the removal would make it wait for
         the storage once more. What is left is invisible to restore, and removed at the next
         train start."""
         return self.config.async_snapshot or not any(
-            isinstance(e, StorageUnavailableError) for e in _chain(failure)
+            isinstance(e, StorageUnavailableError) for e in chain(failure)
         )
-
-    def _check_loadable(self, job: Any) -> None:
-        """Refuse to write a snapshot restore could not load (off the training thread; every
-        rank agrees before any writes)."""
-        error: Optional[SnapshotError] = None
-        try:
-            self.load_check.check(job.frozen)
-        except SnapshotError as exc:
-            error = exc
-        except Exception as exc:  # an object torch.save cannot even encode (pickle refuses it)
-            error = _unencodable(job, exc, None)
-        coll = self.coll
-        if coll.world_size > 1:
-            reports = coll.all_gather(None if error is None else str(error))
-            failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
-            if failed and (error is None or len(failed) > 1):
-                raise UnrestorableStateError("; ".join(failed)) from error
-        if error is not None:
-            raise error
-
-    def _agree_replicated(self, job: Any, leaves: dict[str, Any]) -> set[str]:
-        """The logical paths written once for all ranks: those the ``replicated`` globs match
-        that every rank has (one collective under torch.distributed, made on every rank)."""
-        if not job.replicated:
-            return set()
-        return agree_on_paths(self.coll, fmt.replicable(leaves, job.replicated))
 
     def _io_pool(self) -> Optional[ThreadPoolExecutor]:
         """The I/O threads (None: write on the calling thread, ``max_per_rank_io_concurrency`` 1)."""
@@ -347,6 +259,49 @@ class SnapshotWriter:
 
     # -- commit (rank 0) ----------------------------------------------------------------------
 
+    def _listed_and_seq(self, job: Any, locked: bool) -> tuple[list[retention.Listed], bool, int]:
+        """The directory's snapshots (for retention), whether retention runs, and the commit
+        sequence number of ``job``.
+
+        The directory is listed (one read of each index) for retention, and for the first
+        commit of a run; while this run holds the dirpath lock no one else commits, so later
+        sequence numbers follow from the last one without listing again."""
+        store = self.store
+        retaining = self.preservation is not None
+        if not (retaining or self.last_seq is None or not locked):
+            return [], retaining, self.last_seq + 1
+        try:
+            listed = store.listed()
+            return listed, retaining, retention.next_seq(listed)
+        except Exception as exc:
+            if self.last_seq is None:
+                raise  # no sequence number to follow: not committed, rather than misordered
+            # Committed all the same (this run holds the lock: the next number is known);
+            # retention waits for a listing that works.
+            job.warnings.append(
+                f"could not list {store.url} ({type(exc).__name__}: {exc}); snapshot "
+                f"{job.name} is committed, and retention is skipped this time"
+            )
+            return [], False, self.last_seq + 1
+
+    def _commit_or_clean_up(self, job: Any, metadata: bytes, index: bytes) -> None:
+        """Commit ``job`` by the store's strategy; a commit that failed leaves nothing behind."""
+        store = self.store
+        try:
+            store.commit(job.staging, job.name.text, metadata, index)
+        except Exception as failure:
+            if not self._may_clean_up(failure):
+                raise
+            # Not committed: nothing restore would ever read; do not leave it behind (on an
+            # object store it is written under its final name: only if still incomplete).
+            try:
+                committed = job.staging == job.name.text and store.is_complete(job.staging)
+                if not committed and job.staging in store.list_names():
+                    store.remove(job.staging)
+            except Exception as exc:
+                job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+            raise
+
     def _commit(
         self,
         job: Any,
@@ -356,31 +311,10 @@ class SnapshotWriter:
         checksums: dict[str, dict[str, Any]],
         locked: bool,
     ) -> None:
-        store = self.store
         # each rank's records together, and where they lie in the index (coordination.py)
         metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), self.coll.world_size)
         regions = rank_regions(metadata, parts)
-        # The directory is listed (one read of each index) for retention, and for the first
-        # commit of a run; while this run holds the dirpath lock no one else commits, so later
-        # sequence numbers follow from the last one without listing again.
-        listed: list[retention.Listed] = []
-        retaining = self.preservation is not None
-        if retaining or self.last_seq is None or not locked:
-            try:
-                listed = store.listed()
-                seq = retention.next_seq(listed)
-            except Exception as exc:
-                if self.last_seq is None:
-                    raise  # no sequence number to follow: not committed, rather than misordered
-                # Committed all the same (this run holds the lock: the next number is known);
-                # retention waits for a listing that works.
-                job.warnings.append(
-                    f"could not list {store.url} ({type(exc).__name__}: {exc}); snapshot "
-                    f"{job.name} is committed, and retention is skipped this time"
-                )
-                listed, retaining, seq = [], False, self.last_seq + 1
-        else:
-            seq = self.last_seq + 1
+        listed, retaining, seq = self._listed_and_seq(job, locked)
         fields: dict[str, Any] = {
             "format": 1,
             "epoch": job.name.epoch,
@@ -398,21 +332,7 @@ class SnapshotWriter:
         if job.name.metric is not None and job.name.metric_value is not None:
             value = job.name.metric_value
             fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
-        index = seal_index(fields)  # its own digest: an index changed after the commit is told apart
-        try:
-            store.commit(job.staging, job.name.text, metadata, index)
-        except Exception as failure:
-            if not self._may_clean_up(failure):
-                raise
-            # Not committed: nothing restore would ever read; do not leave it behind (on an
-            # object store it is written under its final name: only if still incomplete).
-            try:
-                committed = job.staging == job.name.text and store.is_complete(job.staging)
-                if not committed and job.staging in store.list_names():
-                    store.remove(job.staging)
-            except Exception as exc:
-                job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
-            raise
+        self._commit_or_clean_up(job, metadata, seal_index(fields))  # sealed: its own digest
         self.last_seq = seq
         self.committed.add(job.name.text)
         this = retention.Listed(
@@ -428,13 +348,7 @@ class SnapshotWriter:
             committed_at=fields["committed_at"],
         )
         if retaining:
-            self._retain(job, [r for r in listed if r.text != job.name.text] + [this])
-
-    def _retain(self, job: Any, listed: list[retention.Listed]) -> None:
-        if self.preservation is None:
-            return
-        doomed = self.preservation.to_delete(listed, protect=[job.name.text, *self.protected])
-        job.warnings.extend(retention.apply(self.store, doomed))
+            retain_after_commit(self, job, [r for r in listed if r.text != job.name.text] + [this])
 
 
 class _Writes:
@@ -533,82 +447,6 @@ def _writing(store: Store, staging: str, rel: str) -> Iterator[None]:
         raise SnapshotWriteError(
             f"writing {rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
         ) from exc
-
-
-def _unencodable(job: Any, exc: BaseException, leaves: Optional[dict[str, Any]]) -> BaseException:
-    """The error for ``exc``, raised while the state of ``job`` was encoded (flattened, pickled,
-    laid out): UnrestorableStateError naming the entry and its type when encoding that entry
-    alone fails too (the state's own fault: every snapshot of it would fail the same way), else
-    the write error it always was (a transient failure, such as memory)."""
-    if isinstance(exc, UnrestorableStateError):
-        return exc
-    found = _culprit(job, leaves)
-    if found is None:
-        return _write_error(job, exc)
-    path, value, cause = found
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    error = UnrestorableStateError(
-        f"snapshot {job.name}: the app-state entry {path!r} holds a {kind} that cannot be "
-        f"encoded into a snapshot ({type(cause).__name__}: {cause}). Nothing was committed, and "
-        "training stops whatever on_save_error says: every snapshot of this state would fail "
-        "the same way. Store it as tensors or plain values (numbers, strings, lists, dicts), or "
-        "make it picklable (a class defined at module level, a function by name, not a lambda)"
-    )
-    error.__cause__ = cause
-    return error
-
-
-def _discard(payload: fmt.Payload) -> None:
-    """An ``emit`` that keeps nothing (the encoding alone is tried)."""
-
-
-def _culprit(job: Any, leaves: Optional[dict[str, Any]]) -> Optional[tuple[str, Any, BaseException]]:
-    """The first (path, value, error) of the state of ``job`` whose encoding alone fails; None if
-    each entry encodes on its own. ``leaves``: the flattened state, if flattening got that far."""
-    if leaves is None:
-        leaves = {}
-        for key, frozen in job.frozen.items():
-            try:
-                leaves.update(fmt.flatten(key, frozen.state_dict())[1])
-            except Exception as exc:
-                return key, frozen.state_dict(), exc
-    for path, value in leaves.items():
-        try:
-            fmt.plan({}, {path: value}, rank=0, world_size=1, replicated=set(), emit=_discard)
-        except MemoryError:
-            continue  # not the value's fault
-        except Exception as exc:
-            return path, value, exc
-    return None
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and the exceptions it was raised from or while handling."""
-    seen: set[int] = set()
-    stack: list[Optional[BaseException]] = [exc]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        stack += [current.__cause__, current.__context__]
-
-
-def _is_no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` or an exception it was raised from is a lack of space (ENOSPC, EDQUOT)."""
-    return any(isinstance(e, OSError) and e.errno in _NO_SPACE for e in _chain(exc))
-
-
-_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
-
-
-def _write_error(job: Any, exc: BaseException) -> BaseException:
-    if isinstance(exc, SnapshotError):
-        return exc
-    error = SnapshotWriteError(f"writing snapshot {job.name} failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 __all__ = ["DEFAULT_IO_THREADS", "SnapshotWriter"]

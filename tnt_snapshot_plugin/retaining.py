@@ -1,0 +1,113 @@
+"""Retention around a commit: what the preservation policies (policies.py) let go once a snapshot
+is committed, and, when the storage ran out of space, what they would let go deleted early, before
+the commit, so the write can be tried again. Rank 0 deletes; retention.py says what may ever be
+deleted. Functions of a :class:`~tnt_snapshot_plugin.writer_job.SnapshotWriter`."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import Any, Iterator, Optional
+
+from . import retention
+
+logger = logging.getLogger("tnt_snapshot_plugin.writer_job")
+
+
+def free_space_for(writer: Any, job: Any, exc: BaseException) -> bool:
+    """After the failed write of ``job`` (failed on every rank): whether it ran out of space
+    on some rank, and rank 0 deleted snapshots retention would delete once ``job`` commits
+    (collective); the write may then be tried again."""
+    coll = writer.coll
+    if writer.preservation is None:
+        return False
+    no_space = is_no_space(exc)
+    if coll.world_size > 1:
+        no_space = any(coll.all_gather(no_space))
+    if not no_space:
+        return False
+
+    def free() -> bool:
+        try:
+            return free_early(writer, job)
+        except Exception as error:  # the write's own failure is the one reported
+            job.warnings.append(
+                f"could not make room for snapshot {job.name} in {writer.store.url}: "
+                f"{type(error).__name__}: {error}"
+            )
+            return False
+
+    return coll.on_rank0(free)
+
+
+def free_early(writer: Any, job: Any) -> bool:
+    """Rank 0: delete what retention would delete once ``job`` commits, sparing the newest
+    committed snapshot; whether anything was deleted."""
+    store = writer.store
+    listed = [r for r in store.listed() if r.text != job.name.text]
+    if not listed:
+        return False
+    newest = listed[-1]  # commit order: never freed, whatever retention would say
+    this = retention.Listed(
+        job.name,
+        seq=retention.next_seq(listed),
+        ours=True,
+        indexed_metric=(
+            (job.name.metric, job.name.metric_value)
+            if job.name.metric is not None and job.name.metric_value is not None
+            else None
+        ),
+        committed_at=time.time(),
+    )
+    assert writer.preservation is not None
+    doomed = writer.preservation.to_delete(listed + [this], protect=[job.name.text, newest.text, *writer.protected])
+    if not doomed:
+        return False
+    problems = retention.apply(store, doomed)
+    freed = [r.text for r in doomed if r.text not in store.list_names()]
+    job.warnings.extend(problems)
+    if not freed:
+        return False
+    message = (
+        f"{store.url} ran out of space writing snapshot {job.name}; deleted "
+        f"{', '.join(freed)} before its commit (retention deletes them once it is committed) "
+        "and wrote it again"
+    )
+    if writer._space_warned:
+        logger.info("%s", message)
+    else:
+        writer._space_warned = True
+        job.warnings.append(
+            message + ". Later snapshots of this run do the same, logged at INFO; give "
+            "dirpath room for one snapshot more than it keeps to write them only once"
+        )
+    return True
+
+
+def retain_after_commit(writer: Any, job: Any, listed: list[retention.Listed]) -> None:
+    if writer.preservation is None:
+        return
+    doomed = writer.preservation.to_delete(listed, protect=[job.name.text, *writer.protected])
+    job.warnings.extend(retention.apply(writer.store, doomed))
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
+    seen: set[int] = set()
+    stack: list[Optional[BaseException]] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack += [current.__cause__, current.__context__]
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a lack of space (ENOSPC, EDQUOT)."""
+    return any(isinstance(e, OSError) and e.errno in _NO_SPACE for e in chain(exc))
+
+
+_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
