@@ -253,8 +253,6 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
         """The epoch cadence (None: no epoch snapshots)."""
         return self._config.save_every_n_epochs
 
-
-
     # -- hooks -------------------------------------------------------------------------------------
 
     @override

@@ -105,7 +105,6 @@ class ResumeFromSnapshots(ModelCheckpoint):
         """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
         return self.ckpt_path or ""
 
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve ``dirpath`` if none was given, join the process group, install the
@@ -197,7 +196,6 @@ class ResumeFromSnapshots(ModelCheckpoint):
             state, self._rng_after_first_fetch = self._rng_after_first_fetch, None
             if not _same_rng_state(RNGState().state_dict(), state):
                 RNGState().load_state_dict(state)
-
 
     def _leave_stage(self, trainer: pl.Trainer) -> None:
         """After a stage (its end, or an exception): drop the warning filter and put the
