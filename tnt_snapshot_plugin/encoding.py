@@ -16,7 +16,7 @@ from .format import writer as fmt
 def check_loadable(load_check: Any, coll: Collectives, job: Any) -> None:
     """Refuse to write a snapshot restore could not load (off the training thread; every
     rank agrees before any writes)."""
-    error: Optional[SnapshotError] = None
+    error: Optional[BaseException] = None
     try:
         load_check.check(job.frozen)
     except SnapshotError as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from . import policies
 from .cadence import GO_ON, PREEMPTED, TIME_DUE, WallClock
@@ -14,50 +14,22 @@ from .distributed import AgreedFlag
 from .plugins import PluginManager
 from .policies import Moment
 from .preemption import PreemptionHandler
+from .saver_parts import SaverParts
 
 if TYPE_CHECKING:
-    from .job import Job
+    pass
 
 logger = logging.getLogger("tnt_snapshot_plugin.snapshotter")
 
 Collect = Callable[[bool], Mapping[str, Any]]
 
-T = TypeVar("T")
-
-
-class _GateInput(Generic[T]):
-    """An attribute of :class:`SaverEvents` that its step gate depends on: each assignment
-    recomputes ``step_gate``. There is no ``__get__`` at run time, so reads come
-    straight from the instance dict, as for a plain attribute."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __set__(self, obj: "SaverEvents", value: T) -> None:
-        obj.__dict__[self._name] = value
-        obj._regate()
-
-    if TYPE_CHECKING:  # what a read returns, for the type checker only
-
-        def __get__(self, obj: "SaverEvents", objtype: Optional[type] = None) -> T: ...
-
-
 #: The step gate when no step cadence is set: no step count reaches it.
 _NEVER = 1 << 62
 
 
-class SaverEvents:
+class SaverEvents(SaverParts):
     """Step, epoch and eval-epoch ends and preemption: what is due, and the step gate that lets
     a step that does not snapshot return at once."""
-
-    # What makes a step end more than a cadence check (see step_gate): the snapshot being
-    # written and the last failure (reaped or reported at the next hook), prepare()'s second pass
-    # (at the run's first step that does not snapshot), the wall-clock cadence, the signal handler.
-    _pending: _GateInput[Optional[Job]] = _GateInput()
-    _failure: _GateInput[Optional[str]] = _GateInput()
-    _prepare_again: _GateInput[Optional[Callable[[], Mapping[str, Any]]]] = _GateInput()
-    _wall: _GateInput[Optional[WallClock]] = _GateInput()
-    _preemption: _GateInput[Optional[PreemptionHandler]] = _GateInput()
 
     def _init_events(self, config: Any, clock: Callable[[], float], on_preempted: Any) -> None:
         """Set up what decides (policies.py) and the step gate; nothing is watched before train start."""

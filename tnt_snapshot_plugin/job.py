@@ -25,6 +25,7 @@ from .errors import (
     UnrestorableStateError,
 )
 from .naming import SnapshotName
+from .saver_parts import SaverParts
 
 logger = logging.getLogger("tnt_snapshot_plugin.snapshotter")
 
@@ -208,7 +209,7 @@ def is_ddp(obj: Any) -> bool:
     return isinstance(obj, DistributedDataParallel)
 
 
-class JobTracking:
+class JobTracking(SaverParts):
     """The saver's one snapshot in flight: waiting for it (bounded by ``storage_timeout_s`` for
     the cadences' snapshots), skipping a due one while it is stuck, reaping its outcome (the
     ``snapshot_committed`` hook, or the failure, raised or warned as ``on_save_error`` says). A

@@ -152,7 +152,7 @@ def _check_names(pm: pluggy.PluginManager, plugin: Any) -> None:
         if not attr.startswith(HOOK_PREFIX) or not callable(getattr(plugin, attr, None)):
             continue
         opts = pm.parse_hookimpl_opts(plugin, attr)
-        hook = (opts or {}).get("specname") or attr
+        hook = (opts.get("specname") if opts else None) or attr
         if hook not in known:
             raise ConfigError(
                 f"unknown hook {hook!r} in plugin {plugin!r}; the hooks are "

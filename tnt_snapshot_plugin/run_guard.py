@@ -13,6 +13,7 @@ from typing import Optional
 from . import retention
 from .errors import ConfigError, SnapshotError, SnapshotsAheadWarning
 from .naming import SnapshotName, is_staging_name
+from .saver_parts import SaverParts
 from .stores import DirLock, Store
 from .stores.ownership import staging_token, writer_gone, writer_identity
 
@@ -94,7 +95,7 @@ def warn_ahead(dirpath: str, epoch: Optional[int], step: Optional[int], ahead: l
     )
 
 
-class RunGuard:
+class RunGuard(SaverParts):
     """The saver's hold on its dirpath: taken at train start (rank 0), and each snapshot's name
     and staging name claimed in it, agreed by the ranks."""
 

@@ -11,9 +11,10 @@ from .app_state import check_collisions
 from .errors import ConfigError
 from .naming import SnapshotName
 from .plugins import PluginManager, check_plugin, extra_state_sources
+from .saver_parts import SaverParts
 
 
-class SaverPlugins:
+class SaverPlugins(SaverParts):
     """Plugins registered on one saver, and the hooks the saver calls to name and fill a snapshot."""
 
     def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:

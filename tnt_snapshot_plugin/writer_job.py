@@ -284,7 +284,7 @@ class SnapshotWriter:
             )
             return [], False, self.last_seq + 1
 
-    def _commit_or_clean_up(self, job: Any, metadata: bytes, index: bytes) -> None:
+    def _commit_or_clean_up(self, job: Any, metadata: Any, index: Any) -> None:
         """Commit ``job`` by the store's strategy; a commit that failed leaves nothing behind."""
         store = self.store
         try:
