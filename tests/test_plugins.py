@@ -225,3 +225,37 @@ def test_the_readme_plugin_example_runs_verbatim(tmp_path, monkeypatch, capsys):
     other = TorchSnapshotSaver(str(tmp_path / "other"), save_every_n_epochs=1)
     train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=1, callbacks=[other])
     assert names(tmp_path / "other") == ["epoch_1_step_2"]
+
+
+@pytest.mark.frameworks
+def test_the_lightning_saver_registers_before_its_dirpath_is_resolved_and_keeps_plugins_to_itself(tmp_path):
+    import pickle
+
+    from lightning_toy import ToyModule, make_trainer, plain_loader, snapshot_names
+
+    from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
+
+    committed = []
+
+    class Told:
+        @hookimpl
+        def tnt_snapshot_plugin_snapshot_committed(self, path):
+            committed.append(os.path.basename(path))
+
+    saver = TorchSnapshotSaver(every_n_epochs=1, async_snapshot=False)  # dirpath resolved at setup
+    with pytest.raises(ConfigError, match="tnt_snapshot_plugin_snapshot_comitted"):
+
+        class Typo:
+            @hookimpl
+            def tnt_snapshot_plugin_snapshot_comitted(self, path):
+                pass
+
+        saver.register(Typo())
+    saver.register(Told())
+    with pytest.raises(TypeError, match="or plugins"):
+        pickle.dumps(saver)  # a registered plugin would not reach ddp_spawn's processes
+    other = TorchSnapshotSaver(str(tmp_path / "other"), every_n_epochs=1, async_snapshot=False)
+    make_trainer(tmp_path / "a", [saver]).fit(ToyModule(), plain_loader())
+    make_trainer(tmp_path / "b", [other]).fit(ToyModule(), plain_loader())
+    assert committed == snapshot_names(tmp_path / "a" / "checkpoints")
+    assert len(committed) == 2 and snapshot_names(tmp_path / "other")
