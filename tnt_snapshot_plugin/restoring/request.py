@@ -28,7 +28,7 @@ from ..distributed import Collectives, raise_if_any_failed
 from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
 from ..format.manifest import Metadata, rank_view, saved_keys
 from ..loading import allowed_globals
-from ..plugins import new_plugin_manager
+from ..plugins import extra_state_sources, new_plugin_manager
 from ..stores import Store, open_store, split_snapshot_path
 from .agreement import StatefulError, agree_after_loading, agree_on_read_errors, is_users, raise_own_error
 from .checks import check_modules
@@ -149,8 +149,7 @@ class _Restore:
     def wanted(self) -> dict[str, Any]:
         """The app state and every plugin's extra state, their keys checked for collisions."""
         app_state = self.request.app_state
-        results = self.pm.hook.tnt_snapshot_plugin_extra_state(event="restore", epoch=-1, step=-1)
-        sources = [(f"tnt_snapshot_plugin_extra_state result #{i}", dict(r)) for i, r in enumerate(results) if r]
+        sources = extra_state_sources(self.pm, "restore", -1, -1)
         # Adapters check the unit's own keys before adding reserved entries (the train dataloader).
         check_collisions([k for k in app_state if k not in RESERVED_KEYS], sources)
         wanted = dict(app_state)
