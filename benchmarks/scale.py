@@ -60,7 +60,7 @@ from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_by_rank, rank
 from tnt_snapshot_plugin.format import manifest as mf
 from tnt_snapshot_plugin.format import writer as fmt
 from tnt_snapshot_plugin.format.common import METADATA_FNAME
-from tnt_snapshot_plugin.index import seal
+from tnt_snapshot_plugin.index import INDEX_FNAME, seal
 from tnt_snapshot_plugin.stores import open_store
 
 PACK_BYTES = 4 << 20
@@ -272,6 +272,12 @@ def measured(fn: Callable[[], Any], memory: bool = True) -> tuple[Any, float, in
     return result, seconds, peak
 
 
+def s3_puts(size: int, part: int = 64 * MiB) -> int:
+    """Requests to upload one file of ``size`` bytes as stores/s3.py does: one PUT, or a
+    multipart upload (create, one request per part, complete) above ``part`` bytes."""
+    return 1 if size <= part else 2 + -(-size // part)
+
+
 def sample_ranks(world: int) -> list[int]:
     return sorted({0, 1 % world, world // 2, world - 1})
 
@@ -368,6 +374,8 @@ class Point:
     world: int
     records_per_rank: int = 0
     files_per_rank: int = 0
+    packs_per_rank: int = 0  # files in batched/ (one directory for every rank's packs)
+    s3_puts_per_rank: int = 0  # requests to upload them on S3 (stores/s3.py: multipart above 64 MiB)
     part_first_bytes: int = 0  # what one rank sends rank 0 at the first save
     part_later_bytes: int = 0  # ... at a later save (RecordDeltas)
     part_before_bytes: int = 0  # ... at every save, before RecordDeltas
@@ -378,6 +386,7 @@ class Point:
     commit_s: float = 0.0
     commit_peak: float = 0.0
     store_commit_s: float = 0.0
+    store_estimated: bool = False  # from the time per directory of a smaller commit
     directories: float = 0
     latest_s: float = 0.0
     latest_peak: float = 0.0
@@ -395,8 +404,10 @@ LAYOUTS = {"ddp-7b": ("ddp", LLAMA2_7B), "fsdp2-7b": ("fsdp2", LLAMA2_7B), "fsdp
 def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena) -> tuple[RankPart, RankPart]:
     """Sampled ranks' parts: sizes of what each sends rank 0, averaged over the sample."""
     first_b, later_b, before_b, records, files, later_records = [], [], [], [], [], []
+    packs: list[int] = []
+    puts: list[int] = []
     started = time.perf_counter()
-    sample = sample_ranks(world)
+    sample = sample_ranks(world) if world < 512 else [0, world // 2]
     for rank in sample:
         deltas = RecordDeltas()
         first = rank_part(layout, model, rank, world, 1, arena)
@@ -410,14 +421,22 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
         before_b.append(len(pickle.dumps((later.entries, later.sizes, later.sums))))
         records.append(len(first.entries))
         files.append(len(first.sizes))
+        packs.append(sum(1 for rel in first.sizes if rel.startswith("batched/")))
+        puts.append(sum(s3_puts(size) for size in first.sizes.values()))
     point.rank_sim_s = (time.perf_counter() - started) / (2 * len(sample))
     mean = lambda xs: int(sum(xs) / len(xs))  # noqa: E731
     point.part_first_bytes, point.part_later_bytes, point.part_before_bytes = mean(first_b), mean(later_b), mean(before_b)
     point.records_per_rank, point.files_per_rank, point.later_records = mean(records), mean(files), mean(later_records)
+    point.packs_per_rank, point.s3_puts_per_rank = mean(packs), mean(puts)
     return first, later
 
 
-def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, root: Path) -> None:
+#: Above this many directories a local-disk commit (one fsync each) is not run but extrapolated.
+MAX_DIRECTORIES = 4000
+
+
+def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, root: Path,
+          store_base: list[Point]) -> None:
     """Rank 0's commit, latest selection and restore planning, on every rank's records."""
     parts = [rank_part(layout, model, rank, world, 1, arena) for rank in range(world)]
     deltas = RecordDeltas()
@@ -453,9 +472,18 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
     (metadata, index), point.commit_s, point.commit_peak = measured(commit)
     point.metadata_bytes, point.index_bytes = len(metadata), len(index)
     point.directories = sum(1 for _ in os.walk(root / staging))
-    started = time.perf_counter()
-    store.commit(staging, final, metadata, index)  # checks every file's size, fsyncs, renames
-    point.store_commit_s = time.perf_counter() - started
+    if point.directories <= MAX_DIRECTORIES or not store_base:
+        started = time.perf_counter()
+        store.commit(staging, final, metadata, index)  # checks every file's size, fsyncs, renames
+        point.store_commit_s = time.perf_counter() - started
+        store_base.append(point)
+    else:  # in proportion to the directories fsynced, from the largest point measured
+        base = store_base[-1]
+        point.store_commit_s = base.store_commit_s * point.directories / base.directories
+        point.store_estimated = True
+        os.rename(root / staging, root / final)
+        (root / final / METADATA_FNAME).write_bytes(metadata)
+        (root / final / INDEX_FNAME).write_bytes(index)
     del before_commit, metadata, index
     parts.clear()
     gc.collect()
@@ -487,7 +515,9 @@ def extrapolate(point: Point, base: Point) -> None:
     point.extrapolated = True
     point.index_bytes = base.index_bytes * point.world / base.world
     point.commit_s, point.commit_peak = base.commit_s * scale, base.commit_peak * scale
-    point.directories = base.directories * point.files_per_rank * point.world / (base.files_per_rank * base.world)
+    # a file of its own (not a pack) sits in a directory of its own (RANK/<path>/shard_...)
+    own = max(1, base.files_per_rank - base.packs_per_rank) * base.world
+    point.directories = base.directories * max(1, point.files_per_rank - point.packs_per_rank) * point.world / own
     point.store_commit_s = base.store_commit_s * point.directories / base.directories
     point.latest_s, point.latest_peak = base.latest_s * scale, base.latest_peak * scale
     point.restore_s = {k: v * scale for k, v in (base.restore_s or {}).items()}
@@ -499,6 +529,7 @@ def run(layouts: list[str], worlds: list[int], max_metadata: float, log: Callabl
     arena = Arena()
     root = Path(tempfile.mkdtemp(prefix="tnt-scale-"))
     try:
+        store_base: list[Point] = []  # the fsync of a directory costs the same whatever the layout
         for name in layouts:
             layout, model = LAYOUTS[name]
             base: Optional[Point] = None
@@ -508,7 +539,7 @@ def run(layouts: list[str], worlds: list[int], max_metadata: float, log: Callabl
                 by_rank(point, layout, model, world, arena)
                 point.metadata_bytes = predicted_metadata(point, world)
                 if point.metadata_bytes <= max_metadata:
-                    whole(point, layout, model, world, arena, root)
+                    whole(point, layout, model, world, arena, root, store_base)
                     base = point
                 elif base is not None:
                     extrapolate(point, base)
@@ -547,6 +578,7 @@ def row(p: Point) -> str:
     restore = " / ".join(mark + secs(v) for v in (p.restore_s or {}).values()) or "-"
     restore_peak = mark + human(max((p.restore_peak or {0: 0}).values()))
     groups = p.by_rank_groups or {}
+    store = "~" if p.extrapolated or p.store_estimated else ""
     by_rank = " / ".join(f"{secs(v)} ({groups.get(k, 0)})" for k, v in (p.by_rank_s or {}).items())
     by_rank_peak = human(max((p.by_rank_peak or {0: 0}).values()))
     return (
@@ -554,7 +586,7 @@ def row(p: Point) -> str:
         f"{human(p.part_first_bytes)} / {human(p.part_later_bytes)} ({p.later_records} records) | "
         f"{human(p.part_later_bytes * p.world)} | {mark}{human(p.metadata_bytes)} | "
         f"{mark}{secs(p.commit_s)}, {mark}{human(p.commit_peak)} | "
-        f"{mark}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} | "
+        f"{store}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} | "
         f"{mark}{secs(p.latest_s)}, {mark}{human(p.latest_peak)} | {restore}, {restore_peak} | "
         f"{by_rank} | {by_rank_peak} |"
     )
@@ -567,33 +599,38 @@ def plot(points: list[Point], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    # (title, the solid line, the dashed one, its label, which line holds extrapolated points)
     figures = {
-        "scale_gathered.png": ("bytes sent to rank 0 per save (all ranks)", lambda p: p.part_later_bytes * p.world,
-                               lambda p: p.part_before_bytes * p.world, "before RecordDeltas"),
-        "scale_metadata.png": (".snapshot_metadata bytes", lambda p: p.metadata_bytes, None, ""),
-        "scale_commit.png": ("rank 0 commit, seconds", lambda p: p.commit_s, None, ""),
+        "scale_gathered.png": ("bytes sent to rank 0 per later save (all ranks)", lambda p: p.part_later_bytes * p.world,
+                               lambda p: p.part_before_bytes * p.world, "every record, every save", None),
+        "scale_metadata.png": (".snapshot_metadata bytes", lambda p: p.metadata_bytes, None, "", "solid"),
+        "scale_commit.png": ("rank 0 commit (merge, metadata, index), seconds", lambda p: p.commit_s, None, "",
+                             "solid"),
         "scale_restore.png": ("restore planning of one rank (N -> N), seconds",
                               lambda p: (p.by_rank_s or {}).get("N", 0.0),
-                              lambda p: (p.restore_s or {}).get("N", 0.0), "whole metadata"),
+                              lambda p: (p.restore_s or {}).get("N", 0.0), "whole metadata", "dashed"),
     }
     written = []
-    for fname, (title, value, before, before_label) in figures.items():
+    for fname, (title, value, before, before_label, estimated) in figures.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         for layout in dict.fromkeys(p.layout for p in points):
             mine = [p for p in points if p.layout == layout and value(p) > 0]
             if not mine:
                 continue
             (line,) = ax.plot([p.world for p in mine], [value(p) for p in mine], marker="o", label=layout)
-            est = [p for p in mine if p.extrapolated]
-            if est:
-                ax.plot([p.world for p in est], [value(p) for p in est], "x", color=line.get_color(), markersize=10)
             if before is not None:
                 ax.plot([p.world for p in mine], [before(p) for p in mine], linestyle="--",
                         color=line.get_color(), label=f"{layout}, {before_label}")
+            est = [p for p in mine if p.extrapolated]
+            if est and estimated is not None:
+                series = value if estimated == "solid" else before
+                assert series is not None
+                ax.plot([p.world for p in est], [series(p) for p in est], "x", color=line.get_color(), markersize=10)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks (N)")
-        ax.set_title(title + ("  (x: extrapolated)" if any(p.extrapolated for p in points) else ""), fontsize=9)
+        marked = estimated is not None and any(p.extrapolated for p in points)
+        ax.set_title(title + ("  (x: extrapolated)" if marked else ""), fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -609,8 +646,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="N = 8 and 64, ddp-7b and fsdp2-7b, 8 MiB")
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS))
     parser.add_argument("--worlds", nargs="+", type=int)
-    parser.add_argument("--max-metadata", type=float, default=64 * MiB,
-                        help="measure whole-snapshot costs up to this many metadata bytes (default 64 MiB)")
+    parser.add_argument("--max-metadata", type=float, default=32 * MiB,
+                        help="measure whole-snapshot costs up to this many metadata bytes (default 32 MiB)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--plots", type=Path, help="directory for the log-log plots (e.g. docs/img)")

@@ -172,3 +172,82 @@ def test_benchmark_quick_run_writes_its_table(tmp_path):
     assert {(p["layout"], p["world"]) for p in points} == {(lay, n) for lay in ("ddp-7b", "fsdp2-7b") for n in (2, 8)}
     for p in points:
         assert p["metadata_bytes"] > 0 and p["part_later_bytes"] < p["part_first_bytes"]
+
+
+def _grouped_snapshot(world: int) -> tuple[bytes, Any, list[Any]]:
+    from tnt_snapshot_plugin.coordination import grouped_by_rank, rank_regions
+    from tnt_snapshot_plugin.format import manifest as mf
+    from tnt_snapshot_plugin.format import writer as fmt
+
+    arena = scale.Arena()
+    parts = [scale.rank_part("fsdp2", scale.TINY, rank, world, 1, arena) for rank in range(world)]
+    entries = [p.entries for p in parts]
+    data = bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(entries)), world))
+    regions = mf.RankRegions.from_index({"ranks": {"regions": rank_regions(data, entries), "shapes": parts[0].shapes}})
+    assert regions is not None
+    return data, regions, parts
+
+
+@pytest.mark.parametrize("new_world", [4, 2, 8, 3])
+def test_a_rank_reads_its_view_by_groups_as_the_whole_metadata_gives_it(new_world):
+    from tnt_snapshot_plugin.format import manifest as mf
+
+    world = 4
+    data, regions, _parts = _grouped_snapshot(world)
+    full = mf.parse_metadata(data, "snap")
+    for rank in range(new_world):
+        boxes = None
+        if new_world != world:
+            boxes = {logical: scale.box(shape, rank, new_world) for logical, shape in regions.shapes.items()}
+        got = mf.read_for_rank(lambda a, b: data[a:b], regions, world, rank, "snap", boxes)
+        assert got is not None
+        meta, view = got
+        whole = mf.rank_view(full, rank)
+        assert view.keys() == whole.keys()
+        for logical, entry in whole.items():
+            if entry["type"] in mf.SHARDED_TYPES:
+                assert mf.global_shape(view[logical]) == mf.global_shape(entry)
+                if boxes is not None:
+                    assert scale.overlapping(view[logical], *boxes[logical]) == scale.overlapping(entry, *boxes[logical])
+            else:
+                assert view[logical] == entry
+        if new_world == world and rank > 0:
+            assert len(meta.manifest) <= len(full.manifest) * 2 / world  # rank 0's and its own
+
+
+def test_grouped_metadata_holds_the_same_records():
+    from tnt_snapshot_plugin.coordination import grouped_by_rank
+    from tnt_snapshot_plugin.format import manifest as mf
+    from tnt_snapshot_plugin.format import writer as fmt
+
+    parts = [{"0/a": '{"type": "list"}', "0/a/0": '{"type": "int", "serialized_value": "1", "replicated": true}'},
+             {"1/b": '{"type": "list"}', "0/c": '{"type": "str", "serialized_value": "x", "replicated": true}'}]
+    grouped = mf.parse_metadata(bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), 2)), "s").manifest
+    plain = mf.parse_metadata(bytes(fmt.metadata_bytes(fmt.merge(parts), 2)), "s").manifest
+    assert grouped == plain
+    assert list(grouped) == ["0/a", "0/a/0", "0/c", "1/b"]
+
+
+def test_a_damaged_group_is_corruption():
+    from tnt_snapshot_plugin.errors import SnapshotCorruptError
+    from tnt_snapshot_plugin.format import manifest as mf
+
+    data, regions, _parts = _grouped_snapshot(2)
+    start, end, _digest = regions.regions[1]
+    damaged = data[:start] + data[start:end].replace(b"Tensor", b"Tensxr", 1) + data[end:]
+    with pytest.raises(SnapshotCorruptError, match="rank 1"):
+        mf.read_for_rank(lambda a, b: damaged[a:b], regions, 2, 1, "snap")
+
+
+def test_groups_that_do_not_cover_a_piece_ask_for_the_whole_metadata():
+    from tnt_snapshot_plugin.format import manifest as mf
+
+    data, regions, _parts = _grouped_snapshot(4)
+    logical, shape = next(iter(regions.shapes.items()))
+    # a piece the Shard(0) chunks do not predict: all of the tensor, on one rank
+    boxes = {logical: ([0] * len(shape), list(shape))}
+    shifted = mf.RankRegions(regions.regions, regions.shapes)
+    got = mf.read_for_rank(lambda a, b: data[a:b], shifted, 4, 1, "snap", boxes)
+    assert got is not None  # the chunks of ranks 0-3 are read: covered
+    # the index's groups do not match the world size: not used
+    assert mf.read_for_rank(lambda a, b: data[a:b], regions, 8, 1, "snap") is None

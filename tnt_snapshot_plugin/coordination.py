@@ -208,13 +208,17 @@ def rank_regions(metadata: bytes | bytearray, parts: Sequence[dict[str, str]]) -
 def sharded_shapes(leaves: dict[str, Any]) -> dict[str, list[int]]:
     """Logical path -> whole shape of every sharded tensor (ShardedTensor, DTensor) in
     ``leaves``: a rank that reads only some ranks' shards still knows each tensor's shape."""
+    import torch
+
     from .format.writer import _is_distributed
 
+    plain = (torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes)
     out: dict[str, list[int]] = {}
     for path, value in leaves.items():
-        shape = getattr(value, "shape", None)
-        if shape is not None and hasattr(value, "dim") and _is_distributed(value):
-            out[path] = list(shape)
+        if type(value) in plain or not isinstance(value, torch.Tensor):
+            continue
+        if _is_distributed(value):
+            out[path] = list(value.shape)
     return out
 
 

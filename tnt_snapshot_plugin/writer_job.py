@@ -148,7 +148,7 @@ class SnapshotWriter:
             raise
 
         # the whole shape of each sharded tensor, for the index's "ranks" (coordination.py)
-        self._shapes = sharded_shapes(leaves) if coll.rank == 0 else {}
+        self._shapes = sharded_shapes(leaves) if coll.rank == 0 and coll.world_size > 1 else {}
 
         def commit() -> int:
             assert gathered is not None  # rank 0
@@ -313,7 +313,7 @@ class SnapshotWriter:
     ) -> None:
         # each rank's records together, and where they lie in the index (coordination.py)
         metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), self.coll.world_size)
-        regions = rank_regions(metadata, parts)
+        regions = rank_regions(metadata, parts) if len(parts) > 1 else None  # one rank: the whole file
         listed, retaining, seq = self._listed_and_seq(job, locked)
         fields: dict[str, Any] = {
             "format": 1,
