@@ -13,6 +13,7 @@ its commit on the real records and on the simulated ones, in this process.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -101,7 +102,7 @@ def best_of(fn: Any, reps: int = 5) -> float:
     return best
 
 
-def body(rank: int, world: int, record: dict[str, Any]) -> None:
+def body(rank: int, world: int, record: dict[str, Any], out_dir: str) -> None:
     model, optimizer = build(world)
     coll = Collectives.create(None, 60)
     deltas = RecordDeltas()
@@ -131,6 +132,47 @@ def body(rank: int, world: int, record: dict[str, Any]) -> None:
         record["simulated_commit_s"] = best_of(lambda: commit(simulated, world))
     coll.close()
     dist.barrier()
+    record["by_rank"] = saved_by_rank(model, rank, world, out_dir)
+
+
+def saved_by_rank(model: torch.nn.Module, rank: int, world: int, out: str) -> dict[str, Any]:
+    """Two real snapshots of the FSDP2 model (Snapshotter); this rank's view of the second,
+    read by its groups (the index's "ranks"), against its view of the whole metadata."""
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter
+    from tnt_snapshot_plugin.format import manifest as mf
+    from tnt_snapshot_plugin.index import INDEX_FNAME
+
+    dirpath = os.path.join(out, f"run{world}")
+    saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, collective_timeout_s=60))
+    saver.train_start(["model"], 0, 0)
+    for step in (1, 2):
+        saver.save(0, step, {"model": model})
+    saver.train_end(0, 2, lambda intra_epoch: {})
+    snapshot = os.path.join(dirpath, "epoch_0_step_2")
+    with open(os.path.join(snapshot, INDEX_FNAME), "rb") as f:
+        regions = mf.RankRegions.from_index(json.load(f))
+    with open(os.path.join(snapshot, mf.METADATA_FNAME), "rb") as f:
+        data = f.read()
+    assert regions is not None, "the index has no 'ranks'"
+    got = mf.read_for_rank(lambda a, b: data[a:b], regions, world, rank, snapshot)
+    assert got is not None
+    whole = mf.rank_view(mf.parse_metadata(data, snapshot), rank)
+    view = got[1]
+    records = json.loads(data)["manifest"]
+
+    def agrees(path: str) -> bool:  # a sharded entry holds the shards of the groups read
+        mine, theirs = view[path], whole[path]
+        if mine["type"] not in mf.SHARDED_TYPES:
+            return mine == theirs
+        own = records.get(f"{rank}/{path}", {}).get("shards") or []  # this rank's own piece
+        return (
+            mf.global_shape(mine) == mf.global_shape(theirs)
+            and all(shard in theirs["shards"] for shard in mine["shards"])
+            and all(shard in mine["shards"] for shard in own)
+        )
+
+    same = sorted(view) == sorted(whole) and all(agrees(p) for p in whole)
+    return {"same": same, "entries_read": len(got[0].manifest), "entries": len(records)}
 
 
 def main() -> None:
@@ -138,7 +180,7 @@ def main() -> None:
     rendezvous, out = sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     run_rank(rank, world, rendezvous, os.path.join(out, f"scale{world}_rank{rank}.json"),
-             lambda record: body(rank, world, record))
+             lambda record: body(rank, world, record, out))
 
 
 if __name__ == "__main__":

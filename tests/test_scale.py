@@ -68,6 +68,15 @@ def test_simulated_records_are_the_real_ones(worlds, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_real_snapshot_is_read_by_rank_as_a_whole_parse_gives_it(worlds, world):
+    for got in worlds[world]:
+        assert got["by_rank"]["same"], got["rank"]
+        # rank 0's records and its own, not every rank's
+        assert got["by_rank"]["entries_read"] <= got["by_rank"]["entries"] * 2 / world
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_simulated_costs_agree_with_real_ranks_within_2x(worlds, world):
     arena = scale.Arena()
     rank0 = worlds[world][0]
