@@ -66,6 +66,8 @@ def test_prune_refuses_while_a_live_run_holds_the_dirpath(tmp_path):
     finally:
         proc.kill()
         proc.wait(30)
+        if proc.stderr is not None:
+            proc.stderr.close()
     # The run has ended: its lock went with it.
     result = CliRunner().invoke(cli, ["prune", str(dirpath), "--keep-last", "1"])
     assert result.exit_code == 0, result.output
