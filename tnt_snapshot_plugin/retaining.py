@@ -1,5 +1,5 @@
 """Retention around a commit: what the preservation policies (policies.py) let go once a snapshot
-is committed, and, when the storage ran out of space, what they would let go deleted early, before
+is committed (and at train start, caught up after a run killed before its retention), and, when the storage ran out of space, what they would let go deleted early, before
 the commit, so the write can be tried again. Rank 0 deletes; retention.py says what may ever be
 deleted. Functions of a :class:`~tnt_snapshot_plugin.writer_job.SnapshotWriter`."""
 
@@ -90,6 +90,22 @@ def retain_after_commit(writer: Any, job: Any, listed: list[retention.Listed]) -
         return
     doomed = writer.preservation.to_delete(listed, protect=[job.name.text, *writer.protected])
     job.warnings.extend(retention.apply(writer.store, doomed))
+
+
+def retain_at_start(writer: Any) -> None:
+    """Retention caught up at train start (rank 0): a run killed between a commit and its
+    retention left one snapshot more than it keeps, and one killed so again would leave more.
+    Deletes what retention would delete after a commit now (never the newest, never a protected
+    one, only the plugin's own); problems are logged, never raised."""
+    if writer.preservation is None:
+        return
+    try:
+        doomed = writer.preservation.to_delete(writer.store.listed(), protect=list(writer.protected))
+    except Exception as exc:  # a listing that fails: the next commit's retention tries again
+        logger.warning("retention at train start could not list %s: %s", writer.store.url, exc)
+        return
+    for problem in retention.apply(writer.store, doomed):
+        logger.warning("%s", problem)
 
 
 def chain(exc: BaseException) -> Iterator[BaseException]:

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Optional
 
-from . import retention
+from . import retaining, retention
 from .errors import ConfigError, SnapshotError, SnapshotsAheadWarning
 from .naming import SnapshotName, is_staging_name
 from .saver_parts import SaverParts
@@ -102,7 +102,9 @@ class RunGuard(SaverParts):
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
         if self._lock is None:
             self._lock = lock(self._store, self._run_id)
-        return prepare(self._store, epoch, step)
+        ahead = prepare(self._store, epoch, step)
+        retaining.retain_at_start(self._writer)
+        return ahead
 
     def _claim(
         self, name: SnapshotName, epoch: int, step: int, eval_step: Optional[int]
