@@ -26,6 +26,7 @@ import threading
 from typing import Any, Iterator, Mapping, Optional
 
 from .errors import UnrestorableStateError
+from .format.manifest import PRIMITIVE_TYPES
 
 
 def _numpy_globals() -> list[Any]:
@@ -153,7 +154,7 @@ def _is_leaf_object(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) and type(value).__name__ not in _INLINED
 
 
-_INLINED = frozenset({"int", "str", "bool", "bytes", "float"})  # torchsnapshot's PrimitiveEntry
+_INLINED = PRIMITIVE_TYPES  # torchsnapshot's PrimitiveEntry
 _WALK_BUDGET = 256
 
 

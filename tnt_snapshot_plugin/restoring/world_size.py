@@ -11,7 +11,7 @@ from ..app_state import RNG_STATE_KEY
 from ..distributed import Collectives
 from ..errors import SnapshotCorruptError, StateMismatchError
 from ..format.common import encode
-from ..format.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES
+from ..format.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES, SHARDED_TYPES
 
 #: How many entries a world-size error names before it counts the rest.
 _NAMED_ENTRIES = 12
@@ -84,7 +84,7 @@ class _Comparison:
             kind = entry.get("type")
             if logical.split("/", 1)[0] not in self.wanted or kind in _CONTAINERS:
                 continue
-            if kind in ("ShardedTensor", "DTensor") or entry.get("replicated"):
+            if kind in SHARDED_TYPES or entry.get("replicated"):
                 replicated.add(logical)
                 continue
             out.setdefault(logical, [None] * self.meta.world_size)[int(rank)] = entry
