@@ -1,0 +1,181 @@
+"""One rank's view of a snapshot without parsing every rank's records.
+
+The plugin writes each rank's records as one consecutive group of ``.snapshot_metadata`` (rank
+0's and the replicated ``0/`` records first) and records in its index, under ``"ranks"``, where
+each group lies with its digest, and the whole shape of every sharded tensor
+(tnt_snapshot_plugin/coordination.py). A rank then reads rank 0's group, its own, and the groups
+of the ranks whose shards it reads, by ranged reads: O(its records), not O(world size x records).
+Snapshots without ``"ranks"`` (torchsnapshot's, torchtnt's) are parsed whole, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .manifest import (
+    MAX_ENTRIES,
+    METADATA_FNAME,
+    SHARDED_TYPES,
+    Metadata,
+    _Validator,
+    corrupt,
+    rank_view,
+)
+
+#: The key under which :func:`read_for_rank` puts a sharded entry's whole shape (from the index).
+GLOBAL_SHAPE = "global_shape"
+
+
+@dataclass(frozen=True)
+class RankRegions:
+    """Where each saved rank's records lie in ``.snapshot_metadata`` (``[start, end, digest]``,
+    byte offsets) and the whole shape of each sharded tensor (logical path -> shape)."""
+
+    regions: list[tuple[int, int, str]]
+    shapes: dict[str, list[int]]
+
+    @classmethod
+    def from_index(cls, index: Any) -> Optional["RankRegions"]:
+        """From the plugin's parsed index; None where it has no (well-formed) ``"ranks"``."""
+        ranks = index.get("ranks") if isinstance(index, dict) else None
+        if not isinstance(ranks, dict):
+            return None
+        regions, shapes = ranks.get("regions"), ranks.get("shapes")
+        if not isinstance(regions, list) or not isinstance(shapes, dict):
+            return None
+        out = []
+        for region in regions:
+            if (
+                type(region) is not list
+                or len(region) != 3
+                or type(region[0]) is not int
+                or type(region[1]) is not int
+                or not 0 <= region[0] <= region[1]
+                or type(region[2]) is not str
+            ):
+                return None
+            out.append((region[0], region[1], region[2]))
+        if not all(type(v) is list and all(type(n) is int and n >= 0 for n in v) for v in shapes.values()):
+            return None
+        return cls(out, shapes)
+
+
+def covers(entry: dict, offsets: list[int], sizes: list[int]) -> bool:
+    """Whether the shards of sharded ``entry`` hold every element of the box (``offsets``,
+    ``sizes``): a rank that read some ranks' records can read its piece from them."""
+    if not all(sizes):
+        return True
+    boxes = []
+    for shard in entry.get("shards") or ():
+        lo = [max(o, t) for o, t in zip(shard["offsets"], offsets, strict=False)]
+        hi = [min(o + n, t + s) for o, n, t, s in zip(shard["offsets"], shard["sizes"], offsets, sizes, strict=False)]
+        if all(h > lo_ for lo_, h in zip(lo, hi, strict=True)):
+            boxes.append((lo, hi))
+    # the pieces of a tensor's shards do not overlap: covered when their volumes add up
+    volume = 0
+    for lo, hi in boxes:
+        piece = 1
+        for lo_, h in zip(lo, hi, strict=True):
+            piece *= h - lo_
+        volume += piece
+    whole = 1
+    for n in sizes:
+        whole *= n
+    return volume >= whole
+
+
+def _region_manifest(data: bytes, where: str, rank: int) -> dict:
+    text = b"{" + bytes(data) + b"}"
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        raise corrupt(where, f"the records of rank {rank} (from the index's \"ranks\") are not JSON") from None
+    if not isinstance(doc, dict):
+        raise corrupt(where, f"the records of rank {rank} are not a mapping")
+    return doc
+
+
+def _read_group(read_range: Any, regions: RankRegions, saved: int, fname: str) -> dict:
+    """The records of saved rank ``saved``, checked against the digest its index recorded."""
+    import xxhash
+
+    start, end, digest = regions.regions[saved]
+    if start == end:
+        return {}
+    data = read_range(start, end)
+    if xxhash.xxh3_64_hexdigest(data) != digest:
+        raise corrupt(fname, f"the records of rank {saved} differ from the digest its index recorded")
+    return _region_manifest(data, fname, saved)
+
+
+def _ranks_overlapping(manifest: dict, boxes: dict[str, tuple[list[int], list[int]]], world_size: int) -> list[int]:
+    """The saved ranks whose Shard(0)-style chunks (rank 0's shard size along the sharded
+    dimension) overlap a box of ``boxes``, from rank 0's records in ``manifest``."""
+    found: list[int] = []
+    for logical, (offsets, sizes) in boxes.items():
+        entry = manifest.get(f"0/{logical}")
+        if entry is None or entry.get("type") not in SHARDED_TYPES or not all(sizes):
+            continue
+        shards = entry.get("shards") or []
+        dims = [d for d, m in enumerate(entry.get("dim_map") or []) if m != [-1]]
+        if len(shards) != 1 or len(dims) != 1:
+            continue  # found by the coverage check, if needed
+        dim = dims[0]
+        chunk = shards[0]["sizes"][dim] if shards[0]["sizes"] else 0
+        if not chunk:
+            continue
+        first, last = offsets[dim] // chunk, (offsets[dim] + sizes[dim] - 1) // chunk
+        found.extend(range(first, min(last, world_size - 1) + 1))
+    return found
+
+
+def read_for_rank(
+    read_range: Any,
+    regions: RankRegions,
+    world_size: int,
+    rank: int,
+    where: str,
+    boxes: Optional[dict[str, tuple[list[int], list[int]]]] = None,
+) -> Optional[tuple[Metadata, dict[str, dict]]]:
+    """The metadata of the saved ranks rank ``rank`` needs, and its view (:func:`rank_view`),
+    read by ranked groups: ``read_range(start, end)`` gives those bytes of ``.snapshot_metadata``.
+
+    ``boxes``: logical path -> (offsets, sizes) of the piece of each sharded tensor this rank
+    loads (None: the same world size and layout as saved, where a rank's own shards serve).
+    The groups read are rank 0's, this rank's (if it was a saved rank), and, for each box, those
+    of the ranks whose Shard(0)-style chunks (rank 0's shard size along the sharded dimension)
+    overlap it. None when the shards read do not cover every box (the caller parses the whole
+    metadata, :func:`parse_metadata`). Every group read is checked against its digest and
+    validated; SnapshotCorruptError otherwise."""
+    if len(regions.regions) != world_size:
+        return None
+    fname = f"{where}/{METADATA_FNAME}"
+    manifest: dict = {}
+    read: set[int] = set()
+
+    def load(saved: int) -> None:
+        if saved not in read:
+            read.add(saved)
+            manifest.update(_read_group(read_range, regions, saved, fname))
+
+    load(0)
+    if rank < world_size:
+        load(rank)
+    for saved in _ranks_overlapping(manifest, boxes or {}, world_size):
+        load(saved)
+    if len(manifest) > MAX_ENTRIES:
+        raise corrupt(fname, f"it has {len(manifest)} entries, more than {MAX_ENTRIES}")
+    _Validator(fname, world_size).run(manifest)
+    meta = Metadata("", world_size, manifest, where)
+    view = rank_view(meta, rank)
+    for logical, entry in view.items():
+        if entry["type"] in SHARDED_TYPES and logical in regions.shapes:
+            entry[GLOBAL_SHAPE] = regions.shapes[logical]
+            box = (boxes or {}).get(logical)
+            if box is not None and not covers(entry, *box):
+                return None
+    return meta, view
+
+
