@@ -88,8 +88,8 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
 
     Use it when a run must survive crashes and preemption without losing more than a few steps,
     and without stalling training while a checkpoint is written. It takes ``ModelCheckpoint``'s
-    arguments with ``ModelCheckpoint``'s meanings (the differences are listed below and in the
-    README), so replacing ``ModelCheckpoint(...)`` by ``TorchSnapshotSaver(...)`` is the switch.
+    arguments with ``ModelCheckpoint``'s meanings (the differences are listed below and in
+    docs/lightning.md), so replacing ``ModelCheckpoint(...)`` by ``TorchSnapshotSaver(...)`` is the switch.
     Snapshots are written to ``dirpath/epoch_{epoch}_step_{step}`` (``epoch``: epochs completed;
     ``step``: ``trainer.global_step``, the optimizer steps taken), asynchronously by default, and
     become visible to restore only once complete. Resume with a new Trainer holding a saver on the

@@ -58,8 +58,8 @@ def restore_from_latest(
 ) -> bool:
     """:meth:`restore` the newest complete snapshot in ``dirpath``.
 
-    Returns True if one was restored, False if ``dirpath`` is missing, empty or holds no
-    complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
+    Returns True if one was restored, False if ``dirpath`` is missing (with a warning naming it),
+    empty or holds no complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
     one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``,
     ``collective_timeout_s``: as :meth:`restore`.
     """

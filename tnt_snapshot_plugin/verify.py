@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from .errors import SnapshotError
+from .errors import SnapshotCorruptError, SnapshotError
 from .format.manifest import (
     CONTAINER_TYPES,
     METADATA_FNAME,
@@ -111,14 +111,15 @@ def check(
 
 def _metadata(store: Any, name: str, verdict: Verdict) -> Optional[Metadata]:
     """The snapshot's metadata, checked against the index's checksum and parsed as restore
-    parses it; None, with the problem in ``verdict``, where it cannot be."""
+    parses it; None, with the problem in ``verdict``, where it cannot be. A storage that does not
+    answer is no verdict on the snapshot: its error propagates."""
     index, where = verdict.index, store.child(name)
     try:
         data = store.read_file(name, METADATA_FNAME)
-    except SnapshotError as exc:
+    except SnapshotCorruptError as exc:  # not a regular file inside the snapshot
         verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc})")
         return None
-    except OSError as exc:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc.strerror or exc})")
         return None
     if index is not None and isinstance((index.get("checksums") or {}).get(METADATA_FNAME), dict):
@@ -206,7 +207,7 @@ def _check_checksums(
                         progress(len(chunk))
                 if streaming.record()["value"] != record.get("value"):
                     verdict.problems.append(f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written")
-        except SnapshotError as exc:
+        except SnapshotCorruptError as exc:  # a storage that does not answer propagates
             text = str(exc)
             verdict.problems.append(
                 f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written"
