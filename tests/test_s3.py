@@ -359,8 +359,8 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     real_client = s3_mod.s3_client
     monkeypatch.setattr(s3_mod, "s3_client", lambda *args: _FailingPuts(real_client(*args)))
     events.clear()
-    saver = TorchSnapshotSaver(
-        run_url, save_every_n_train_steps=2, keep_last_n_snapshots=1, storage_options=options
+    saver = TorchSnapshotSaver(  # the same retention (a smaller one would trim at train start)
+        run_url, save_every_n_train_steps=2, keep_last_n_snapshots=2, storage_options=options
     )
     with pytest.warns(UserWarning, match="could not read or write the lease .*injected"):
         with pytest.warns(SnapshotFailedWarning, match="injected"):

@@ -17,8 +17,9 @@ Pure logic over listed records; it reads and deletes nothing itself (the store d
   plus the newest ``keep_last_n`` when given, plus always the newest snapshot of the directory.
   A snapshot without a value for the metric is kept by ``keep_last_n`` like any other; without
   ``keep_last_n`` it is never deleted (as torchtnt keeps its untracked checkpoints). Retention
-  runs after each commit, so a snapshot is only ever deleted once a better or newer one is
-  committed.
+  runs after each commit, so a snapshot is only ever deleted once as many better or newer ones as
+  retention keeps are committed; and at train start (retaining.py), which trims what a run killed
+  before its retention left, or what a smaller ``keep_last_n`` than the last run's lets go.
 """
 
 from __future__ import annotations
