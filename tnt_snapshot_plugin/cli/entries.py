@@ -90,15 +90,6 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 # Loading entries (torch from here on).
 
 
-def _read_value(store: Store, name: str, view: dict[str, dict], path: str) -> Any:
-    """The value of manifest entry ``path`` (``RANK/KEY/...``) of snapshot ``name``."""
-    from ..format import reader as fmt
-    from ..restoring import reading_io
-
-    read_into, file_size, verifier = reading_io(store, name, store.child(name))
-    return fmt.read_value(view, path, read_into, file_size=file_size, verifier=verifier)
-
-
 def _max_abs_diff(a: Any, b: Any) -> str:
     import torch
 
@@ -155,9 +146,17 @@ class _Side:
         self.meta = require_metadata(store, name)
         self.leaves = {p: e for p, e in self.meta.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
         self.payloads = _Payloads(store, name)
+        self._io: Optional[tuple[Any, Any, Any]] = None  # the index read once, at the first value
 
     def value(self, path: str) -> Any:
-        return _read_value(self.store, self.name, self.meta.manifest, path)
+        """The value of manifest entry ``path`` (``RANK/KEY/...``)."""
+        from ..format import reader as fmt
+        from ..restoring import reading_io
+
+        if self._io is None:
+            self._io = reading_io(self.store, self.name, self.store.child(self.name))
+        read_into, file_size, verifier = self._io
+        return fmt.read_value(self.meta.manifest, path, read_into, file_size=file_size, verifier=verifier)
 
 
 def diff_snapshots(

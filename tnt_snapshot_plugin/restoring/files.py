@@ -15,23 +15,29 @@ from ..naming import SnapshotName
 from ..stores import INDEX_FNAME, LocalStore, Store
 
 
-def reading_io(store: Store, name: str, path: str, concurrency: Optional[int] = None) -> tuple[Any, Any, Any]:
+def reading_io(
+    store: Store, name: str, path: str, concurrency: Optional[int] = None, *, checked: Any = None
+) -> tuple[Any, Any, Any]:
     """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``;
     ``read_into`` reads up to ``concurrency`` files at once (None: the store's default).
 
     File sizes come from the plugin's index where it has one (one read), else from the store
     (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
-    for a snapshot without them)."""
+    for a snapshot without them). ``checked``: an intact ``verify.Verdict`` on the snapshot,
+    whose index is used instead of reading it again."""
     from .. import index as index_file
     from ..checksums import Verifier
 
-    try:
-        index: Optional[bytes] = store.read_file(name, INDEX_FNAME)
-    except FileNotFoundError:
-        index = None
     parsed: Any = None
-    if index is not None:
-        parsed = index_file.parse(index, path)
+    if checked is not None:
+        parsed = checked.index
+    else:
+        try:
+            index: Optional[bytes] = store.read_file(name, INDEX_FNAME)
+        except FileNotFoundError:
+            index = None
+        if index is not None:
+            parsed = index_file.parse(index, path)
     listed = parsed.get("files") if isinstance(parsed, dict) else None
     sizes: dict[str, Any] = listed if isinstance(listed, dict) else {}
     records = parsed.get("checksums") if isinstance(parsed, dict) else None

@@ -141,7 +141,8 @@ class _Restore:
         dirpath, name = split_snapshot_path(self.path)
         store = open_store(dirpath, self.request.storage_options)
         require_complete(store, name, self.path, self.coll)
-        self.io = reading_io(store, name, self.path, self.request.io_concurrency)
+        # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
+        self.io = reading_io(store, name, self.path, self.request.io_concurrency, checked=self.verdict)
         return store, name
 
     # -- check --------------------------------------------------------------------------------

@@ -34,13 +34,11 @@ from .base import (
     WRITER_FNAME,
     Buffer,
     DirLock,
-    Done,
     MetadataWrittenLast,
-    Read,
     Store,
 )
 from .ownership import LEASE_S, busy_error, lease_held_by_another
-from .ranged_reads import FETCH_WORKERS, fetch_ranges
+from .ranged_reads import RangedReads
 from .registry import FSSPEC_HINT
 
 #: The extra to install for schemes whose fsspec implementation is a separate package.
@@ -121,7 +119,7 @@ def fs_errors(url: str, write: bool = False) -> Iterator[None]:
         raise StorageUnavailableError(f"{url}: the storage failed the request ({type(exc).__name__}: {exc})") from exc
 
 
-class FsspecStore(Store):
+class FsspecStore(RangedReads, Store):
     """A snapshot directory on an fsspec filesystem (see the module docstring)."""
 
     protocol = MetadataWrittenLast()
@@ -211,19 +209,6 @@ class FsspecStore(Store):
             if size is not None and start >= size:  # a range past the end (S3's InvalidRange)
                 return b""
             raise
-
-    def read_into(
-        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
-    ) -> None:
-        self._check_reads(name, reads)
-        fetch_ranges(
-            lambda rel, start, end: self._fetch(name, rel, start, end),
-            reads,
-            error=SnapshotCorruptError,
-            workers=concurrency or FETCH_WORKERS,
-        )
-        if done is not None:  # the ranged reads land in any order, on worker threads
-            done(list(range(len(reads))))
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self.write_payload(staging, WRITER_FNAME, [json.dumps(writer).encode()])

@@ -32,14 +32,12 @@ from .base import (
     WRITER_FNAME,
     Buffer,
     DirLock,
-    Done,
     MetadataWrittenLast,
-    Read,
     Store,
     is_missing_key,
 )
 from .ownership import LEASE_S, busy_error, holder_text, lease_held_by_another
-from .ranged_reads import FETCH_CHUNK_BYTES, FETCH_WORKERS, fetch_ranges
+from .ranged_reads import FETCH_CHUNK_BYTES, FETCH_WORKERS, RangedReads, fetch_ranges
 
 S3_OPTION_KEYS = frozenset(
     {
@@ -350,7 +348,7 @@ def _lease_warning(store: S3Store, exc: BaseException, conditional: bool = False
     )
 
 
-class S3Store(Store):
+class S3Store(RangedReads, Store):
     protocol = MetadataWrittenLast()
     #: Payloads larger than this go up as a multipart upload in parts of this size.
     multipart_bytes = MULTIPART_BYTES
@@ -487,19 +485,6 @@ class S3Store(Store):
             if code == "InvalidRange":  # the range starts at or past the object's end
                 return b""
             raise
-
-    def read_into(
-        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
-    ) -> None:
-        self._check_reads(name, reads)
-        fetch_ranges(
-            lambda rel, start, end: self._fetch(name, rel, start, end),
-            reads,
-            error=SnapshotCorruptError,
-            workers=concurrency or FETCH_WORKERS,
-        )
-        if done is not None:  # the ranged reads land in any order, on worker threads
-            done(list(range(len(reads))))
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self.client.put_object(
