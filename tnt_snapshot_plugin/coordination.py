@@ -133,7 +133,7 @@ def agree_on_paths(coll: Any, mine: Sequence[str]) -> set[str]:
 # and replicated values) and, for sharded tensors, those of the ranks whose shards overlap its
 # own. Rank 0 writes the records grouped by rank (rank 0's and every replicated "0/" record
 # first, then each rank's), and the plugin's index records where each group lies and its digest
-# (``"ranks"``): a rank reads its groups by ranged reads (``format.manifest.parse_regions``)
+# (``"ranks"``): a rank reads its groups by ranged reads (``format.rank_regions.read_for_rank``)
 # instead of parsing every rank's records.
 
 

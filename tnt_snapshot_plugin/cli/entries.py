@@ -146,7 +146,7 @@ class _Side:
         self.meta = require_metadata(store, name)
         self.leaves = {p: e for p, e in self.meta.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
         self.payloads = _Payloads(store, name)
-        self._io: Optional[tuple[Any, Any, Any]] = None  # the index read once, at the first value
+        self._io: Any = None  # restoring.ReadingIO: the index read once, at the first value
 
     def value(self, path: str) -> Any:
         """The value of manifest entry ``path`` (``RANK/KEY/...``)."""
@@ -155,8 +155,8 @@ class _Side:
 
         if self._io is None:
             self._io = reading_io(self.store, self.name, self.store.child(self.name))
-        read_into, file_size, verifier = self._io
-        return fmt.read_value(self.meta.manifest, path, read_into, file_size=file_size, verifier=verifier)
+        io = self._io
+        return fmt.read_value(self.meta.manifest, path, io.read_into, file_size=io.file_size, verifier=io.verifier)
 
 
 def diff_snapshots(
@@ -274,10 +274,10 @@ def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict
     from ..format import reader as fmt
     from ..restoring import read_metadata, reading_io
 
-    read_into, file_size, verifier = reading_io(store, name, store.child(name))
-    meta = manifest.parse_metadata(read_metadata(store, name, verifier), store.child(name))
+    io = reading_io(store, name, store.child(name))
+    meta = manifest.parse_metadata(read_metadata(store, name, io.verifier), store.child(name))
     return fmt.read_state_dict(
-        manifest.rank_view(meta, 0), key, None, read_into, file_size=file_size, verifier=verifier
+        manifest.rank_view(meta, 0), key, None, io.read_into, file_size=io.file_size, verifier=io.verifier
     )
 
 

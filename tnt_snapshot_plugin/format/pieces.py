@@ -11,6 +11,7 @@ import torch
 
 from ..errors import SnapshotCorruptError
 from .manifest import RAW
+from .rank_regions import GLOBAL_SHAPE, PartialView, covered
 from .targets import QUANTIZED, check_dtype, copy_into, fits, sharded_kind
 
 
@@ -36,26 +37,35 @@ class PiecesMixin:
         pieces = self.pieces(path, entry, "shards")
         if not pieces:
             raise self.corrupt(path, "it has no shards")
-        shape = [max(p[0][d] + p[1][d] for p in pieces) for d in range(len(pieces[0][0]))]
-        self.spread(path, pieces, self.dtype(pieces[0][2], path), shape, target)
+        saved = entry.get(GLOBAL_SHAPE)  # a view read by rank: the shards of some ranks only
+        if saved is not None:
+            shape = self.shape(saved, path, GLOBAL_SHAPE)
+        else:
+            shape = [max(p[0][d] + p[1][d] for p in pieces) for d in range(len(pieces[0][0]))]
+        self.spread(path, pieces, self.dtype(pieces[0][2], path), shape, target, partial=saved is not None)
 
-    def spread(self, path: str, pieces: list[tuple[list, list, dict]], dtype: torch.dtype, shape: list, target: Any) -> None:
+    def spread(
+        self, path: str, pieces: list[tuple[list, list, dict]], dtype: torch.dtype, shape: list, target: Any,
+        partial: bool = False,
+    ) -> None:
         """The tensor of ``shape`` saved in ``pieces`` (chunks or shards) into ``target``: each
         local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
         pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
-        filled whole; anything else gets a new tensor (the whole saved one)."""
+        filled whole; anything else gets a new tensor (the whole saved one). ``partial``: the
+        pieces are some ranks' only (a view read by rank); PartialView where they do not cover
+        a region to fill."""
         check_dtype(path, target, dtype)
         kind = sharded_kind(target)
         if kind == "ShardedTensor" and list(target.size()) == shape:
             for shard in target.local_shards():
-                self.fill(path, shard.tensor.detach(), list(shard.metadata.shard_offsets), pieces)
+                self.fill(path, shard.tensor.detach(), list(shard.metadata.shard_offsets), pieces, partial)
             self.values[path] = target
             return
         if kind == "DTensor" and list(target.shape) == shape:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-            self.fill(path, target.to_local().detach(), list(offsets), pieces)
+            self.fill(path, target.to_local().detach(), list(offsets), pieces, partial)
             self.values[path] = target
             return
         in_place = kind is None and fits(target, dtype, shape)
@@ -68,7 +78,7 @@ class PiecesMixin:
         self.values[path] = target if in_place else dst
         if dst.dim() == 0 and pieces and len(pieces[0][0]) == 1:
             dst = dst.view(-1)  # torchsnapshot chunks a 0-d tensor as a 1-d one
-        self.fill(path, dst, [0] * dst.dim(), pieces)
+        self.fill(path, dst, [0] * dst.dim(), pieces, partial)
 
     def pieces(self, path: str, entry: dict, field: str) -> list[tuple[list, list, dict]]:
         """(offsets, sizes, tensor entry) of each saved piece of a chunked or sharded entry."""
@@ -88,12 +98,17 @@ class PiecesMixin:
             pieces.append((offsets, sizes, piece["tensor"]))
         return pieces
 
-    def fill(self, path: str, dst: torch.Tensor, at: list, pieces: list[tuple[list, list, dict]]) -> None:
+    def fill(
+        self, path: str, dst: torch.Tensor, at: list, pieces: list[tuple[list, list, dict]], partial: bool = False
+    ) -> None:
         """Fill ``dst`` (the box of the whole tensor starting at ``at``) from every saved piece
         that overlaps it: straight into ``dst`` where a piece lies whole inside it and the
-        region is contiguous CPU memory of the saved dtype; else through the piece read whole."""
+        region is contiguous CPU memory of the saved dtype; else through the piece read whole.
+        ``partial``: PartialView unless the pieces cover the box."""
         if pieces and len(pieces[0][0]) != dst.dim():
             raise self.corrupt(path, f"its pieces have {len(pieces[0][0])} dims, the target {dst.dim()}")
+        if partial and not covered(((p[0], p[1]) for p in pieces), at, list(dst.shape)):
+            raise PartialView(path)
         for offsets, sizes, entry in pieces:
             region = dst
             src_box = []

@@ -6,13 +6,14 @@ each group lies with its digest, and the whole shape of every sharded tensor
 (tnt_snapshot_plugin/coordination.py). A rank then reads rank 0's group, its own, and the groups
 of the ranks whose shards it reads, by ranged reads: O(its records), not O(world size x records).
 Snapshots without ``"ranks"`` (torchsnapshot's, torchtnt's) are parsed whole, as before.
+A restore on the world size a snapshot was taken on reads this way (``restoring.request``).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from .manifest import (
     MAX_ENTRIES,
@@ -62,28 +63,33 @@ class RankRegions:
         return cls(out, shapes)
 
 
-def covers(entry: dict, offsets: list[int], sizes: list[int]) -> bool:
-    """Whether the shards of sharded ``entry`` hold every element of the box (``offsets``,
-    ``sizes``): a rank that read some ranks' records can read its piece from them."""
+class PartialView(Exception):
+    """A view read by rank (:func:`read_for_rank`) lacks shards that a target of this rank needs
+    (a whole tensor restored from a sharded entry, say): the caller parses the whole metadata
+    and reads that key again. Raised while a read is planned, before anything is read or filled."""
+
+
+def covered(pieces: Iterable[tuple[Sequence[int], Sequence[int]]], offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether ``pieces`` (offsets, sizes of each saved shard of one tensor) hold every element of
+    the box (``offsets``, ``sizes``)."""
     if not all(sizes):
         return True
-    boxes = []
-    for shard in entry.get("shards") or ():
-        lo = [max(o, t) for o, t in zip(shard["offsets"], offsets, strict=False)]
-        hi = [min(o + n, t + s) for o, n, t, s in zip(shard["offsets"], shard["sizes"], offsets, sizes, strict=False)]
-        if all(h > lo_ for lo_, h in zip(lo, hi, strict=True)):
-            boxes.append((lo, hi))
-    # the pieces of a tensor's shards do not overlap: covered when their volumes add up
-    volume = 0
-    for lo, hi in boxes:
+    volume = 0  # the shards of a tensor do not overlap: covered when their volumes add up
+    for at, extent in pieces:
         piece = 1
-        for lo_, h in zip(lo, hi, strict=True):
-            piece *= h - lo_
+        for o, n, t, s in zip(at, extent, offsets, sizes, strict=False):
+            piece *= max(0, min(o + n, t + s) - max(o, t))
         volume += piece
     whole = 1
     for n in sizes:
         whole *= n
     return volume >= whole
+
+
+def covers(entry: dict, offsets: list[int], sizes: list[int]) -> bool:
+    """Whether the shards of sharded ``entry`` hold every element of the box (``offsets``,
+    ``sizes``): a rank that read some ranks' records can read its piece from them."""
+    return covered(((s["offsets"], s["sizes"]) for s in entry.get("shards") or ()), offsets, sizes)
 
 
 def _region_manifest(data: bytes, where: str, rank: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .. import holdings
 from ..distributed import Collectives
@@ -15,11 +15,21 @@ from ..naming import SnapshotName
 from ..stores import INDEX_FNAME, LocalStore, Store
 
 
+class ReadingIO(NamedTuple):
+    """How the reader reaches one snapshot's files (:func:`reading_io`)."""
+
+    read_into: Any
+    file_size: Any
+    verifier: Any
+    #: the plugin's parsed index, or None (a snapshot torchtnt or torchsnapshot wrote)
+    snapshot_index: Optional[dict[str, Any]]
+
+
 def reading_io(
     store: Store, name: str, path: str, concurrency: Optional[int] = None, *, checked: Any = None
-) -> tuple[Any, Any, Any]:
-    """How the reader reaches snapshot ``name``'s files: ``(read_into, file_size, verifier)``;
-    ``read_into`` reads up to ``concurrency`` files at once (None: the store's default).
+) -> ReadingIO:
+    """How the reader reaches snapshot ``name``'s files: ``read_into`` reads up to
+    ``concurrency`` files at once (None: the store's default).
 
     File sizes come from the plugin's index where it has one (one read), else from the store
     (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
@@ -47,7 +57,15 @@ def reading_io(
         size = sizes.get(rel)
         return size if isinstance(size, int) else store.file_size(name, rel)
 
-    return functools.partial(store.read_into, name, concurrency=concurrency), file_size, verifier
+    read_into = functools.partial(store.read_into, name, concurrency=concurrency)
+    return ReadingIO(read_into, file_size, verifier, parsed if isinstance(parsed, dict) else None)
+
+
+def metadata_range(store: Store, name: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of snapshot ``name``'s metadata (one ranked group of it)."""
+    buf = memoryview(bytearray(end - start))
+    store.read_into(name, [(METADATA_FNAME, start, buf)])
+    return bytes(buf)
 
 
 def read_metadata(store: Store, name: str, verifier: Any) -> bytes:

@@ -13,6 +13,7 @@ rank makes every rank fall back together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -27,12 +28,13 @@ from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_col
 from ..distributed import Collectives, raise_if_any_failed
 from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
 from ..format.manifest import Metadata, rank_view, saved_keys
+from ..format.rank_regions import PartialView
 from ..loading import allowed_globals
 from ..plugins import extra_state_sources, new_plugin_manager
 from ..stores import Store, open_store, split_snapshot_path
 from .agreement import StatefulError, agree_after_loading, agree_on_read_errors, is_users, raise_own_error
 from .checks import check_modules
-from .files import read_metadata, reading_io, require_complete
+from .files import metadata_range, read_metadata, reading_io, require_complete
 from .world_size import fit_world_size
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
@@ -143,6 +145,7 @@ class _Restore:
         require_complete(store, name, self.path, self.coll)
         # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
         self.io = reading_io(store, name, self.path, self.request.io_concurrency, checked=self.verdict)
+        self.store, self.name = store, name
         return store, name
 
     # -- check --------------------------------------------------------------------------------
@@ -158,13 +161,33 @@ class _Restore:
             wanted.update(entries)
         return wanted
 
-    def metadata(self, store: Store, name: str) -> Metadata:
+    def metadata(self, store: Store, name: str) -> tuple[Metadata, Optional[dict[str, dict]]]:
+        """The snapshot's metadata, and this rank's view where it was read by rank.
+
+        On the world size it was taken on, a rank of several reads only its own records and
+        rank 0's (``format.rank_regions.read_for_rank``: ranged reads of the groups the index
+        locates, each checked against its digest), not every rank's; a view that turns out to
+        lack shards a target needs is replaced by the whole one at the read (:meth:`read`).
+        Otherwise (one rank, another world size, a snapshot without ranked groups) the whole
+        metadata is read, checked against its checksum and parsed."""
         if self.verdict is not None and self.verdict.metadata is not None:
-            return self.verdict.metadata  # read and checked by restore_from_latest, on this rank
+            return self.verdict.metadata, None  # read and checked by restore_from_latest, on this rank
+        from ..format.rank_regions import RankRegions, read_for_rank
+
+        regions = RankRegions.from_index(self.io.snapshot_index) if self.coll.world_size > 1 else None
+        if regions is not None and len(regions.regions) == self.coll.world_size:
+            got = read_for_rank(
+                functools.partial(metadata_range, store, name), regions, self.coll.world_size, self.coll.rank, self.path
+            )
+            if got is not None:
+                return got
+        return self.whole_metadata(), None
+
+    def whole_metadata(self) -> Metadata:
         from ..format.manifest import parse_metadata
 
         try:
-            return parse_metadata(read_metadata(store, name, self.io[2]), self.path)
+            return parse_metadata(read_metadata(self.store, self.name, self.io.verifier), self.path)
         except SnapshotError:
             raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:
@@ -174,19 +197,20 @@ class _Restore:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
         request, coll, path = self.request, self.coll, self.path
         wanted = self.wanted()
-        meta = self.metadata(store, name)
+        meta, view = self.metadata(store, name)
         # A rank the snapshot did not have checks against rank 0's entries; the world-size check
         # decides what it may load.
         view_rank = coll.rank if coll.rank < meta.world_size else 0
-        view = rank_view(meta, view_rank)
+        if view is None:
+            view = rank_view(meta, view_rank)
         if not view:
             raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
         present = saved_keys(view)
         restore_rng = True
         if meta.world_size != coll.world_size:
             mapped = present if request.rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            read_into, file_size, verifier = self.io
-            restore_rng = fit_world_size(path, meta, read_into, file_size, verifier, mapped, coll)
+            io = self.io
+            restore_rng = fit_world_size(path, meta, io.read_into, io.file_size, io.verifier, mapped, coll)
         load = self.select(wanted, present)
         checked = _Checked(meta, view, present, load, restore_rng=restore_rng, view_rank=view_rank)
         if request.strict:
@@ -234,10 +258,7 @@ class _Restore:
 
     def read(self, checked: _Checked, order: list[str]) -> tuple[dict[str, Any], Optional[StatefulError]]:
         """Every entry's state dict, read; the ranks agree on the reads before anything loads."""
-        from ..format import reader as fmt
-
         view = checked.view if checked.view_rank == self.coll.rank else rank_view(checked.meta, self.coll.rank)
-        read_into, file_size, verifier = self.io
         states: dict[str, Any] = {}
         read_errors: list[tuple[str, BaseException]] = []
         own_error: Optional[StatefulError] = None
@@ -252,14 +273,25 @@ class _Restore:
                     own_error = own_error or StatefulError(key, "state_dict", target, exc)
                     continue
                 try:
-                    states[key] = fmt.read_state_dict(
-                        view, key, current, read_into,
-                        verifier=verifier, file_size=file_size, weights_only=bool(self.request.weights_only),
-                    )
+                    try:
+                        states[key] = self.read_key(view, key, current)
+                    except PartialView as partial:  # a view read by rank lacks shards this target needs
+                        logger.info("restoring %s: %s needs other ranks' shards; reading the whole metadata", self.path, partial)
+                        view = rank_view(self.whole_metadata(), self.coll.rank)
+                        states[key] = self.read_key(view, key, current)
                 except Exception as exc:  # agreed on below, on every rank
                     read_errors.append((key, exc))
         agree_on_read_errors(self.path, read_errors, self.coll)
         return states, own_error
+
+    def read_key(self, view: dict[str, dict], key: str, current: Any) -> Any:
+        from ..format import reader as fmt
+
+        io = self.io
+        return fmt.read_state_dict(
+            view, key, current, io.read_into,
+            verifier=io.verifier, file_size=io.file_size, weights_only=bool(self.request.weights_only),
+        )
 
     # -- load ---------------------------------------------------------------------------------
 

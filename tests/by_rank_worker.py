@@ -1,0 +1,133 @@
+"""One rank of tests/test_restore_by_rank.py: FSDP2 snapshots restored on 4 processes, each rank
+reading only its own records of ``.snapshot_metadata`` where that is enough.
+
+Run as ``python tests/by_rank_worker.py PHASE RANK WORLD_SIZE RENDEZVOUS OUTDIR``; gloo on the
+loopback interface only. Each phase writes what it saw to ``OUTDIR/PHASE_rank{RANK}.json``:
+
+* ``save``: trains an FSDP2 model (every parameter and Adam state sharded over the 4 ranks) with
+  the torchtnt adapter's saver, a snapshot every 2 steps; records the whole state at step 4.
+* ``restore``: new processes restore the step-4 snapshot three ways, recording every read of
+  ``.snapshot_metadata`` (ranged and whole) that the local store serves:
+  ``TorchSnapshotSaver.restore(path)`` into a new FSDP2 unit; ``restore_from_latest`` into
+  another; and ``RestoreRequest.restore(path)`` of the model alone into a plain, unsharded copy of it (whole
+  tensors, which need every rank's shards); then a copy whose metadata has a byte of rank 2's
+  records flipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from fsdp_worker import Capture, Unit, digest, loader, whole_state
+from gloo_worker import run_rank
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin import SnapshotCorruptError
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.restoring import RestoreRequest
+from tnt_snapshot_plugin.stores.local import LocalStore
+
+METADATA = ".snapshot_metadata"
+
+
+def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
+    unit = Unit("fsdp2", seed=0)
+    capture = Capture(at_step=4)
+    saver = TorchSnapshotSaver(out, save_every_n_train_steps=2, save_on_train_end=False, collective_timeout_s=60)
+    train(unit, loader(rank), max_epochs=1, callbacks=[capture, saver])
+    record["at_step_4"] = capture.state
+
+
+class MetadataReads:
+    """Every read of ``.snapshot_metadata`` the local store serves in this process: ``[start,
+    end]`` of a ranged read, ``"whole"`` for the whole file."""
+
+    def __init__(self) -> None:
+        self.reads: list[Any] = []
+        read_into, read_file = LocalStore.read_into, LocalStore.read_file
+
+        def ranged(store: LocalStore, name: str, reads: Any, *args: Any, **kwargs: Any) -> None:
+            self.reads.extend([offset, offset + memoryview(dest).nbytes] for rel, offset, dest in reads if rel == METADATA)
+            return read_into(store, name, reads, *args, **kwargs)
+
+        def whole(store: LocalStore, name: str, rel: str) -> bytes:
+            if rel == METADATA:
+                self.reads.append("whole")
+            return read_file(store, name, rel)
+
+        LocalStore.read_into = ranged  # type: ignore[method-assign]
+        LocalStore.read_file = whole  # type: ignore[method-assign]
+
+    def during(self, run: Callable[[], Any]) -> list[Any]:
+        self.reads.clear()
+        run()
+        return list(self.reads)
+
+
+def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
+    reads = MetadataReads()
+    path = os.path.join(out, "epoch_0_step_4")
+
+    unit = Unit("fsdp2", seed=7 + rank)
+    record["explicit_reads"] = reads.during(lambda: TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60))
+    record["explicit_state"] = whole_state(unit)
+
+    unit = Unit("fsdp2", seed=8 + rank)
+    record["latest_reads"] = reads.during(
+        lambda: TorchSnapshotSaver.restore_from_latest(out, unit, collective_timeout_s=60)
+    )
+    record["latest_state"] = whole_state(unit)
+
+    torch.manual_seed(9 + rank)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def plain_restore() -> None:
+        with RestoreRequest({"model": plain}).on_ranks(None, 60) as request:
+            request.restore(path)
+
+    record["plain_reads"] = reads.during(plain_restore)
+    record["plain_state"] = {f"model/{name}": digest(value) for name, value in sorted(plain.state_dict().items())}
+    damaged_group(rank, out, record)
+
+
+def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
+    """Rank 0 copies the step-4 snapshot and flips a byte in the middle of rank 2's group of its
+    metadata; then every rank restores the copy."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+
+    copy = os.path.join(os.path.dirname(out), "damaged", "epoch_0_step_4")
+    if rank == 0:
+        shutil.copytree(os.path.join(out, "epoch_0_step_4"), copy)
+        with open(os.path.join(copy, ".tnt_snapshot_index.json")) as f:
+            start, end, _digest = json.load(f)["ranks"]["regions"][2]
+        with open(os.path.join(copy, METADATA), "r+b") as f:
+            f.seek((start + end) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x20]))
+    dist.barrier()
+    unit = Unit("fsdp2", seed=10 + rank)
+    try:
+        TorchSnapshotSaver.restore(copy, unit, collective_timeout_s=60)
+    except SnapshotCorruptError as exc:
+        record["damaged"] = str(exc)
+
+
+PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {"save": phase_save, "restore": phase_restore}
+
+
+def main() -> None:
+    phase, rank_s, world_s, rendezvous, out = sys.argv[1:6]
+    rank, world = int(rank_s), int(world_s)
+    run_rank(rank, world, rendezvous, os.path.join(out, f"{phase}_rank{rank}.json"),
+             lambda record: PHASES[phase](rank, os.path.join(out, "snapshots"), record))
+
+
+if __name__ == "__main__":
+    main()

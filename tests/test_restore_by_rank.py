@@ -1,0 +1,84 @@
+"""Restore on the world size a snapshot was taken on: each rank reads rank 0's records and its own
+from ``.snapshot_metadata`` (the groups the index locates under ``"ranks"``), not every rank's;
+a target that needs other ranks' shards makes that rank parse the whole file. Real FSDP2 on 4
+gloo processes (tests/by_rank_worker.py); every restore must equal the saved state bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import launching
+import pytest
+
+WORKER = Path(__file__).with_name("by_rank_worker.py")
+WORLD = 4
+
+pytestmark = pytest.mark.slow
+
+
+def launch(phase: str, out: Path) -> list[dict[str, Any]]:
+    return launching.run_ranks(
+        lambda rank: [str(WORKER), phase, str(rank), str(WORLD), str(out / f"rendezvous_{phase}"), str(out)],
+        WORLD,
+        lambda rank: out / f"{phase}{rank}.log",
+        lambda rank: out / f"{phase}_rank{rank}.json",
+        phase,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("by_rank")
+    saved = launch("save", out)
+    index = json.loads((out / "snapshots" / "epoch_0_step_4" / ".tnt_snapshot_index.json").read_text())
+    return {"save": saved, "restore": launch("restore", out), "regions": [r[:2] for r in index["ranks"]["regions"]]}
+
+
+def own_groups(regions: list[list[int]], rank: int) -> list[list[int]]:
+    """The groups a rank reads: rank 0's, then its own."""
+    return [regions[0]] if rank == 0 else [regions[0], regions[rank]]
+
+
+def test_the_index_locates_every_rank_s_group(runs):
+    regions = runs["regions"]
+    assert len(regions) == WORLD
+    assert all(start < end for start, end in regions)
+    assert all(a[1] <= b[0] for a, b in zip(regions, regions[1:], strict=False))  # consecutive, not overlapping
+
+
+def test_an_explicit_restore_reads_only_rank_0_s_and_its_own_records_and_is_bitwise(runs):
+    for saved, restored in zip(runs["save"], runs["restore"], strict=True):
+        rank = restored["rank"]
+        assert restored["explicit_reads"] == own_groups(runs["regions"], rank)
+        assert restored["explicit_state"] == saved["at_step_4"]
+
+
+def test_restore_from_latest_checks_the_whole_snapshot_on_rank_0_only(runs):
+    """Rank 0 checks the snapshot it picks (verify.check: the whole metadata) and restores from
+    what it read; the other ranks read their groups."""
+    for saved, restored in zip(runs["save"], runs["restore"], strict=True):
+        rank = restored["rank"]
+        assert restored["latest_reads"] == (["whole"] if rank == 0 else own_groups(runs["regions"], rank))
+        assert restored["latest_state"] == saved["at_step_4"]
+
+
+def test_a_whole_tensor_target_makes_the_rank_read_every_rank_s_records(runs):
+    """A plain model needs every shard of each weight: the groups read do not cover it, so the
+    rank parses the whole metadata, and the weights are the whole saved ones."""
+    for saved, restored in zip(runs["save"], runs["restore"], strict=True):
+        rank = restored["rank"]
+        assert restored["plain_reads"] == [*own_groups(runs["regions"], rank), "whole"]
+        expected = {k: v for k, v in saved["at_step_4"].items() if k.startswith("model/")}
+        assert restored["plain_state"] == expected
+
+
+def test_a_damaged_group_fails_the_restore_on_every_rank(runs):
+    """A byte flipped in rank 2's records: rank 2 finds its group's digest wrong, and every rank
+    raises SnapshotCorruptError (restore_from_latest falls back together on it)."""
+    for restored in runs["restore"]:
+        assert "damaged" in restored, f"rank {restored['rank']} restored a damaged snapshot"
+        assert ".snapshot_metadata" in restored["damaged"]
+    assert "records of rank 2 differ from the digest" in runs["restore"][2]["damaged"]
