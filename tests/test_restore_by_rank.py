@@ -33,8 +33,14 @@ def launch(phase: str, out: Path) -> list[dict[str, Any]]:
 def runs(tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("by_rank")
     saved = launch("save", out)
-    index = json.loads((out / "snapshots" / "epoch_0_step_4" / ".tnt_snapshot_index.json").read_text())
-    return {"save": saved, "restore": launch("restore", out), "regions": [r[:2] for r in index["ranks"]["regions"]]}
+    snapshot = out / "snapshots" / "epoch_0_step_4"
+    index = json.loads((snapshot / ".tnt_snapshot_index.json").read_text())
+    return {
+        "save": saved,
+        "restore": launch("restore", out),
+        "regions": [r[:2] for r in index["ranks"]["regions"]],
+        "metadata_size": (snapshot / ".snapshot_metadata").stat().st_size,
+    }
 
 
 def own_groups(regions: list[list[int]], rank: int) -> list[list[int]]:
@@ -56,12 +62,13 @@ def test_an_explicit_restore_reads_only_rank_0_s_and_its_own_records_and_is_bitw
         assert restored["explicit_state"] == saved["at_step_4"]
 
 
-def test_restore_from_latest_checks_the_whole_snapshot_on_rank_0_only(runs):
-    """Rank 0 checks the snapshot it picks (verify.check: the whole metadata) and restores from
-    what it read; the other ranks read their groups."""
+def test_restore_from_latest_streams_the_metadata_checksum_on_rank_0_and_parses_groups_only(runs):
+    """Rank 0 checks the snapshot it picks (verify.check: the metadata against its checksum,
+    streamed, not parsed); then every rank reads rank 0's group and its own."""
     for saved, restored in zip(runs["save"], runs["restore"], strict=True):
         rank = restored["rank"]
-        assert restored["latest_reads"] == (["whole"] if rank == 0 else own_groups(runs["regions"], rank))
+        streamed = [[0, runs["metadata_size"]]] if rank == 0 else []
+        assert restored["latest_reads"] == streamed + own_groups(runs["regions"], rank)
         assert restored["latest_state"] == saved["at_step_4"]
 
 
@@ -82,3 +89,15 @@ def test_a_damaged_group_fails_the_restore_on_every_rank(runs):
         assert "damaged" in restored, f"rank {restored['rank']} restored a damaged snapshot"
         assert ".snapshot_metadata" in restored["damaged"]
     assert "records of rank 2 differ from the digest" in runs["restore"][2]["damaged"]
+
+
+def test_restore_from_latest_skips_a_snapshot_whose_metadata_differs_from_its_checksum(runs):
+    """The same flipped byte under restore_from_latest: rank 0's streamed checksum finds it, and
+    every rank restores the snapshot before it (step 2), warned about the skipped one."""
+    for restored in runs["restore"]:
+        assert restored["damaged_latest_steps"] == 2
+        if restored["rank"] == 0:
+            assert any(
+                "skipping damaged snapshot" in w and ".snapshot_metadata differs from the checksum" in w
+                for w in restored["damaged_latest_warnings"]
+            ), restored["damaged_latest_warnings"]

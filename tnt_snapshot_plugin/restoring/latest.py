@@ -179,7 +179,7 @@ class _Fallbacks:
         """The keys loaded from snapshot ``name``, or None if it is damaged (warned about)."""
         path = self.store.child(name)
         checked: list[verify.Verdict] = []  # rank 0's: its metadata is not read twice
-        problem = self.coll.on_rank0(functools.partial(_check, self.store, name, checked))
+        problem = self.coll.on_rank0(functools.partial(_check, self.store, name, checked, self.coll.world_size))
         if problem is None:
             if not self.damaged:
                 self.before = _optional_state(self.request.app_state, self.optional)
@@ -255,9 +255,10 @@ def _uncommitted_after(store: Store, newest: Optional[str]) -> list[str]:
     return sorted(found)
 
 
-def _check(store: Store, name: str, out: list[verify.Verdict]) -> Optional[str]:
-    """``verify.check``'s problem with snapshot ``name``, or None; the verdict goes to ``out``."""
-    out.append(verify.check(store, name))
+def _check(store: Store, name: str, out: list[verify.Verdict], ranks: int) -> Optional[str]:
+    """``verify.check``'s problem with snapshot ``name`` about to be restored on ``ranks`` ranks,
+    or None; the verdict goes to ``out``."""
+    out.append(verify.check(store, name, restoring_ranks=ranks))
     return out[-1].problem
 
 
