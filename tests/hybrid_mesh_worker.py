@@ -13,7 +13,6 @@ loopback interface only. Each phase writes what it saw to ``OUTDIR/PHASE_rank{RA
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Callable
@@ -22,6 +21,7 @@ import torch
 from gloo_worker import run_rank
 
 from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore_from_latest
+from tnt_snapshot_plugin.format import mesh_aliases
 from toy import Holder
 
 
@@ -72,8 +72,8 @@ def phase_save(rank: int, world: int, out: str, record: dict[str, Any]) -> None:
     record["local_rows"] = {key: list(local(value).shape) for key, value in holder.state.items()}
     if rank == 0:
         snapshot = os.path.join(dirpath, "epoch_0_step_2")
-        with open(os.path.join(snapshot, ".snapshot_metadata")) as f:
-            manifest = json.load(f)["manifest"]
+        with open(os.path.join(snapshot, ".snapshot_metadata"), "rb") as f:
+            manifest = mesh_aliases.loads(f.read())["manifest"]
         record["locations"] = {
             path: [shard["tensor"]["location"] for shard in entry["shards"]]
             for path, entry in manifest.items()

@@ -33,6 +33,7 @@ from tnt_snapshot_plugin.app_state import RNGState  # noqa: E402
 from tnt_snapshot_plugin.checksums import record_views  # noqa: E402
 from tnt_snapshot_plugin.coordination import RecordDeltas  # noqa: E402
 from tnt_snapshot_plugin.distributed import Collectives  # noqa: E402
+from tnt_snapshot_plugin.format import mesh_aliases  # noqa: E402
 from tnt_snapshot_plugin.format import writer as fmt  # noqa: E402
 
 
@@ -158,7 +159,7 @@ def saved_by_rank(model: torch.nn.Module, rank: int, world: int, out: str) -> di
     assert got is not None
     whole = mf.rank_view(mf.parse_metadata(data, snapshot), rank)
     view = got[1]
-    records = json.loads(data)["manifest"]
+    records = mesh_aliases.loads(data)["manifest"]
 
     def agrees(path: str) -> bool:  # a sharded entry holds the shards of the groups read
         mine, theirs = view[path], whole[path]

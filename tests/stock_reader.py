@@ -66,6 +66,7 @@ def dist_state(rank: int, fill: bool) -> dict[str, dict[str, Any]]:
     shard = {
         "dt": distribute_tensor(value(torch.arange(10.0)), mesh, [Shard(0)]),
         "dt_one": distribute_tensor(value(torch.tensor([42.0])), mesh, [Shard(0)]),  # rank 1: empty
+        "dt_more": distribute_tensor(value(torch.arange(4.0) * 3), mesh, [Shard(0)]),  # the mesh of "dt" again
         "dt_part": distribute_tensor(value(torch.arange(6.0).reshape(2, 3)), mesh_1x2, [Shard(0), Replicate()]),
         "st": sharded(torch.arange(5.0)),
         "st_one": sharded(torch.tensor([5.0])),

@@ -28,7 +28,7 @@ from stock_reader import REPLICATED, same
 from torchsnapshot.flatten import flatten as stock_flatten
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
-from tnt_snapshot_plugin.format import merging, plan_cache, writer
+from tnt_snapshot_plugin.format import merging, mesh_aliases, plan_cache, writer
 from tnt_snapshot_plugin.format.common import DTYPE_NAMES, FORMAT_VERSION, METADATA_FNAME, RAW, TORCH_SAVE
 
 HERE = Path(__file__).parent
@@ -541,10 +541,34 @@ def test_stock_torchsnapshot_restores_two_ranks_bitwise(two_ranks):
         assert record["mismatches"] == []
 
 
+def _yaml_manifest(snapshot: Path) -> dict[str, Any]:
+    """The manifest as torchsnapshot's loader reads it (YAML: the mesh names resolved)."""
+    import yaml
+
+    return yaml.load((snapshot / METADATA_FNAME).read_bytes(), Loader=yaml.CSafeLoader)["manifest"]
+
+
+@pytest.mark.slow
+def test_rank_1_writes_each_mesh_once_and_names_it_after(two_ranks):
+    """Rank 1's DTensor records on one mesh: the first holds it (a YAML anchor), the next name
+    it; rank 0's hold it in full. The plugin's reader and torchsnapshot's YAML loader read the
+    same manifest."""
+    import yaml
+
+    out, _, _ = two_ranks
+    data = (out / "snap" / METADATA_FNAME).read_bytes()
+    assert data.count(b'"mesh": &m1_0 [0, 1]') == 1 and data.count(b'"mesh": *m1_0') == 2  # dt_one, dt_more
+    assert b"&m0_" not in data and b"*m0_" not in data
+    ours = mesh_aliases.loads(data)
+    assert ours == yaml.load(data, Loader=yaml.CSafeLoader)
+    manifest = ours["manifest"]
+    assert manifest["1/shard/dt_more"]["mesh"] == manifest["0/shard/dt_more"]["mesh"] == [0, 1]
+
+
 @pytest.mark.slow
 def test_two_ranks_record_replicated_values_once_under_rank0(two_ranks):
     out, writers, _ = two_ranks
-    manifest = json.loads((out / "snap" / METADATA_FNAME).read_text())["manifest"]
+    manifest = _yaml_manifest(out / "snap")
     for path in REPLICATED:
         assert f"0/{path}" in manifest and f"1/{path}" not in manifest, path
         assert sum(f"0/{path}" in record["snap"]["entries"] for record in writers) == 1, path
@@ -560,7 +584,7 @@ def test_two_ranks_record_replicated_values_once_under_rank0(two_ranks):
 @pytest.mark.slow
 def test_two_ranks_shard_records(two_ranks):
     out, _, _ = two_ranks
-    manifest = json.loads((out / "snap" / METADATA_FNAME).read_text())["manifest"]
+    manifest = _yaml_manifest(out / "snap")
     # a shard held by both ranks (Shard over a 1-rank mesh dim): one file, both records point at it
     part = [manifest[f"{rank}/shard/dt_part"] for rank in range(2)]
     assert part[0]["shards"][0]["tensor"]["location"] == part[1]["shards"][0]["tensor"]["location"]
@@ -568,7 +592,7 @@ def test_two_ranks_shard_records(two_ranks):
     assert manifest["1/shard/dt_one"]["shards"][0]["sizes"] == [0]
     assert manifest["0/shard/dt"]["dim_map"] == [[0]] and manifest["0/shard/dt"]["mesh"] == [0, 1]
     # a fully replicated DTensor: one record, under rank 0, its bytes written once
-    rep_manifest = json.loads((out / "snap_rep" / METADATA_FNAME).read_text())["manifest"]
+    rep_manifest = _yaml_manifest(out / "snap_rep")
     assert "1/rep/dt_rep" not in rep_manifest
     tensor = rep_manifest["0/rep/dt_rep"]["shards"][0]["tensor"]
     data = (out / "snap_rep" / tensor["location"]).read_bytes()

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from ..errors import SnapshotCorruptError
+from . import mesh_aliases
 
 METADATA_FNAME = ".snapshot_metadata"
 
@@ -126,9 +126,11 @@ def _load(data: bytes, where: str) -> Any:
     if len(data) > MAX_METADATA_BYTES:
         raise corrupt(where, f"it is {len(data)} bytes, more than the {MAX_METADATA_BYTES} a metadata file may hold")
     try:
-        return json.loads(data)
+        return mesh_aliases.loads(data)
     except RecursionError:
         raise corrupt(where, "it is nested too deeply to be a snapshot's metadata") from None
+    except mesh_aliases.UnknownMesh as exc:
+        raise corrupt(where, str(exc)) from None
     except ValueError:
         pass
     try:  # older torchsnapshot releases wrote YAML (JSON is YAML, not the other way round)

@@ -11,10 +11,10 @@ A restore on the world size a snapshot was taken on reads this way (``restoring.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
+from . import mesh_aliases
 from .manifest import (
     MAX_ENTRIES,
     METADATA_FNAME,
@@ -95,7 +95,9 @@ def covers(entry: dict, offsets: list[int], sizes: list[int]) -> bool:
 def _region_manifest(data: bytes, where: str, rank: int) -> dict:
     text = b"{" + bytes(data) + b"}"
     try:
-        doc = json.loads(text)
+        doc = mesh_aliases.loads(text)
+    except mesh_aliases.UnknownMesh as exc:
+        raise corrupt(where, f"the records of rank {rank}: {exc}") from None
     except (ValueError, RecursionError):
         raise corrupt(where, f"the records of rank {rank} (from the index's \"ranks\") are not JSON") from None
     if not isinstance(doc, dict):

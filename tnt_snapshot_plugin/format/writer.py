@@ -62,6 +62,7 @@ from .common import PRIMITIVES as _PRIMITIVES
 from .common import distributed_types as _distributed_types
 from .common import is_distributed as _is_distributed
 from .merging import merge, metadata_bytes  # noqa: F401  (re-exported: the writer's whole API)
+from .mesh_aliases import MeshNames
 from .plan_cache import PackBuffer, PlanCache, _Recorder, byte_runs  # noqa: F401  (byte_runs re-exported)
 from .replication import NOMINAL_OBJECT_BYTES, _replicated_writers, replicable  # noqa: F401
 
@@ -232,6 +233,7 @@ class _Builder:
         self._last_rel = ""  # the file the last tensor went to
         #: shape -> its JSON text (a model has few distinct shapes; formatting one costs microseconds)
         self._shapes: dict[tuple[int, ...], str] = {}
+        self._meshes = MeshNames(rank)
 
     def finish(self) -> Plan:
         if self._pack is not None:
@@ -393,13 +395,20 @@ class _Builder:
             text = self.tensor(path, value.to_local(), rel, False, pack=len(group) == 1 or fully_replicated)
         else:
             text = _pointer_record(rel, value.to_local())
-        record = {
-            "type": "DTensor",
-            "shards": [{"offsets": offsets, "sizes": sizes, "tensor": json.loads(text)}],
-            "mesh": value.device_mesh.mesh.tolist(),
-            "dim_map": dim_map,
-        }
-        self.entries[manifest_path if replicated or not fully_replicated else f"0/{path}"] = _text(record)
+        shards = [{"offsets": offsets, "sizes": sizes, "tensor": json.loads(text)}]
+        key = manifest_path if replicated or not fully_replicated else f"0/{path}"
+        self.dtensor_record(key, shards, value.device_mesh.mesh.tolist(), dim_map)
+
+    def dtensor_record(self, manifest_path: str, shards: list[dict], mesh: list[Any], dim_map: list[list[int]]) -> None:
+        """Record a DTensor entry. A rank other than 0 writes each mesh in full once and names
+        it in its later records (format/mesh_aliases.py); rank 0's records and ``0/`` records
+        (which several ranks may record, alike) hold it in full."""
+        if self.rank == 0 or manifest_path.startswith("0/"):
+            text = _text({"type": "DTensor", "shards": shards, "mesh": mesh, "dim_map": dim_map})
+        else:
+            head = _text({"type": "DTensor", "shards": shards})
+            text = f'{head[:-1]}, "mesh": {self._meshes.text(mesh)}, "dim_map": {json.dumps(dim_map)}}}'
+        self.entries[manifest_path] = text
 
 
 def _tensor_text(location: str, serializer: str, dtype: str, shape: str, replicated: bool, byte_range: str) -> str:
