@@ -31,8 +31,13 @@ def _digest(fields: dict[str, Any]) -> str:
 
 
 def seal(fields: dict[str, Any]) -> bytes:
-    """The bytes of an index holding ``fields`` and the seal over them."""
-    return json.dumps({**fields, SEAL_FIELD: _digest(fields)}, sort_keys=True).encode()
+    """The bytes of an index holding ``fields`` and the seal over them (the fields' JSON, made
+    once: the seal goes at its end; :func:`parse` reads the fields in any order)."""
+    body = json.dumps(fields, sort_keys=True)
+    digest = xxhash.xxh3_64_hexdigest(body.encode())
+    if not fields:
+        return json.dumps({SEAL_FIELD: digest}).encode()
+    return f'{body[:-1]}, "{SEAL_FIELD}": "{digest}"}}'.encode()
 
 
 def parse(data: bytes, where: str) -> dict[str, Any]:
