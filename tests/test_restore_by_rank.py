@@ -40,6 +40,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         "restore": launch("restore", out),
         "regions": [r[:2] for r in index["ranks"]["regions"]],
         "metadata_size": (snapshot / ".snapshot_metadata").stat().st_size,
+        "metadata": (snapshot / ".snapshot_metadata").read_bytes(),
     }
 
 
@@ -53,6 +54,13 @@ def test_the_index_locates_every_rank_s_group(runs):
     assert len(regions) == WORLD
     assert all(start < end for start, end in regions)
     assert all(a[1] <= b[0] for a, b in zip(regions, regions[1:], strict=False))  # consecutive, not overlapping
+    # ranks 1-3 write their mesh once, in their own group, and name it after (format/mesh_aliases.py)
+    data = runs["metadata"]
+    for rank in range(1, WORLD):
+        start, end = regions[rank]
+        group = data[start:end]
+        assert group.count(f'"mesh": &m{rank}_0 [0, 1, 2, 3]'.encode()) == 1
+        assert group.count(f'"mesh": *m{rank}_0'.encode()) >= 3
 
 
 def test_an_explicit_restore_reads_only_rank_0_s_and_its_own_records_and_is_bitwise(runs):
