@@ -61,6 +61,7 @@ from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_by_rank, rank_regions
 from tnt_snapshot_plugin.format import manifest as mf
+from tnt_snapshot_plugin.format import mesh_aliases
 from tnt_snapshot_plugin.format import writer as fmt
 from tnt_snapshot_plugin.format.common import METADATA_FNAME
 from tnt_snapshot_plugin.index import INDEX_FNAME, seal
@@ -220,7 +221,8 @@ def _add_dtensor(builder: Any, path: str, spec: Sharded, rank: int, world: int, 
     rel = fmt._shard_rel(rank, path, offsets)
     text = builder.tensor(path, arena.tensor(tuple(sizes)), rel, False, pack=True)
     shards = [{"offsets": list(offsets), "sizes": list(sizes), "tensor": json.loads(text)}]
-    builder.dtensor_record(f"{rank}/{path}", shards, list(range(world)), [[0]] + [[-1]] * (len(spec.shape) - 1))
+    dim_map = [[0]] + [[-1]] * (len(spec.shape) - 1)
+    builder.dtensor_record(f"{rank}/{path}", shards, list(range(world)), dim_map, named=world > 1)
 
 
 def rank_part(layout: str, model: Decoder, rank: int, world: int, step: int, arena: Arena) -> RankPart:
@@ -336,9 +338,12 @@ def needed_ranks(zero: RankPart, world: int, rank: int, new_world: int) -> set[i
     out = {0} | ({rank} if rank < world else set())
     if new_world == world:
         return out
+    # rank 0's records parsed together, as its group is (the mesh names resolve)
+    text = "{" + ", ".join(f"{json.dumps(p)}: {t}" for p, t in zero.entries.items()) + "}"
+    records = mesh_aliases.loads(text.encode())
     for logical, shape in (zero.shapes or {}).items():
         offsets, sizes = box(shape, rank, new_world)
-        chunk = json.loads(zero.entries[f"0/{logical}"])["shards"][0]["sizes"][0]
+        chunk = records[f"0/{logical}"]["shards"][0]["sizes"][0]
         if chunk and sizes[0]:
             out.update(range(offsets[0] // chunk, min((offsets[0] + sizes[0] - 1) // chunk, world - 1) + 1))
     return out

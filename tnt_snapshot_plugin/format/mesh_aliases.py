@@ -3,13 +3,13 @@
 torchsnapshot's DTensor record holds the whole device mesh (``"mesh": [0, 1, ..., N-1]`` for
 FSDP2), and every rank records one entry per sharded tensor: written out in full, the metadata
 grows as (world size)^2 x (sharded tensors). ``.snapshot_metadata`` is YAML (torchsnapshot reads
-it with a YAML loader; JSON is YAML), so a rank other than 0 writes each distinct mesh once, as a
-YAML anchor on its first record (``"mesh": &m3_0 [0, 1, ...]``), and its later records name it
+it with a YAML loader; JSON is YAML), so a rank writes each distinct mesh once, as a YAML anchor on
+the first record of its own shards (``"mesh": &m3_0 [0, 1, ...]``), and its later records name it
 (``"mesh": *m3_0``). torchsnapshot's and torchtnt's YAML loaders resolve the names; the anchors of a
 rank lie in that rank's own group of records (coordination.py), so a group read alone
-(rank_regions.py) holds every mesh it names. Rank 0's records and every ``0/`` record (recorded
-alike by several ranks) keep their meshes written out, and so does every snapshot of one rank: its
-metadata stays plain JSON.
+(rank_regions.py) holds every mesh it names. The record of a replicated value (which several
+ranks may make, alike, under ``0/``) keeps its mesh written out, and so does every record on a
+mesh of one rank: the metadata of a snapshot of one process stays plain JSON.
 
 :func:`loads` reads such text with the JSON parser: each anchor and alias is turned into JSON
 (``["&m3_0", 0, 1, ...]``, ``"*m3_0"``) and resolved after parsing, every alias to its anchor's

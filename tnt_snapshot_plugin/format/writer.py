@@ -397,13 +397,17 @@ class _Builder:
             text = _pointer_record(rel, value.to_local())
         shards = [{"offsets": offsets, "sizes": sizes, "tensor": json.loads(text)}]
         key = manifest_path if replicated or not fully_replicated else f"0/{path}"
-        self.dtensor_record(key, shards, value.device_mesh.mesh.tolist(), dim_map)
+        own = not replicated and not fully_replicated and value.device_mesh.size() > 1
+        self.dtensor_record(key, shards, value.device_mesh.mesh.tolist(), dim_map, named=own)
 
-    def dtensor_record(self, manifest_path: str, shards: list[dict], mesh: list[Any], dim_map: list[list[int]]) -> None:
-        """Record a DTensor entry. A rank other than 0 writes each mesh in full once and names
-        it in its later records (format/mesh_aliases.py); rank 0's records and ``0/`` records
-        (which several ranks may record, alike) hold it in full."""
-        if self.rank == 0 or manifest_path.startswith("0/"):
+    def dtensor_record(
+        self, manifest_path: str, shards: list[dict], mesh: list[Any], dim_map: list[list[int]], named: bool
+    ) -> None:
+        """Record a DTensor entry; ``named``: its mesh is written in full in this rank's first
+        such record and named in the later ones (format/mesh_aliases.py). For a record of this
+        rank's own shard on a mesh of several ranks; a replicated value's record (which several
+        ranks may make, alike, under ``0/``) holds its mesh in full."""
+        if not named:
             text = _text({"type": "DTensor", "shards": shards, "mesh": mesh, "dim_map": dim_map})
         else:
             head = _text({"type": "DTensor", "shards": shards})
