@@ -1,5 +1,5 @@
-"""One rank of tests/test_restore_by_rank.py: FSDP2 snapshots restored on 4 processes, each rank
-reading only its own records of ``.snapshot_metadata`` where that is enough.
+"""One rank of tests/test_restore_by_rank.py: FSDP2 snapshots of 4 processes restored on 4 and 2,
+each rank reading only the records of ``.snapshot_metadata`` it needs.
 
 Run as ``python tests/by_rank_worker.py PHASE RANK WORLD_SIZE RENDEZVOUS OUTDIR``; gloo on the
 loopback interface only. Each phase writes what it saw to ``OUTDIR/PHASE_rank{RANK}.json``:
@@ -9,9 +9,10 @@ loopback interface only. Each phase writes what it saw to ``OUTDIR/PHASE_rank{RA
 * ``restore``: new processes restore the step-4 snapshot three ways, recording every read of
   ``.snapshot_metadata`` (ranged and whole) that the local store serves:
   ``TorchSnapshotSaver.restore(path)`` into a new FSDP2 unit; ``restore_from_latest`` into
-  another; and ``RestoreRequest.restore(path)`` of the model alone into a plain, unsharded copy of it (whole
-  tensors, which need every rank's shards); then a copy whose metadata has a byte of rank 2's
-  records flipped.
+  another; and ``RestoreRequest.restore(path)`` of the model alone into a plain, unsharded copy
+  of it (whole tensors, which need every rank's shards); then a copy whose metadata has a byte
+  of rank 2's records flipped.
+* ``world2``: 2 new processes restore the step-4 snapshot (another world size).
 """
 
 from __future__ import annotations
@@ -126,7 +127,19 @@ def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
     record["damaged_latest_warnings"] = [str(w.message) for w in caught]
 
 
-PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {"save": phase_save, "restore": phase_restore}
+def phase_world2(rank: int, out: str, record: dict[str, Any]) -> None:
+    """The 4-rank snapshot restored on 2 ranks: rank 0 compares the saved ranks' per-rank entries
+    (the whole metadata); rank 1 reads its groups and those holding the shards it now holds."""
+    reads = MetadataReads()
+    unit = Unit("fsdp2", seed=20 + rank)
+    path = os.path.join(out, "epoch_0_step_4")
+    record["world2_reads"] = reads.during(lambda: TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60))
+    record["world2_state"] = whole_state(unit)
+
+
+PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
+    "save": phase_save, "restore": phase_restore, "world2": phase_world2,
+}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Restore on the world size a snapshot was taken on: each rank reads rank 0's records and its own
 from ``.snapshot_metadata`` (the groups the index locates under ``"ranks"``), not every rank's;
-a target that needs other ranks' shards makes that rank parse the whole file. Real FSDP2 on 4
+a target that needs other ranks' shards makes that rank read their groups too. Real FSDP2 on 4
 gloo processes (tests/by_rank_worker.py); every restore must equal the saved state bit for bit.
 """
 
@@ -19,10 +19,10 @@ WORLD = 4
 pytestmark = pytest.mark.slow
 
 
-def launch(phase: str, out: Path) -> list[dict[str, Any]]:
+def launch(phase: str, out: Path, world: int = WORLD) -> list[dict[str, Any]]:
     return launching.run_ranks(
-        lambda rank: [str(WORKER), phase, str(rank), str(WORLD), str(out / f"rendezvous_{phase}"), str(out)],
-        WORLD,
+        lambda rank: [str(WORKER), phase, str(rank), str(world), str(out / f"rendezvous_{phase}"), str(out)],
+        world,
         lambda rank: out / f"{phase}{rank}.log",
         lambda rank: out / f"{phase}_rank{rank}.json",
         phase,
@@ -38,6 +38,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return {
         "save": saved,
         "restore": launch("restore", out),
+        "world2": launch("world2", out, world=2),
         "regions": [r[:2] for r in index["ranks"]["regions"]],
         "metadata_size": (snapshot / ".snapshot_metadata").stat().st_size,
         "metadata": (snapshot / ".snapshot_metadata").read_bytes(),
@@ -80,12 +81,16 @@ def test_restore_from_latest_streams_the_metadata_checksum_on_rank_0_and_parses_
         assert restored["latest_state"] == saved["at_step_4"]
 
 
-def test_a_whole_tensor_target_makes_the_rank_read_every_rank_s_records(runs):
-    """A plain model needs every shard of each weight: the groups read do not cover it, so the
-    rank parses the whole metadata, and the weights are the whole saved ones."""
+def test_a_whole_tensor_target_makes_the_rank_read_the_groups_holding_its_shards(runs):
+    """A plain model needs every shard of each weight: the groups read first do not cover it,
+    so the rank reads, by ranged reads, the groups of the ranks whose shards overlap it (here
+    every rank's), once each, and never the whole file; the weights are the whole saved ones."""
     for saved, restored in zip(runs["save"], runs["restore"], strict=True):
         rank = restored["rank"]
-        assert restored["plain_reads"] == [*own_groups(runs["regions"], rank), "whole"]
+        own = own_groups(runs["regions"], rank)
+        reads = restored["plain_reads"]
+        assert reads[: len(own)] == own
+        assert sorted(reads) == sorted(runs["regions"])  # every group once, "whole" never
         expected = {k: v for k, v in saved["at_step_4"].items() if k.startswith("model/")}
         assert restored["plain_state"] == expected
 
@@ -109,3 +114,15 @@ def test_restore_from_latest_skips_a_snapshot_whose_metadata_differs_from_its_ch
                 "skipping damaged snapshot" in w and ".snapshot_metadata differs from the checksum" in w
                 for w in restored["damaged_latest_warnings"]
             ), restored["damaged_latest_warnings"]
+
+
+def test_on_2_ranks_rank_1_reads_the_groups_of_the_shards_it_now_holds(runs):
+    """Restored on 2 ranks: rank 0 reads the whole metadata (it compares every saved rank's
+    per-rank entries); rank 1 reads rank 0's group, saved rank 1's, and those of saved ranks 2
+    and 3, whose rows it now holds. Both restore the saved state exactly."""
+    regions = runs["regions"]
+    zero, one = runs["world2"]
+    assert zero["world2_reads"] == ["whole"]
+    assert one["world2_reads"] == regions
+    for restored in runs["world2"]:
+        assert restored["world2_state"] == runs["save"][0]["at_step_4"]

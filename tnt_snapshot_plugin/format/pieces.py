@@ -11,7 +11,7 @@ import torch
 
 from ..errors import SnapshotCorruptError
 from .manifest import RAW
-from .rank_regions import GLOBAL_SHAPE, PartialView, covered
+from .rank_regions import GLOBAL_SHAPE, covered
 from .targets import QUANTIZED, check_dtype, copy_into, fits, sharded_kind
 
 
@@ -20,6 +20,8 @@ class PiecesMixin:
 
     values: dict[str, Any]
     after: list[Any]
+    #: (path, offsets, sizes) of each region of a partial view's target no shard read covers
+    uncovered: list[tuple[str, list[int], list[int]]]
 
     if TYPE_CHECKING:  # provided by reader._Plan
         def corrupt(self, path: str, what: str, rel: Optional[str] = None) -> SnapshotCorruptError: ...
@@ -52,8 +54,8 @@ class PiecesMixin:
         local shard of a ShardedTensor or DTensor of that global shape gets the parts of the
         pieces that overlap it (any resharding); a tensor of the saved dtype and shape is
         filled whole; anything else gets a new tensor (the whole saved one). ``partial``: the
-        pieces are some ranks' only (a view read by rank); PartialView where they do not cover
-        a region to fill."""
+        pieces are some ranks' only (a view read by rank); a region they do not cover goes to
+        ``uncovered``."""
         check_dtype(path, target, dtype)
         kind = sharded_kind(target)
         if kind == "ShardedTensor" and list(target.size()) == shape:
@@ -104,11 +106,12 @@ class PiecesMixin:
         """Fill ``dst`` (the box of the whole tensor starting at ``at``) from every saved piece
         that overlaps it: straight into ``dst`` where a piece lies whole inside it and the
         region is contiguous CPU memory of the saved dtype; else through the piece read whole.
-        ``partial``: PartialView unless the pieces cover the box."""
+        ``partial``: unless the pieces cover the box, it goes to ``uncovered`` instead."""
         if pieces and len(pieces[0][0]) != dst.dim():
             raise self.corrupt(path, f"its pieces have {len(pieces[0][0])} dims, the target {dst.dim()}")
         if partial and not covered(((p[0], p[1]) for p in pieces), at, list(dst.shape)):
-            raise PartialView(path)
+            self.uncovered.append((path, list(at), list(dst.shape)))
+            return
         for offsets, sizes, entry in pieces:
             region = dst
             src_box = []

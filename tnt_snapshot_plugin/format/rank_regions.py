@@ -64,9 +64,15 @@ class RankRegions:
 
 
 class PartialView(Exception):
-    """A view read by rank (:func:`read_for_rank`) lacks shards that a target of this rank needs
-    (a whole tensor restored from a sharded entry, say): the caller parses the whole metadata
-    and reads that key again. Raised while a read is planned, before anything is read or filled."""
+    """A view read by rank (:class:`Groups`) lacks shards that targets of this rank need (a
+    whole tensor restored from a sharded entry, or another world size's pieces): ``boxes``, each
+    (logical path, offsets, sizes) of a region no shard read covers. The caller reads more groups
+    (:meth:`Groups.load_overlapping`) or the whole metadata, and reads the key again. Raised when
+    a key's read is planned, before anything is read or filled."""
+
+    def __init__(self, boxes: list[tuple[str, list[int], list[int]]]) -> None:
+        super().__init__(", ".join(sorted({path for path, _, _ in boxes})))
+        self.boxes = boxes
 
 
 def covered(pieces: Iterable[tuple[Sequence[int], Sequence[int]]], offsets: Sequence[int], sizes: Sequence[int]) -> bool:
@@ -118,11 +124,12 @@ def _read_group(read_range: Any, regions: RankRegions, saved: int, fname: str) -
     return _region_manifest(data, fname, saved)
 
 
-def _ranks_overlapping(manifest: dict, boxes: dict[str, tuple[list[int], list[int]]], world_size: int) -> list[int]:
+def _ranks_overlapping(manifest: dict, boxes: Iterable[tuple[str, list[int], list[int]]], world_size: int) -> list[int]:
     """The saved ranks whose Shard(0)-style chunks (rank 0's shard size along the sharded
-    dimension) overlap a box of ``boxes``, from rank 0's records in ``manifest``."""
+    dimension) overlap a box of ``boxes`` (logical path, offsets, sizes), from rank 0's records
+    in ``manifest``."""
     found: list[int] = []
-    for logical, (offsets, sizes) in boxes.items():
+    for logical, offsets, sizes in boxes:
         entry = manifest.get(f"0/{logical}")
         if entry is None or entry.get("type") not in SHARDED_TYPES or not all(sizes):
             continue
@@ -139,6 +146,53 @@ def _ranks_overlapping(manifest: dict, boxes: dict[str, tuple[list[int], list[in
     return found
 
 
+class Groups:
+    """The groups of ``.snapshot_metadata`` one rank has read, read as they are needed:
+    ``read_range(start, end)`` gives those bytes of the file. Each group read is checked against
+    the digest its index recorded and validated (SnapshotCorruptError otherwise); ``meta``
+    holds every record read so far."""
+
+    def __init__(self, read_range: Any, regions: RankRegions, where: str) -> None:
+        self.read_range, self.regions = read_range, regions
+        self.fname = f"{where}/{METADATA_FNAME}"
+        self.meta = Metadata("", len(regions.regions), {}, where)
+        self.loaded: set[int] = set()
+        self._validator = _Validator(self.fname, len(regions.regions))
+
+    def load(self, saved: int) -> None:
+        """Read saved rank ``saved``'s group, unless it was read."""
+        if saved in self.loaded:
+            return
+        self.loaded.add(saved)
+        group = _read_group(self.read_range, self.regions, saved, self.fname)
+        if len(self.meta.manifest) + len(group) > MAX_ENTRIES:
+            raise corrupt(self.fname, f"it has more than {MAX_ENTRIES} entries")
+        self._validator.run(group)
+        self.meta.manifest.update(group)
+
+    def load_overlapping(self, boxes: Iterable[tuple[str, list[int], list[int]]]) -> None:
+        """Read the groups of the saved ranks whose shards overlap ``boxes`` (logical path,
+        offsets, sizes), as rank 0's records place them."""
+        for saved in _ranks_overlapping(self.meta.manifest, boxes, self.meta.world_size):
+            self.load(saved)
+
+    def view(self, rank: int) -> dict[str, dict]:
+        """Rank ``rank``'s view of the records read (:func:`rank_view`); each sharded entry
+        with its whole shape (``GLOBAL_SHAPE``), which its shards read may not span. A sharded
+        entry whose whole shape the index does not record makes every group read: the shape is
+        then the extent of all its shards."""
+        view = rank_view(self.meta, rank)
+        sharded = [logical for logical, entry in view.items() if entry["type"] in SHARDED_TYPES]
+        if any(logical not in self.regions.shapes for logical in sharded) and len(self.loaded) < self.meta.world_size:
+            for saved in range(self.meta.world_size):
+                self.load(saved)
+            view = rank_view(self.meta, rank)
+        for logical, entry in view.items():
+            if entry["type"] in SHARDED_TYPES and logical in self.regions.shapes:
+                entry[GLOBAL_SHAPE] = self.regions.shapes[logical]
+        return view
+
+
 def read_for_rank(
     read_range: Any,
     regions: RankRegions,
@@ -148,42 +202,24 @@ def read_for_rank(
     boxes: Optional[dict[str, tuple[list[int], list[int]]]] = None,
 ) -> Optional[tuple[Metadata, dict[str, dict]]]:
     """The metadata of the saved ranks rank ``rank`` needs, and its view (:func:`rank_view`),
-    read by ranked groups: ``read_range(start, end)`` gives those bytes of ``.snapshot_metadata``.
+    read by ranked groups (:class:`Groups`).
 
     ``boxes``: logical path -> (offsets, sizes) of the piece of each sharded tensor this rank
     loads (None: the same world size and layout as saved, where a rank's own shards serve).
     The groups read are rank 0's, this rank's (if it was a saved rank), and, for each box, those
     of the ranks whose Shard(0)-style chunks (rank 0's shard size along the sharded dimension)
     overlap it. None when the shards read do not cover every box (the caller parses the whole
-    metadata, :func:`parse_metadata`). Every group read is checked against its digest and
-    validated; SnapshotCorruptError otherwise."""
+    metadata, :func:`parse_metadata`)."""
     if len(regions.regions) != world_size:
         return None
-    fname = f"{where}/{METADATA_FNAME}"
-    manifest: dict = {}
-    read: set[int] = set()
-
-    def load(saved: int) -> None:
-        if saved not in read:
-            read.add(saved)
-            manifest.update(_read_group(read_range, regions, saved, fname))
-
-    load(0)
+    groups = Groups(read_range, regions, where)
+    groups.load(0)
     if rank < world_size:
-        load(rank)
-    for saved in _ranks_overlapping(manifest, boxes or {}, world_size):
-        load(saved)
-    if len(manifest) > MAX_ENTRIES:
-        raise corrupt(fname, f"it has {len(manifest)} entries, more than {MAX_ENTRIES}")
-    _Validator(fname, world_size).run(manifest)
-    meta = Metadata("", world_size, manifest, where)
-    view = rank_view(meta, rank)
-    for logical, entry in view.items():
-        if entry["type"] in SHARDED_TYPES and logical in regions.shapes:
-            entry[GLOBAL_SHAPE] = regions.shapes[logical]
-            box = (boxes or {}).get(logical)
-            if box is not None and not covers(entry, *box):
-                return None
-    return meta, view
-
-
+        groups.load(rank)
+    groups.load_overlapping((logical, *box) for logical, box in (boxes or {}).items())
+    view = groups.view(rank)
+    for logical, (offsets, sizes) in (boxes or {}).items():
+        entry = view.get(logical)
+        if entry is not None and entry["type"] in SHARDED_TYPES and not covers(entry, offsets, sizes):
+            return None
+    return groups.meta, view

@@ -50,6 +50,7 @@ from .manifest import (
 )
 from .manifest import corrupt as _corrupt
 from .pieces import PiecesMixin
+from .rank_regions import PartialView
 from .targets import (
     check_dtype,
     copy_into,
@@ -115,6 +116,7 @@ class _Plan(PiecesMixin):
         self.names: list[str] = []  # the entry of each read
         self.after: list[Callable[[], None]] = []  # deserialize and copy, in order
         self.values: dict[str, Any] = {}
+        self.uncovered: list[tuple[str, list[int], list[int]]] = []
         self._inside: set[str] = set()
 
     # -- checks ---------------------------------------------------------------------------
@@ -409,6 +411,8 @@ def _read_tree(
                 note_added(tree, path, added)
         else:
             plan.entry(path, entry, get(path))
+    if plan.uncovered:  # a view read by rank lacks shards: nothing was read or filled yet
+        raise PartialView(plan.uncovered)
     plan.run(read_into, verifier)
     return inflate(root, tree, plan.values, added)
 

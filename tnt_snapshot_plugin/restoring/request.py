@@ -28,14 +28,14 @@ from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_col
 from ..distributed import Collectives, raise_if_any_failed
 from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
 from ..format.manifest import Metadata, rank_view, saved_keys
-from ..format.rank_regions import PartialView
+from ..format.rank_regions import Groups, PartialView
 from ..loading import allowed_globals
 from ..plugins import extra_state_sources, new_plugin_manager
 from ..stores import Store, open_store, split_snapshot_path
 from .agreement import StatefulError, agree_after_loading, agree_on_read_errors, is_users, raise_own_error
 from .checks import check_modules
 from .files import metadata_range, read_metadata, reading_io, require_complete
-from .world_size import fit_world_size
+from .world_size import fit_world_size, mark_same
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
 
@@ -116,6 +116,8 @@ class _Restore:
         self.path = path
         self.verdict = checked
         self.started = time.perf_counter()
+        self.groups: Optional[Groups] = None  # the groups of the metadata read, where read by rank
+        self.same: list[str] = []  # per-rank entries equal on every saved rank (another world size)
 
     def run(self) -> list[str]:
         store, name = self.resolve()
@@ -164,23 +166,25 @@ class _Restore:
     def metadata(self, store: Store, name: str) -> tuple[Metadata, Optional[dict[str, dict]]]:
         """The snapshot's metadata, and this rank's view where it was read by rank.
 
-        On the world size it was taken on, a rank of several reads only its own records and
-        rank 0's (``format.rank_regions.read_for_rank``: ranged reads of the groups the index
-        locates, each checked against its digest), not every rank's; a view that turns out to
-        lack shards a target needs is replaced by the whole one at the read (:meth:`read`).
-        Otherwise (one rank, another world size, a snapshot without ranked groups) the whole
-        metadata is read, checked against its checksum and parsed."""
+        A rank of several reads rank 0's records and its own (those of saved rank 0 on a rank
+        the snapshot did not have), not every rank's (``format.rank_regions.Groups``: ranged
+        reads of the groups the index locates, each checked against its digest); the groups of
+        other ranks whose shards a target needs are read when the key is (:meth:`read`). Rank 0
+        of a restore on another world size compares every saved rank's entries
+        (``world_size.fit_world_size``), and one rank, or a snapshot without ranked groups,
+        reads the whole metadata, checked against its checksum."""
         if self.verdict is not None and self.verdict.metadata is not None:
             return self.verdict.metadata, None  # read and checked by restore_from_latest, on this rank
-        from ..format.rank_regions import RankRegions, read_for_rank
+        from ..format.rank_regions import RankRegions
 
         regions = RankRegions.from_index(self.io.snapshot_index) if self.coll.world_size > 1 else None
-        if regions is not None and len(regions.regions) == self.coll.world_size:
-            got = read_for_rank(
-                functools.partial(metadata_range, store, name), regions, self.coll.world_size, self.coll.rank, self.path
-            )
-            if got is not None:
-                return got
+        if regions is not None and (len(regions.regions) == self.coll.world_size or self.coll.rank != 0):
+            saved = len(regions.regions)
+            view_rank = self.coll.rank if self.coll.rank < saved else 0
+            self.groups = Groups(functools.partial(metadata_range, store, name), regions, self.path)
+            self.groups.load(0)
+            self.groups.load(view_rank)
+            return self.groups.meta, self.groups.view(view_rank)
         return self.whole_metadata(), None
 
     def whole_metadata(self) -> Metadata:
@@ -210,7 +214,7 @@ class _Restore:
         if meta.world_size != coll.world_size:
             mapped = present if request.rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
             io = self.io
-            restore_rng = fit_world_size(path, meta, io.read_into, io.file_size, io.verifier, mapped, coll)
+            restore_rng, self.same = fit_world_size(path, meta, io.read_into, io.file_size, io.verifier, mapped, coll)
         load = self.select(wanted, present)
         checked = _Checked(meta, view, present, load, restore_rng=restore_rng, view_rank=view_rank)
         if request.strict:
@@ -258,7 +262,9 @@ class _Restore:
 
     def read(self, checked: _Checked, order: list[str]) -> tuple[dict[str, Any], Optional[StatefulError]]:
         """Every entry's state dict, read; the ranks agree on the reads before anything loads."""
-        view = checked.view if checked.view_rank == self.coll.rank else rank_view(checked.meta, self.coll.rank)
+        view = checked.view
+        if checked.view_rank != self.coll.rank:  # a rank the snapshot did not have
+            view = self.groups.view(self.coll.rank) if self.groups is not None else rank_view(checked.meta, self.coll.rank)
         states: dict[str, Any] = {}
         read_errors: list[tuple[str, BaseException]] = []
         own_error: Optional[StatefulError] = None
@@ -273,16 +279,31 @@ class _Restore:
                     own_error = own_error or StatefulError(key, "state_dict", target, exc)
                     continue
                 try:
-                    try:
-                        states[key] = self.read_key(view, key, current)
-                    except PartialView as partial:  # a view read by rank lacks shards this target needs
-                        logger.info("restoring %s: %s needs other ranks' shards; reading the whole metadata", self.path, partial)
-                        view = rank_view(self.whole_metadata(), self.coll.rank)
-                        states[key] = self.read_key(view, key, current)
+                    view, states[key] = self.read_widening(view, key, current)
                 except Exception as exc:  # agreed on below, on every rank
                     read_errors.append((key, exc))
         agree_on_read_errors(self.path, read_errors, self.coll)
         return states, own_error
+
+    def read_widening(self, view: dict[str, dict], key: str, current: Any) -> tuple[dict[str, dict], Any]:
+        """The view the key was read with, and its state dict. A view read by rank that lacks
+        shards a target needs (found as the read is planned, before anything is read) gets the
+        groups of the ranks whose shards overlap those targets, then, if still short, the whole
+        metadata."""
+        try:
+            return view, self.read_key(view, key, current)
+        except PartialView as partial:
+            assert self.groups is not None
+            self.groups.load_overlapping(partial.boxes)
+            view = self.groups.view(self.coll.rank)
+        try:
+            return view, self.read_key(view, key, current)
+        except PartialView as partial:
+            logger.info("restoring %s: %s needs shards of more ranks; reading the whole metadata", self.path, partial)
+            whole = self.whole_metadata()
+            mark_same(whole, self.same)
+            view = rank_view(whole, self.coll.rank)
+        return view, self.read_key(view, key, current)
 
     def read_key(self, view: dict[str, dict], key: str, current: Any) -> Any:
         from ..format import reader as fmt

@@ -19,9 +19,10 @@ _NAMED_ENTRIES = 12
 
 def fit_world_size(
     path: str, meta: Any, read_into: Any, file_size: Any, verifier: Any, keys: Iterable[str], coll: Collectives
-) -> bool:
+) -> tuple[bool, list[str]]:
     """Make the entries of ``keys`` that map exactly onto this world size available to every rank,
-    or raise StateMismatchError naming those that cannot; whether the RNG state maps.
+    or raise StateMismatchError naming those that cannot; whether the RNG state maps, and the
+    per-rank entries found equal on every saved rank (marked in ``meta``: :func:`mark_same`).
 
     A snapshot taken on N ranks restores exactly on M != N ranks where every entry is replicated
     (saved once for all ranks), sharded (ShardedTensor, DTensor: resharded as they are read), or
@@ -52,20 +53,25 @@ def fit_world_size(
             f"Restore on {_ranks(saved)}; or save such state replicated (replicated=[...]) or "
             "sharded (FSDP's SHARDED_STATE_DICT, DTensor); or leave those entries out of the restore"
         )
-    # Entries equal on every saved rank are rank 0's for every rank of the new world: marked
-    # replicated in this in-memory copy of the metadata (nothing is written).
-    for logical in same:
-        entry = meta.manifest.get(f"0/{logical}")
-        if entry is not None and "replicated" in entry:
-            entry["replicated"] = True
+    mark_same(meta, same)
     if rng_differs:
         warnings.warn(
             f"snapshot {path} was taken on {_ranks(saved)} and is restored on {_ranks(coll.world_size)}: "
             "its RNG states are per rank, so they are not restored (every other entry is)",
             stacklevel=4,
         )
-        return False
-    return True
+        return False, same
+    return True, same
+
+
+def mark_same(meta: Any, same: Iterable[str]) -> None:
+    """Entries equal on every saved rank (``same``: logical paths) are rank 0's for every rank
+    of the new world: marked replicated in this in-memory copy of the metadata (nothing is
+    written)."""
+    for logical in same:
+        entry = meta.manifest.get(f"0/{logical}")
+        if entry is not None and "replicated" in entry:
+            entry["replicated"] = True
 
 
 class _Comparison:
