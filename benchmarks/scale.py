@@ -65,6 +65,7 @@ from tnt_snapshot_plugin.format import mesh_aliases
 from tnt_snapshot_plugin.format import writer as fmt
 from tnt_snapshot_plugin.format.common import METADATA_FNAME
 from tnt_snapshot_plugin.index import INDEX_FNAME, seal
+from tnt_snapshot_plugin.index import parse as parse_index
 from tnt_snapshot_plugin.stores import open_store
 
 PACK_BYTES = 4 << 20
@@ -395,6 +396,8 @@ class Point:
     latest_peak: float = 0.0
     latest_ranked_s: float = 0.0  # as restore_from_latest checks on N ranks (streamed checksum)
     latest_ranked_peak: float = 0.0
+    index_parse_s: float = 0.0  # every restoring rank's parse of the whole index
+    index_parse_peak: float = 0.0
     restore_s: dict[str, float] | None = None
     restore_peak: dict[str, float] | None = None
     by_rank_s: dict[str, float] | None = None
@@ -477,6 +480,8 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
 
     (metadata, index), point.commit_s, point.commit_peak = measured(commit)
     point.metadata_bytes, point.index_bytes = len(metadata), len(index)
+    # every restoring rank reads the whole index (file sizes and checksums: restoring.reading_io)
+    _, point.index_parse_s, point.index_parse_peak = measured(lambda data=index: parse_index(data, "scale"))
     point.directories = sum(1 for _ in os.walk(root / staging))
     if point.directories <= MAX_DIRECTORIES or not store_base:
         started = time.perf_counter()
@@ -528,6 +533,8 @@ def extrapolate(point: Point, base: Point) -> None:
     scale = point.metadata_bytes / base.metadata_bytes
     point.extrapolated = True
     point.index_bytes = base.index_bytes * point.world / base.world
+    index_scale = point.index_bytes / base.index_bytes
+    point.index_parse_s, point.index_parse_peak = base.index_parse_s * index_scale, base.index_parse_peak * index_scale
     point.commit_s, point.commit_peak = base.commit_s * scale, base.commit_peak * scale
     # a file of its own (not a pack) sits in a directory of its own (RANK/<path>/shard_...)
     own = max(1, base.files_per_rank - base.packs_per_rank) * base.world
@@ -586,7 +593,7 @@ HEADER = (
     "time, peak | local disk commit (directories fsynced) | index | latest: time, peak (whole parse / "
     "checked for N ranks) | "
     "restore planning, whole metadata: time, peak | restore planning by rank N / N/2 / 2N: time "
-    "(groups read) | peak |\n|" + "---|" * 13
+    "(groups read) | peak | index parse, every rank at restore: time, peak |\n|" + "---|" * 14
 )
 
 
@@ -606,7 +613,7 @@ def row(p: Point) -> str:
         f"{store}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} | "
         f"{mark}{secs(p.latest_s)}, {mark}{human(p.latest_peak)} / {mark}{secs(p.latest_ranked_s)}, "
         f"{mark}{human(p.latest_ranked_peak)} | {restore}, {restore_peak} | "
-        f"{by_rank} | {by_rank_peak} |"
+        f"{by_rank} | {by_rank_peak} | {mark}{secs(p.index_parse_s)}, {mark}{human(p.index_parse_peak)} |"
     )
 
 
