@@ -212,3 +212,22 @@ def test_progress_rolled_back_mid_run_reaches_the_cadence_again(tmp_path):
     assert committed(tmp_path) == ["epoch_0_step_6"] and snap.step_gate == 9
     assert gated_steps(snap, range(2, 6), state) == [2, 3]  # rolled back to step 1
     assert committed(tmp_path) == ["epoch_0_step_3"]
+
+
+def test_a_wall_clock_not_yet_due_keeps_the_step_cadence_and_a_rolled_back_run(tmp_path):
+    """With a wall-clock cadence every step end reads the clock; one whose clock says "not yet"
+    stops there, and the step cadence still saves at its steps, also after progress rolls back."""
+    snap = Snapshotter(
+        str(tmp_path),
+        SnapshotConfig.build(
+            save_every_n_train_steps=3, save_every_n_seconds=1e9, keep_last_n_snapshots=1,
+            async_snapshot=False, save_on_train_end=False, preemption_signals=[],
+        ),
+    )
+    state = {"model": torch.nn.Linear(2, 2)}
+    snap.train_start(["model"])
+    assert gated_steps(snap, range(1, 9), state) == list(range(1, 9))  # the clock is read every step
+    assert [os.path.basename(r.path) for r in snap.stats.committed] == ["epoch_0_step_3", "epoch_0_step_6"]
+    assert committed(tmp_path) == ["epoch_0_step_6"]
+    assert gated_steps(snap, range(2, 6), state) == [2, 3, 4, 5]  # rolled back to step 1
+    assert committed(tmp_path) == ["epoch_0_step_3"]

@@ -51,6 +51,10 @@ class SaverEvents(SaverParts):
         #: ``last_step <= step < step_gate``; it is recomputed after every step_end() that ran,
         #: whenever one of its inputs is assigned (_GateInput), and when a watched signal arrives.
         self.step_gate = 0
+        #: The same gate without the wall clock: the step count from which a policy could say
+        #: yes by the step counts alone (0: every step). With a wall clock every step end runs
+        #: to read it; one before this gate whose clock says "not yet" stops there.
+        self._untimed_gate = 0
         #: the step of the last step end that ran (-1: none yet this run). A step count below it
         #: (progress rolled back mid-run by a restore) always reaches step_end().
         self.last_step = -1
@@ -106,18 +110,18 @@ class SaverEvents(SaverParts):
             or self._pending is not None
             or self._failure is not None
             or self._prepare_again is not None
-            or self._wall is not None
             or self._ask_should
             or (preemption is not None and preemption.received is not None)
         ):
-            self.step_gate = 0
+            self.step_gate = self._untimed_gate = 0
             return
         gate = self.decisions.next_step(last)  # e.g. EveryNSteps: the next multiple of n
         if gate is None:
             gate = _NEVER
+        self._untimed_gate = gate  # the clock's agreement is polled before it is looked at
         if preemption is not None and preemption.distributed:  # one process: the signal opens it
             gate = min(gate, preemption.next_poll(last + 1))
-        self.step_gate = gate
+        self.step_gate = 0 if self._wall is not None else gate
         if preemption is not None and preemption.received is not None:
             # The signal came while this ran (its handler runs between two bytecodes of it):
             # the handler's own gate of 0 may have just been overwritten above.
@@ -130,12 +134,18 @@ class SaverEvents(SaverParts):
         if self.last_step <= step < self.step_gate:
             return
         try:
-            self._step_end(epoch, step, collect)
-        finally:
+            quiet = self._step_end(epoch, step, collect)
+        except BaseException:
             self.last_step = step
             self._regate()
+            raise
+        self.last_step = step
+        if not quiet:  # a quiet step end (the clock read, not due) leaves the gates as they are
+            self._regate()
 
-    def _step_end(self, epoch: int, step: int, collect: Collect) -> None:
+    def _step_end(self, epoch: int, step: int, collect: Collect) -> bool:
+        """The step end's work; whether it was quiet: only the wall clock read, and no step
+        cadence due (nothing the gates depend on changed)."""
         if self._pending is not None or self._failure is not None:
             self._reap_or_warn(step)
         preemption, wall = self._preemption, self._wall
@@ -148,7 +158,7 @@ class SaverEvents(SaverParts):
                 agreed = preemption.poll(GO_ON if wall is None else wall.vote(), step)
                 if agreed == PREEMPTED:
                     self._preempt(epoch, step, collect)
-                    return
+                    return False
         elif wall is not None:
             flag = self._wall_flag
             if flag is None:
@@ -156,7 +166,10 @@ class SaverEvents(SaverParts):
             elif flag.due(step):
                 agreed = flag.poll(wall.vote(), step)
         time_due = agreed == TIME_DUE and wall is not None and wall.due(agreed)
+        if wall is not None and not time_due and self.last_step <= step < self._untimed_gate:
+            return True  # the clock says not yet, and no step cadence is due
         self._save_if_due(Moment("step", epoch, step, time_due=time_due), collect, True)
+        return False
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         self._reap_or_warn(step)

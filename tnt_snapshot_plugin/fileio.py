@@ -16,7 +16,6 @@ Nothing here knows about snapshots, manifests or stores; errors are the OS's, ex
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import threading
@@ -291,42 +290,70 @@ def preadv_into(
     return sum(f.result() for f in futures)
 
 
-_pool: Optional[tuple[int, Any]] = None
+#: Seconds a reading thread waits for more reads before it ends: reads close together (the keys
+#: of one restore, a fallback to an older snapshot) reuse the threads, and none stays idle longer.
+READ_THREAD_IDLE_S = 2.0
+
+
+class _ReadThreads:
+    """The reading threads: started as reads ask for them (starting one costs up to about 1 ms
+    on the project's machine), at most ``limit``, each ending after :data:`READ_THREAD_IDLE_S`
+    without work."""
+
+    def __init__(self, limit: int) -> None:
+        import queue
+
+        self._queue: Any = queue.SimpleQueue()
+        self._empty = queue.Empty
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._threads = self._idle = self._pending = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[Any] = Future()
+        with self._lock:
+            self._pending += 1
+            self._queue.put((future, fn, args))
+            if self._pending > self._idle and self._threads < self._limit:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"tnt-snapshot-read-{self._threads}", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                future, fn, args = self._queue.get(timeout=READ_THREAD_IDLE_S)
+            except self._empty:
+                with self._lock:
+                    self._idle -= 1
+                    if self._pending == 0:
+                        self._threads -= 1
+                        return
+                continue  # a read came in as the wait ended
+            with self._lock:
+                self._idle -= 1
+                self._pending -= 1
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+
+_pool: Optional[tuple[int, _ReadThreads]] = None
 _pool_lock = threading.Lock()
-_pool_users = 0
 
 
-@contextlib.contextmanager
-def reading() -> Iterator[None]:
-    """A scope of reads (one restore) that share the reading threads: started at the first
-    parallel read inside, shut down when the last scope of any thread exits, so that no idle
-    threads outlive the restores that used them."""
-    global _pool, _pool_users
-    with _pool_lock:
-        _pool_users += 1
-    try:
-        yield
-    finally:
-        with _pool_lock:
-            _pool_users -= 1
-            done = _pool if _pool_users == 0 else None
-            if done is not None:
-                _pool = None
-        if done is not None:
-            done[1].shutdown(wait=False)
-
-
-def _read_pool() -> Any:
-    """The reading threads, started at the first parallel read of the process (starting them
-    for each read costs about 1 ms a thread on the project's machine); a forked child starts
-    its own."""
+def _read_pool() -> _ReadThreads:
+    """The process's reading threads (:class:`_ReadThreads`); a forked child starts its own."""
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
-
-            # threads start on demand: only as many as the busiest read has asked for
-            _pool = (os.getpid(), ThreadPoolExecutor(MAX_READ_THREADS, thread_name_prefix="tnt-snapshot-read"))
+            _pool = (os.getpid(), _ReadThreads(MAX_READ_THREADS))
         return _pool[1]
 
 

@@ -129,7 +129,7 @@ class EveryNSeconds:
         return moment.event == "step" and moment.time_due
 
     def next_step(self, last: int) -> Optional[int]:
-        return last + 1  # the clock is read at every step end
+        return None  # no step count: the saver reads its clock at every step end (time_due)
 
 
 class AnySave:

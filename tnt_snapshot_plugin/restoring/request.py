@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
 
-from .. import fileio, verify
+from .. import verify
 from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
 from ..distributed import Collectives, raise_if_any_failed
 from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
@@ -80,10 +80,8 @@ class RestoreRequest:
 
     def restore(self, path: str, checked: Optional[verify.Verdict] = None) -> list[str]:
         """Load snapshot ``path``; the keys loaded (the RNG state last). ``checked``: this rank's
-        verdict on it, whose parsed metadata is used instead of reading it again. The reading
-        threads it starts end with it."""
-        with fileio.reading():
-            return _Restore(self, path, checked).run()
+        verdict on it, whose parsed metadata is used instead of reading it again."""
+        return _Restore(self, path, checked).run()
 
     def restore_from_latest(self, dirpath: str, **kwargs: Any) -> Optional[str]:
         """:func:`restoring.restore_from_latest` with this request."""
