@@ -61,11 +61,13 @@ def test_one_rank_s_group_read_alone_holds_the_meshes_it_names():
 
     parts = [records(0), records(1), records(2)]
     data = metadata(grouped_by_rank(parts))
-    regions = RankRegions(rank_regions(data, parts), {})
+    shapes = {"m/w0": [4, 2], "m/w1": [4, 2], "m/w2": [4, 2], "m/h": [4, 2]}  # as the index records them
+    regions = RankRegions(rank_regions(data, parts), shapes)
     got = read_for_rank(lambda a, b: data[a:b], regions, 3, 2, "snap")
     assert got is not None
     assert got[0].manifest["2/m/w1"]["mesh"] == [0, 1, 2, 3]
     assert "1/m/w0" not in got[0].manifest  # rank 1's group was not read
+    assert got[1]["m/w0"]["global_shape"] == [4, 2]  # its whole shape, from the index
 
 
 def test_a_name_no_record_before_defines_is_damage():

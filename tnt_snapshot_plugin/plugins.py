@@ -165,35 +165,33 @@ def _check_names(pm: pluggy.PluginManager, plugin: Any) -> None:
             )
 
 
-#: (name, plugin) of every entry point of the group, loaded at the first manager that asks: the
-#: installed distributions do not change under a running job, and reading their metadata costs
+#: The entry points of the group, read at the first manager that asks: the installed
+#: distributions do not change under a running job, and reading their metadata costs
 #: milliseconds (every restore builds a manager).
-_entry_point_plugins: Optional[list[tuple[str, Any]]] = None
+_entry_point_list: Optional[list[Any]] = None
 
 
-def _entry_points() -> list[tuple[str, Any]]:
-    global _entry_point_plugins
-    if _entry_point_plugins is None:
-        found = []
-        for ep in importlib.metadata.entry_points(group=PROJECT_NAME):
-            framework = BUILTIN_ADAPTER_FRAMEWORKS.get(ep.name)
-            if framework is not None and importlib.util.find_spec(framework) is None:
-                continue  # a built-in adapter of a framework not installed
-            found.append((ep.name, ep.load()))
-        _entry_point_plugins = found
-    return _entry_point_plugins
+def _entry_points() -> list[Any]:
+    global _entry_point_list
+    if _entry_point_list is None:
+        _entry_point_list = list(importlib.metadata.entry_points(group=PROJECT_NAME))
+    return _entry_point_list
 
 
 def new_plugin_manager(*, load_entrypoints: bool = True, blocked: tuple[str, ...] = ()) -> PluginManager:
     """A new manager for one saver or restore: the hook specs and, unless ``load_entrypoints`` is
-    False, every plugin of the ``tnt_snapshot_plugin`` entry-point group not named in ``blocked``."""
+    False, every plugin of the ``tnt_snapshot_plugin`` entry-point group not named in ``blocked``
+    (a built-in adapter whose framework is not installed is blocked)."""
     pm = PluginManager()
     for name in blocked:
         pm.set_blocked(name)
     if load_entrypoints:
-        for name, plugin in _entry_points():
-            if not pm.is_blocked(name) and pm.get_plugin(name) is None:
-                pm.register(plugin, name=name)
+        for ep in _entry_points():
+            framework = BUILTIN_ADAPTER_FRAMEWORKS.get(ep.name)
+            if framework is not None and importlib.util.find_spec(framework) is None:
+                pm.set_blocked(ep.name)
+            if not pm.is_blocked(ep.name) and pm.get_plugin(ep.name) is None:
+                pm.register(ep.load(), name=ep.name)
     pm.check_pending()
     return pm
 

@@ -20,6 +20,7 @@ from .manifest import (
     METADATA_FNAME,
     SHARDED_TYPES,
     Metadata,
+    _fully_replicated_dtensor,
     _Validator,
     corrupt,
     rank_view,
@@ -182,15 +183,22 @@ class Groups:
         entry whose whole shape the index does not record makes every group read: the shape is
         then the extent of all its shards."""
         view = rank_view(self.meta, rank)
-        sharded = [logical for logical, entry in view.items() if entry["type"] in SHARDED_TYPES]
+        sharded = [logical for logical, entry in view.items() if _in_pieces(entry)]
         if any(logical not in self.regions.shapes for logical in sharded) and len(self.loaded) < self.meta.world_size:
             for saved in range(self.meta.world_size):
                 self.load(saved)
             view = rank_view(self.meta, rank)
-        for logical, entry in view.items():
-            if entry["type"] in SHARDED_TYPES and logical in self.regions.shapes:
-                entry[GLOBAL_SHAPE] = self.regions.shapes[logical]
+            sharded = [logical for logical, entry in view.items() if _in_pieces(entry)]
+        for logical in sharded:
+            if logical in self.regions.shapes:
+                view[logical][GLOBAL_SHAPE] = self.regions.shapes[logical]
         return view
+
+
+def _in_pieces(entry: dict) -> bool:
+    """Whether a view's entry is a tensor sharded over ranks (a fully replicated DTensor is one
+    whole record)."""
+    return entry["type"] in SHARDED_TYPES and not (entry["type"] == "DTensor" and _fully_replicated_dtensor(entry))
 
 
 def read_for_rank(
