@@ -334,14 +334,18 @@ def plan_restore_by_rank(
     return shard_reads(got[1], rank, new_world)
 
 
+def parsed_records(entries: dict[str, str]) -> dict[str, Any]:
+    """One rank's records (path -> JSON text) as dicts, parsed together as its group of the
+    metadata is: the mesh names (format/mesh_aliases.py) resolve."""
+    return mesh_aliases.loads(("{" + ", ".join(f"{json.dumps(p)}: {t}" for p, t in entries.items()) + "}").encode())
+
+
 def needed_ranks(zero: RankPart, world: int, rank: int, new_world: int) -> set[int]:
     """The saved ranks whose groups ``read_for_rank`` reads (its rule, from rank 0's records)."""
     out = {0} | ({rank} if rank < world else set())
     if new_world == world:
         return out
-    # rank 0's records parsed together, as its group is (the mesh names resolve)
-    text = "{" + ", ".join(f"{json.dumps(p)}: {t}" for p, t in zero.entries.items()) + "}"
-    records = mesh_aliases.loads(text.encode())
+    records = parsed_records(zero.entries)
     for logical, shape in (zero.shapes or {}).items():
         offsets, sizes = box(shape, rank, new_world)
         chunk = records[f"0/{logical}"]["shards"][0]["sizes"][0]

@@ -72,3 +72,15 @@ def run_ranks(
     for got in records:  # the rank that failed first explains why its peers were stopped
         assert got["ok"], f"{label}: rank {got['rank']} failed:\n{got.get('traceback')}\n" + "\n".join(output)
     return records
+
+
+def run_phase(worker: Path, phase: str, world: int, out: Path) -> list[dict[str, Any]]:
+    """:func:`run_ranks` of a worker run as ``worker PHASE RANK WORLD RENDEZVOUS OUTDIR`` that
+    writes its record to ``OUTDIR/PHASE_rank{RANK}.json`` (tests/fsdp_worker.py, by_rank_worker.py)."""
+    return run_ranks(
+        lambda rank: [str(worker), phase, str(rank), str(world), str(out / f"rendezvous_{phase}"), str(out)],
+        world,
+        lambda rank: out / f"{phase}{rank}.log",
+        lambda rank: out / f"{phase}_rank{rank}.json",
+        phase,
+    )

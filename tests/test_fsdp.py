@@ -29,13 +29,7 @@ pytestmark = pytest.mark.slow
 def launch(phase: str, world_size: int, out: Path, worker: Path = WORKER) -> list[dict[str, Any]]:
     """Run ``phase`` of ``worker`` on ``world_size`` new processes; every rank's record, or a
     test failure."""
-    return launching.run_ranks(
-        lambda rank: [str(worker), phase, str(rank), str(world_size), str(out / f"rendezvous_{phase}"), str(out)],
-        world_size,
-        lambda rank: out / f"{phase}{rank}.log",
-        lambda rank: out / f"{phase}_rank{rank}.json",
-        phase,
-    )
+    return launching.run_phase(worker, phase, world_size, out)
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(phase: str, out: Path, world: int = WORLD) -> list[dict[str, Any]]:
-    return launching.run_ranks(
-        lambda rank: [str(WORKER), phase, str(rank), str(world), str(out / f"rendezvous_{phase}"), str(out)],
-        world,
-        lambda rank: out / f"{phase}{rank}.log",
-        lambda rank: out / f"{phase}_rank{rank}.json",
-        phase,
-    )
+    return launching.run_phase(WORKER, phase, world, out)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import pytest
 
 from tnt_snapshot_plugin.coordination import RecordDeltas, agree_on_paths
 from tnt_snapshot_plugin.errors import SnapshotError
-from tnt_snapshot_plugin.format import mesh_aliases
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 WORKER = Path(__file__).with_name("scale_worker.py")
@@ -47,9 +46,7 @@ def worlds(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
 def _comparable(entries: dict[str, str]) -> dict[str, Any]:
     """Records as dicts; the RNG's values (not its layout) differ between processes."""
     out = {}
-    # one rank's records parsed together, as its group is: the mesh names resolve
-    parsed = mesh_aliases.loads(("{" + ", ".join(f"{json.dumps(p)}: {t}" for p, t in entries.items()) + "}").encode())
-    for path, record in parsed.items():
+    for path, record in scale.parsed_records(entries).items():
         if path.split("/")[1] == "rng_state" and "serialized_value" in record:
             record = {k: v for k, v in record.items() if k not in ("serialized_value", "readable")}
         out[path] = record

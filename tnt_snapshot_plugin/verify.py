@@ -169,20 +169,16 @@ def _streamable(index: Optional[dict[str, Any]], ranks: int) -> bool:
 
 def _stream_metadata(store: Any, name: str, verdict: Verdict, size: Optional[int]) -> None:
     """Check the metadata against the checksum its index records, READ_CHUNK at a time."""
-    from . import checksums as sums
-
     assert verdict.index is not None
     if size is None:
         verdict.problems.append(f"{METADATA_FNAME} cannot be read (it is missing)")
         return
-    streaming = sums.new_hasher()
     try:
-        for chunk in _chunks(store, name, METADATA_FNAME, size):
-            streaming.update(chunk)
+        digest = _streamed_digest(store, name, METADATA_FNAME, size, None)
     except SnapshotCorruptError as exc:  # a storage that does not answer propagates
         verdict.problems.append(f"{METADATA_FNAME} cannot be read ({exc})")
         return
-    if streaming.record()["value"] != verdict.index["checksums"][METADATA_FNAME].get("value"):
+    if digest != verdict.index["checksums"][METADATA_FNAME].get("value"):
         verdict.problems.append(f"{METADATA_FNAME} differs from the checksum recorded when it was written")
 
 
@@ -249,12 +245,7 @@ def _check_checksums(
                 if progress is not None:
                     progress(len(data))
             else:
-                streaming = sums.new_hasher()
-                for chunk in _chunks(store, verdict.name, rel, files[rel]):
-                    streaming.update(chunk)
-                    if progress is not None:
-                        progress(len(chunk))
-                if streaming.record()["value"] != record.get("value"):
+                if _streamed_digest(store, verdict.name, rel, files[rel], progress) != record.get("value"):
                     verdict.problems.append(f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written")
         except SnapshotCorruptError as exc:  # a storage that does not answer propagates
             text = str(exc)
@@ -262,6 +253,18 @@ def _check_checksums(
                 f"file {rel} differs from the {sums.ALGO} checksum recorded when it was written"
                 if "do not match" in text else f"file {rel} cannot be read ({text})"
             )
+
+
+def _streamed_digest(store: Any, name: str, rel: str, size: int, progress: Optional[Callable[[int], None]]) -> str:
+    """The checksum value of file ``rel``, read ``READ_CHUNK`` at a time."""
+    from . import checksums as sums
+
+    streaming = sums.new_hasher()
+    for chunk in _chunks(store, name, rel, size):
+        streaming.update(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    return streaming.record()["value"]
 
 
 def _chunks(store: Any, name: str, rel: str, size: int) -> Iterator[memoryview]:

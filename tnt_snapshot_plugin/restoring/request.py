@@ -28,7 +28,7 @@ from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_col
 from ..distributed import Collectives, raise_if_any_failed
 from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
 from ..format.manifest import Metadata, rank_view, saved_keys
-from ..format.rank_regions import Groups, PartialView
+from ..format.rank_regions import Groups, PartialView, RankRegions
 from ..loading import allowed_globals
 from ..plugins import extra_state_sources, new_plugin_manager
 from ..stores import Store, open_store, split_snapshot_path
@@ -173,8 +173,6 @@ class _Restore:
         reads the whole metadata, checked against its checksum."""
         if self.verdict is not None and self.verdict.metadata is not None:
             return self.verdict.metadata, None  # read and checked by restore_from_latest, on this rank
-        from ..format.rank_regions import RankRegions
-
         regions = RankRegions.from_index(self.io.snapshot_index) if self.coll.world_size > 1 else None
         if regions is not None and (len(regions.regions) == self.coll.world_size or self.coll.rank != 0):
             saved = len(regions.regions)
