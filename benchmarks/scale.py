@@ -64,7 +64,15 @@ from tnt_snapshot_plugin.format import manifest as mf
 from tnt_snapshot_plugin.format import mesh_aliases
 from tnt_snapshot_plugin.format import writer as fmt
 from tnt_snapshot_plugin.format.common import METADATA_FNAME
-from tnt_snapshot_plugin.index import INDEX_FNAME, seal
+from tnt_snapshot_plugin.index import (
+    INDEX_FNAME,
+    PARTED_FORMAT,
+    parse_part,
+    part_bytes,
+    part_entry,
+    part_rel,
+    seal,
+)
 from tnt_snapshot_plugin.index import parse as parse_index
 from tnt_snapshot_plugin.stores import open_store
 
@@ -400,8 +408,11 @@ class Point:
     latest_peak: float = 0.0
     latest_ranked_s: float = 0.0  # as restore_from_latest checks on N ranks (streamed checksum)
     latest_ranked_peak: float = 0.0
-    index_parse_s: float = 0.0  # every restoring rank's parse of the whole index
+    index_parse_s: float = 0.0  # every restoring rank's parse of the index (O(N): the parts' list)
     index_parse_peak: float = 0.0
+    index_part_bytes: int = 0  # one rank's part of the index (its files' sizes and checksums)
+    index_part_parse_s: float = 0.0  # a restoring rank's parse of its part
+    index_part_parse_peak: float = 0.0
     restore_s: dict[str, float] | None = None
     restore_peak: dict[str, float] | None = None
     by_rank_s: dict[str, float] | None = None
@@ -424,12 +435,12 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
         deltas = RecordDeltas()
         first = rank_part(layout, model, rank, world, 1, arena)
         sent = deltas.outgoing(first.entries)
-        first_b.append(len(pickle.dumps((sent, first.sizes, first.sums))))
+        first_b.append(len(pickle.dumps((sent, listing(first, world)))))
         deltas.settle()
         later = rank_part(layout, model, rank, world, 2, arena)
         sent = deltas.outgoing(later.entries)
         later_records.append(deltas.last_sent_records)
-        later_b.append(len(pickle.dumps((sent, later.sizes, later.sums))))
+        later_b.append(len(pickle.dumps((sent, listing(later, world)))))
         before_b.append(len(pickle.dumps((later.entries, later.sizes, later.sums))))
         records.append(len(first.entries))
         files.append(len(first.sizes))
@@ -440,7 +451,22 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
     point.part_first_bytes, point.part_later_bytes, point.part_before_bytes = mean(first_b), mean(later_b), mean(before_b)
     point.records_per_rank, point.files_per_rank, point.later_records = mean(records), mean(files), mean(later_records)
     point.packs_per_rank, point.s3_puts_per_rank = mean(packs), mean(puts)
+    # a restoring rank's part of the index, read and parsed (restoring.files.reading_io)
+    data = part_bytes(later.sizes, later.sums)
+    point.index_part_bytes = len(data)
+    index = {"parts": [part_entry(data) if r == sample[-1] else [0, ""] for r in range(world)]}
+    _, point.index_part_parse_s, point.index_part_parse_peak = measured(
+        lambda: parse_part(data, index, sample[-1], "scale")
+    )
     return first, later
+
+
+def listing(part: RankPart, world: int) -> Any:
+    """What a rank sends rank 0 of its files (writer_job): on several ranks, what the index lists
+    of the part the rank wrote (its size and digest) and the bytes of its files."""
+    if world == 1:
+        return part.sizes, part.sums
+    return part_entry(part_bytes(part.sizes, part.sums)), sum(part.sizes.values())
 
 
 #: Above this many directories a local-disk commit (one fsync each) is not run but extrapolated.
@@ -457,26 +483,26 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
     staging = store.protocol.staging_for(final, "scale0")
     shutil.rmtree(root / final, ignore_errors=True)
     store.begin(staging, {"host": "scale", "pid": 0})
-    for p in parts:  # the payload files, as the ranks left them (sparse: sizes only)
+    listings = []
+    for rank, p in enumerate(parts):  # the payload files, as the ranks left them (sparse: sizes only)
         for rel, size in p.sizes.items():
             target = root / staging / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "wb") as f:
                 f.truncate(size)
+        data = part_bytes(p.sizes, p.sums)  # and its part of the index
+        (root / staging / part_rel(rank)).parent.mkdir(exist_ok=True)
+        (root / staging / part_rel(rank)).write_bytes(data)
+        listings.append(part_entry(data))
     gc.collect()
     before_commit = [p for p in root.iterdir()]
 
     def commit() -> tuple[int, int]:
         entries = [deltas.incoming(rank, ("all", p.entries)) for rank, p in enumerate(parts)]
-        files: dict[str, int] = {}
-        sums: dict[str, dict[str, Any]] = {}
-        for p in parts:
-            files.update(p.sizes)
-            sums.update(p.sums)
         metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(entries)), world)  # as writer_job commits
-        sums[METADATA_FNAME] = record_views([memoryview(metadata)])  # as writer_job records it
-        fields = {"format": 1, "epoch": 0, "step": 1, "files": files, "seq": 1, "world_size": world,
-                  "committed_at": 0.0, "writer": {}, "checksums": sums}
+        sums = {METADATA_FNAME: record_views([memoryview(metadata)])}  # as writer_job records it
+        fields = {"format": PARTED_FORMAT, "epoch": 0, "step": 1, "files": {}, "seq": 1, "world_size": world,
+                  "committed_at": 0.0, "writer": {}, "checksums": sums, "parts": listings}
         regions = rank_regions(metadata, entries)
         if regions is not None:
             fields["ranks"] = {"regions": regions, "shapes": parts[0].shapes}
@@ -484,7 +510,7 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
 
     (metadata, index), point.commit_s, point.commit_peak = measured(commit)
     point.metadata_bytes, point.index_bytes = len(metadata), len(index)
-    # every restoring rank reads the whole index (file sizes and checksums: restoring.reading_io)
+    # every restoring rank reads the index (then its part: per_rank)
     _, point.index_parse_s, point.index_parse_peak = measured(lambda data=index: parse_index(data, "scale"))
     point.directories = sum(1 for _ in os.walk(root / staging))
     if point.directories <= MAX_DIRECTORIES or not store_base:
@@ -594,10 +620,10 @@ def secs(s: float) -> str:
 HEADER = (
     "| layout | N | records / rank | to rank 0 per save: before / first / later (one rank) | "
     "gathered to rank 0, later saves | .snapshot_metadata | rank 0 commit: merge, metadata, index: "
-    "time, peak | local disk commit (directories fsynced) | index | latest: time, peak (whole parse / "
+    "time, peak | local disk commit (directories fsynced) | index + each rank's part | latest: time, peak (whole parse / "
     "checked for N ranks) | "
     "restore planning, whole metadata: time, peak | restore planning by rank N / N/2 / 2N: time "
-    "(groups read) | peak | index parse, every rank at restore: time, peak |\n|" + "---|" * 14
+    "(groups read) | peak | index + own part, parsed by every rank at restore: time, peak |\n|" + "---|" * 14
 )
 
 
@@ -614,10 +640,12 @@ def row(p: Point) -> str:
         f"{human(p.part_first_bytes)} / {human(p.part_later_bytes)} ({p.later_records} records) | "
         f"{human(p.part_later_bytes * p.world)} | {mark}{human(p.metadata_bytes)} | "
         f"{mark}{secs(p.commit_s)}, {mark}{human(p.commit_peak)} | "
-        f"{store}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} | "
+        f"{store}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} + "
+        f"{human(p.index_part_bytes)} | "
         f"{mark}{secs(p.latest_s)}, {mark}{human(p.latest_peak)} / {mark}{secs(p.latest_ranked_s)}, "
         f"{mark}{human(p.latest_ranked_peak)} | {restore}, {restore_peak} | "
-        f"{by_rank} | {by_rank_peak} | {mark}{secs(p.index_parse_s)}, {mark}{human(p.index_parse_peak)} |"
+        f"{by_rank} | {by_rank_peak} | {mark}{secs(p.index_parse_s)} + {secs(p.index_part_parse_s)}, "
+        f"{mark}{human(p.index_parse_peak)} + {human(p.index_part_parse_peak)} |"
     )
 
 

@@ -10,8 +10,9 @@ loopback interface only. Each phase writes what it saw to ``OUTDIR/PHASE_rank{RA
   ``.snapshot_metadata`` (ranged and whole) that the local store serves:
   ``TorchSnapshotSaver.restore(path)`` into a new FSDP2 unit; ``restore_from_latest`` into
   another; and ``RestoreRequest.restore(path)`` of the model alone into a plain, unsharded copy
-  of it (whole tensors, which need every rank's shards); then a copy whose metadata has a byte
-  of rank 2's records flipped.
+  of it (whole tensors, which need every rank's shards); records too which parts of the index
+  each reads. Then copies damaged three ways: a byte of rank 2's records flipped in the
+  metadata, a byte flipped in rank 2's part of the index, one of rank 3's files removed.
 * ``world2``: 2 new processes restore the step-4 snapshot (another world size).
 """
 
@@ -32,6 +33,7 @@ from tnt_snapshot_plugin.restoring import RestoreRequest
 from tnt_snapshot_plugin.stores.local import LocalStore
 
 METADATA = ".snapshot_metadata"
+PARTS = ".tnt_snapshot_index"
 
 
 def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
@@ -44,10 +46,12 @@ def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
 
 class MetadataReads:
     """Every read of ``.snapshot_metadata`` the local store serves in this process: ``[start,
-    end]`` of a ranged read, ``"whole"`` for the whole file."""
+    end]`` of a ranged read, ``"whole"`` for the whole file; and in ``parts``, the rank of each
+    part of the index read (``.tnt_snapshot_index/R.json``)."""
 
     def __init__(self) -> None:
         self.reads: list[Any] = []
+        self.parts: list[int] = []
         read_into, read_file = LocalStore.read_into, LocalStore.read_file
 
         def ranged(store: LocalStore, name: str, reads: Any, *args: Any, **kwargs: Any) -> None:
@@ -57,6 +61,8 @@ class MetadataReads:
         def whole(store: LocalStore, name: str, rel: str) -> bytes:
             if rel == METADATA:
                 self.reads.append("whole")
+            if rel.startswith(PARTS + "/"):
+                self.parts.append(int(rel[len(PARTS) + 1:].removesuffix(".json")))
             return read_file(store, name, rel)
 
         LocalStore.read_into = ranged  # type: ignore[method-assign]
@@ -64,6 +70,7 @@ class MetadataReads:
 
     def during(self, run: Callable[[], Any]) -> list[Any]:
         self.reads.clear()
+        self.parts.clear()
         run()
         return list(self.reads)
 
@@ -74,12 +81,14 @@ def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
 
     unit = Unit("fsdp2", seed=7 + rank)
     record["explicit_reads"] = reads.during(lambda: TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60))
+    record["explicit_parts"] = list(reads.parts)
     record["explicit_state"] = whole_state(unit)
 
     unit = Unit("fsdp2", seed=8 + rank)
     record["latest_reads"] = reads.during(
         lambda: TorchSnapshotSaver.restore_from_latest(out, unit, collective_timeout_s=60)
     )
+    record["latest_parts"] = list(reads.parts)
     record["latest_state"] = whole_state(unit)
 
     torch.manual_seed(9 + rank)
@@ -90,8 +99,11 @@ def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
             request.restore(path)
 
     record["plain_reads"] = reads.during(plain_restore)
+    record["plain_parts"] = list(reads.parts)
     record["plain_state"] = {f"model/{name}": digest(value) for name, value in sorted(plain.state_dict().items())}
     damaged_group(rank, out, record)
+    damaged_part(rank, out, record)
+    missing_file(rank, out, record)
 
 
 def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
@@ -127,6 +139,63 @@ def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
     record["damaged_latest_warnings"] = [str(w.message) for w in caught]
 
 
+def damaged_copy(rank: int, out: str, kind: str, damage: Callable[[str], None]) -> tuple[str, str]:
+    """(a copy of the snapshots, its newest snapshot), ``damage(newest)`` done by rank 0."""
+    import shutil
+
+    import torch.distributed as dist
+
+    copy = os.path.join(os.path.dirname(out), kind)
+    newest = os.path.join(copy, "epoch_0_step_4")
+    if rank == 0:
+        shutil.copytree(out, copy)
+        damage(newest)
+    dist.barrier()
+    return copy, newest
+
+
+def restore_damaged(rank: int, copy: str, newest: str, record: dict[str, Any], kind: str) -> None:
+    """Restore ``newest`` (its error in ``record[kind]``), then the latest of ``copy`` (the step
+    restored and the warnings)."""
+    import warnings
+
+    try:
+        TorchSnapshotSaver.restore(newest, Unit("fsdp2", seed=12 + rank), collective_timeout_s=60)
+    except SnapshotCorruptError as exc:
+        record[kind] = str(exc)
+    unit = Unit("fsdp2", seed=13 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TorchSnapshotSaver.restore_from_latest(copy, unit, collective_timeout_s=60)
+    record[f"{kind}_latest_steps"] = unit.train_progress.num_steps_completed
+    record[f"{kind}_latest_warnings"] = [str(w.message) for w in caught]
+
+
+def damaged_part(rank: int, out: str, record: dict[str, Any]) -> None:
+    """A byte flipped in rank 2's part of the newest snapshot's index (its size unchanged)."""
+
+    def flip(newest: str) -> None:
+        with open(os.path.join(newest, PARTS, "2.json"), "r+b") as f:
+            data = f.read()
+            f.seek(len(data) // 2)
+            f.write(bytes([data[len(data) // 2] ^ 0x01]))
+
+    restore_damaged(rank, *damaged_copy(rank, out, "damaged_part", flip), record, "damaged_part")
+
+
+def missing_file(rank: int, out: str, record: dict[str, Any]) -> None:
+    """A payload file rank 3 wrote, removed from the newest snapshot."""
+
+    def remove(newest: str) -> None:
+        import json
+
+        with open(os.path.join(newest, PARTS, "3.json")) as f:
+            victim = sorted(json.load(f)["files"])[0]
+        os.remove(os.path.join(newest, victim))
+
+    restore_damaged(rank, *damaged_copy(rank, out, "missing_file", remove), record, "missing_file")
+
+
 def phase_world2(rank: int, out: str, record: dict[str, Any]) -> None:
     """The 4-rank snapshot restored on 2 ranks: rank 0 compares the saved ranks' per-rank entries
     (the whole metadata); rank 1 reads its groups and those holding the shards it now holds."""
@@ -134,6 +203,7 @@ def phase_world2(rank: int, out: str, record: dict[str, Any]) -> None:
     unit = Unit("fsdp2", seed=20 + rank)
     path = os.path.join(out, "epoch_0_step_4")
     record["world2_reads"] = reads.during(lambda: TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60))
+    record["world2_parts"] = list(reads.parts)
     record["world2_state"] = whole_state(unit)
 
 

@@ -7,7 +7,6 @@ output, so a deadlock never hangs CI. The tests then assert on what each rank re
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.index import read_local
 from tnt_snapshot_plugin.naming import SnapshotName
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
@@ -221,8 +221,7 @@ def test_the_ranks_agree_on_preemption_every_few_steps_and_stop_at_the_same_step
     # each rank wrote its own entries, the commit (rank 0) listed them all, and rank 1 knows the total
     [(path, written)] = ddp[0]["agreement_snapshot"]
     assert ddp[1]["agreement_snapshot"] == [[path, written]]  # (JSON: a list)
-    with open(os.path.join(path, ".tnt_snapshot_index.json")) as f:
-        files = json.load(f)["files"]
+    files = read_local(path)["files"]  # from each rank's part of the index
     assert written == sum(files.values()) > 0
     assert sorted(files) == ["batched/0-0", "batched/1-0"]  # each rank's small tensors, packed
 

@@ -30,6 +30,7 @@ def test_ddp_two_processes_save_and_resume_bitwise(tmp_path):
         "epoch_2_step_10",
     ]
     assert sorted(p.name for p in (tmp_path / "snaps" / "epoch_1_step_6").iterdir() if p.is_dir()) == [
+        ".tnt_snapshot_index",  # each rank's part of the index
         "0",
         "1",
         "batched",

@@ -75,6 +75,7 @@ def test_sigterm_on_one_ddp_rank_stops_both_at_the_same_step(ddp_preempted):
     assert codes == [EXIT_SIGTERM, EXIT_SIGTERM], logs(tmp_path)
     assert snapshot_names(tmp_path / "snaps") == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5"]
     assert sorted(p.name for p in (tmp_path / "snaps" / "epoch_0_step_5").iterdir() if p.is_dir()) == [
+        ".tnt_snapshot_index",  # each rank's part of the index
         "0",
         "1",
         "batched",

@@ -30,6 +30,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     snapshot = out / "snapshots" / "epoch_0_step_4"
     index = json.loads((snapshot / ".tnt_snapshot_index.json").read_text())
     return {
+        "out": out,
         "save": saved,
         "restore": launch("restore", out),
         "world2": launch("world2", out, world=2),
@@ -120,3 +121,72 @@ def test_on_2_ranks_rank_1_reads_the_groups_of_the_shards_it_now_holds(runs):
     assert one["world2_reads"] == regions
     for restored in runs["world2"]:
         assert restored["world2_state"] == runs["save"][0]["at_step_4"]
+
+
+def test_each_rank_reads_the_parts_of_the_index_of_the_files_it_reads(runs):
+    """Each rank writes its files' sizes and checksums as its own part of the index; a restoring
+    rank reads the parts of the ranks whose files it reads, once each: its own for its shards;
+    every rank's for whole tensors. Rank 0's check before restore_from_latest reads none."""
+    for restored in runs["restore"]:
+        rank = restored["rank"]
+        assert restored["explicit_parts"] == [rank]
+        assert restored["latest_parts"] == [rank]
+        assert sorted(restored["plain_parts"]) == list(range(WORLD))
+    # on 2 ranks: rank 0 compares every saved rank's per-rank entries, so reads every part;
+    # rank 1 reads those of saved ranks 2 and 3 (the rows it now holds) and 0 (the per-rank
+    # entries found equal, read from saved rank 0), not saved rank 1's
+    zero, one = runs["world2"]
+    assert sorted(zero["world2_parts"]) == list(range(WORLD))
+    assert sorted(one["world2_parts"]) == [0, 2, 3]
+
+
+def test_a_damaged_part_of_the_index_fails_the_restore_on_every_rank(runs):
+    """A byte flipped in rank 2's part (its size unchanged, so rank 0's check before the restore
+    passes): the rank reading it finds its digest wrong, every rank raises, and
+    restore_from_latest falls back together to the snapshot before it."""
+    for restored in runs["restore"]:
+        assert "damaged_part" in restored, f"rank {restored['rank']} restored a damaged snapshot"
+        assert restored["damaged_part_latest_steps"] == 2
+    assert ".tnt_snapshot_index/2.json" in runs["restore"][2]["damaged_part"]
+    assert "differ from the size and digest the index recorded" in runs["restore"][2]["damaged_part"]
+
+
+def test_a_missing_file_fails_the_restore_on_every_rank_and_latest_falls_back(runs):
+    """One of rank 3's payload files removed: rank 0's check before restore_from_latest does not
+    read rank 3's part, so rank 3 finds the file missing as it reads; every rank falls back to
+    the snapshot before it, and the warning names the file."""
+    for restored in runs["restore"]:
+        assert "missing_file" in restored, f"rank {restored['rank']} restored a snapshot missing a file"
+        assert restored["missing_file_latest_steps"] == 2
+    assert any(
+        "skipping damaged snapshot" in w and "3/" in w for w in runs["restore"][0]["missing_file_latest_warnings"]
+    ), runs["restore"][0]["missing_file_latest_warnings"]
+
+
+def test_tnt_snapshot_verify_reads_every_part_and_names_the_damaged_one(runs):
+    """`tnt-snapshot verify` checks every file of every rank against the sizes and checksums the
+    parts of the index list: the snapshots are intact; in the copies, the damaged part and the
+    missing file are named, and the snapshot before them is intact."""
+    from click.testing import CliRunner
+
+    from tnt_snapshot_plugin.cli import cli
+    from tnt_snapshot_plugin.index import read_local
+
+    def verify(path: Path) -> dict[str, list[str]]:
+        result = CliRunner().invoke(cli, ["verify", str(path), "--json"], catch_exceptions=False)
+        return {s["name"]: s["problems"] for s in json.loads(result.stdout)["snapshots"]}
+
+    out = runs["out"]
+    assert verify(out / "snapshots") == {"epoch_0_step_2": [], "epoch_0_step_4": []}
+    files = read_local(str(out / "snapshots" / "epoch_0_step_4"))["files"]
+    assert {int(rel.split("/")[0]) for rel in files if not rel.startswith("batched/")} == set(range(WORLD))
+    part = verify(out / "damaged_part")
+    assert part["epoch_0_step_2"] == []
+    assert part["epoch_0_step_4"] == [
+        "rank 2's part of its index (.tnt_snapshot_index/2.json) is damaged: its bytes differ from the size "
+        "and digest the index recorded"
+    ]
+    missing = verify(out / "missing_file")
+    assert missing["epoch_0_step_2"] == []
+    assert len(missing["epoch_0_step_4"]) == 1 and missing["epoch_0_step_4"][0].startswith("file 3/")
+    assert missing["epoch_0_step_4"][0].endswith("is missing")

@@ -131,23 +131,28 @@ class Verifier:
         self._exact: dict[tuple[str, int, int], str] = {}
         self._raw: dict[str, Any] = {}  # ranges not indexed for sub-range reads yet
         self._raw_lock = threading.Lock()  # the I/O threads index them on first use
+        self.add(records, sizes)
+        #: bytes verified by this verifier (tests and benchmarks read it)
+        self.verified_bytes = 0
+        self._count_lock = threading.Lock()  # the stores' reading threads verify at once
+
+    def add(self, records: dict[str, Any], sizes: dict[str, Any]) -> None:
+        """Check reads of the files of ``records`` too (a part of the index read later)."""
         for rel, rec in records.items():
             if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
                 continue  # another algorithm (or a damaged record): not checked here
             size = sizes.get(rel)
             size = size if isinstance(size, int) else None
-            self._records[rel] = (size, rec["value"], [], [])
-            if size is not None:
-                self._exact[rel, 0, size] = rec["value"]
             ranges = packed_ranges(rec)
-            if ranges:
-                self._raw[rel] = ranges
-                exact = self._exact
-                for r in ranges:
-                    exact[rel, r[0], r[1]] = r[2]
-        #: bytes verified by this verifier (tests and benchmarks read it)
-        self.verified_bytes = 0
-        self._count_lock = threading.Lock()  # the stores' reading threads verify at once
+            with self._raw_lock:
+                self._records[rel] = (size, rec["value"], [], [])
+                if size is not None:
+                    self._exact[rel, 0, size] = rec["value"]
+                if ranges:
+                    self._raw[rel] = ranges
+                    exact = self._exact
+                    for r in ranges:
+                        exact[rel, r[0], r[1]] = r[2]
 
     def count(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``verified_bytes`` (for bytes checked with ``count=False``)."""

@@ -9,12 +9,22 @@ the writer, the world size and the monitored metric.
 field), so that an index edited or damaged after its commit (a flipped checksum, another ``seq``)
 is told apart from an intact one: :func:`parse` refuses it with :class:`SnapshotCorruptError`.
 An index written before the seal existed has none, and is read as it is.
+
+**Parts.** A snapshot of several ranks keeps its files and checksums out of the index itself:
+each rank writes its own (:func:`part_bytes`) to ``.tnt_snapshot_index/R.json`` with its
+payloads, and the index lists each part's size and digest under ``parts`` (rank R's at R), so
+that it stays O(world size) and a restoring rank reads only the parts of the files it reads
+(:class:`Parts`). The index's own ``files`` then lists no file. A part is checked against its
+size and digest and holds only files its rank wrote (``R/...``, ``batched/R-N``: the writer's
+naming). :func:`complete` gives the index with every part's files and checksums merged, as a
+snapshot of one rank has them.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from typing import Any, Callable, Optional
 
 import xxhash
 
@@ -24,6 +34,10 @@ from .errors import SnapshotCorruptError
 INDEX_FNAME = ".tnt_snapshot_index.json"
 #: The field holding the index's own digest.
 SEAL_FIELD = "seal"
+#: The directory of the index's parts (a snapshot of several ranks).
+PARTS_DIR = ".tnt_snapshot_index"
+#: The ``format`` of an index whose files are listed in parts.
+PARTED_FORMAT = 2
 
 
 def _digest(fields: dict[str, Any]) -> str:
@@ -71,7 +85,145 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
     checksums = doc.get("checksums")
     if checksums is not None and not isinstance(checksums, dict):
         raise damaged("its 'checksums' is not a mapping of file to record")
+    parts = doc.get("parts")
+    if parts is not None and not (
+        isinstance(parts, list)
+        and all(type(p) is list and len(p) == 2 and type(p[0]) is int and p[0] >= 0 and type(p[1]) is str for p in parts)
+    ):
+        raise damaged("its 'parts' is not a list of [size, digest]")
     return doc
 
 
-__all__ = ["INDEX_FNAME", "SEAL_FIELD", "parse", "seal"]
+# -- parts ----------------------------------------------------------------------------------------
+
+
+def part_rel(rank: int) -> str:
+    """The file of rank ``rank``'s part of the index, inside the snapshot."""
+    return f"{PARTS_DIR}/{rank}.json"
+
+
+def owner(rel: str) -> Optional[int]:
+    """The rank that wrote payload file ``rel`` (``R/...`` or ``batched/R-N``), or None."""
+    head, _, rest = rel.partition("/")
+    if head == "batched":
+        head = rest.partition("-")[0]
+    return int(head) if head.isdigit() else None
+
+
+def part_bytes(files: dict[str, int], checksums: dict[str, Any]) -> bytes:
+    """The bytes of one rank's part: its files' sizes and checksum records."""
+    return json.dumps({"files": files, "checksums": checksums}, sort_keys=True).encode()
+
+
+def part_entry(data: bytes) -> list[Any]:
+    """What the index lists of a part whose bytes are ``data``: [size, digest]."""
+    return [len(data), xxhash.xxh3_64_hexdigest(data)]
+
+
+def parts_of(index: Any) -> Optional[list[list[Any]]]:
+    """The parts ``index`` (parsed) lists, or None where its files are in the index itself."""
+    parts = index.get("parts") if isinstance(index, dict) else None
+    return parts if isinstance(parts, list) else None
+
+
+def _damaged_part(where: str, rank: int, what: str) -> SnapshotCorruptError:
+    error = SnapshotCorruptError(
+        f"{where}/{part_rel(rank)}: {what}: rank {rank}'s part of the snapshot's index is damaged, "
+        "so its files cannot be checked. Restore an older snapshot (restore_from_latest falls "
+        "back to one by itself)"
+    )
+    error.reason = f"rank {rank}'s part of its index ({part_rel(rank)}) is damaged: {what}"  # type: ignore[attr-defined]
+    return error
+
+
+def parse_part(data: Optional[bytes], index: dict[str, Any], rank: int, where: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """Rank ``rank``'s part (``data``; None: missing) of snapshot ``where``'s ``index``: (files,
+    checksums), checked against the size and digest the index lists and for files of its rank
+    only. SnapshotCorruptError otherwise."""
+    parts = parts_of(index) or []
+    if not 0 <= rank < len(parts):
+        raise _damaged_part(where, rank, f"the index lists {len(parts)} parts")
+    if data is None:
+        raise _damaged_part(where, rank, "it is missing")
+    if part_entry(data) != parts[rank]:
+        raise _damaged_part(where, rank, "its bytes differ from the size and digest the index recorded")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise _damaged_part(where, rank, "it is not JSON") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    checksums = doc.get("checksums") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or not isinstance(checksums, dict) or not all(
+        type(v) is int and v >= 0 and owner(k) == rank for k, v in files.items()
+    ) or not all(owner(k) == rank for k in checksums):
+        raise _damaged_part(where, rank, "it is not a mapping of this rank's files to sizes and checksums")
+    return files, checksums
+
+
+class Parts:
+    """The parts of one snapshot's index, each read when a file of its rank is first asked for
+    (``read(rel)``: the bytes of file ``rel`` of the snapshot, None if it is missing). ``files``
+    and ``checksums`` hold what the parts read so far list (from any number of threads)."""
+
+    def __init__(self, index: dict[str, Any], read: Callable[[str], Optional[bytes]], where: str) -> None:
+        self.index, self.read, self.where = index, read, where
+        self.files: dict[str, int] = dict(index.get("files") or {})
+        self.checksums: dict[str, Any] = dict(index.get("checksums") or {})
+        self.loaded: set[int] = set()
+        self._lock = threading.Lock()
+        self._count = len(parts_of(index) or [])
+
+    def load(self, rank: int) -> Optional[tuple[dict[str, int], dict[str, Any]]]:
+        """Read rank ``rank``'s part, unless it was read: its (files, checksums), or None."""
+        with self._lock:
+            if rank in self.loaded or not 0 <= rank < self._count:
+                return None
+            files, checksums = parse_part(self.read(part_rel(rank)), self.index, rank, self.where)
+            self.files.update(files)
+            self.checksums.update(checksums)
+            self.loaded.add(rank)
+            return files, checksums
+
+    def load_for(self, rels: Any) -> list[tuple[dict[str, int], dict[str, Any]]]:
+        """Read the parts of the ranks that wrote files ``rels``, where not read: what each lists."""
+        ranks = sorted({r for r in (owner(rel) for rel in rels if rel not in self.files) if r is not None})
+        return [part for part in map(self.load, ranks) if part is not None]
+
+    def load_all(self) -> None:
+        for rank in range(self._count):
+            self.load(rank)
+
+
+def complete(index: dict[str, Any], read: Callable[[str], Optional[bytes]], where: str) -> dict[str, Any]:
+    """``index`` with every part's files and checksums in ``files`` and ``checksums``, as one
+    rank's snapshot lists them (``index`` itself where it has no parts). SnapshotCorruptError
+    when a part is missing or damaged."""
+    if parts_of(index) is None:
+        return index
+    parts = Parts(index, read, where)
+    parts.load_all()
+    return {**index, "files": parts.files, "checksums": parts.checksums}
+
+
+def read_local(path: str) -> dict[str, Any]:
+    """The index of the snapshot in local directory ``path``, checked, with every part's files
+    and checksums (:func:`complete`). FileNotFoundError without an index;
+    SnapshotCorruptError where it or a part is damaged."""
+    import os
+
+    def read(rel: str) -> Optional[bytes]:
+        try:
+            with open(os.path.join(path, rel), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    with open(os.path.join(path, INDEX_FNAME), "rb") as f:
+        index = parse(f.read(), path)
+    return complete(index, read, path)
+
+
+__all__ = [
+    "INDEX_FNAME", "PARTED_FORMAT", "PARTS_DIR", "SEAL_FIELD", "Parts", "complete", "owner", "parse",
+    "parse_part", "part_bytes", "part_entry", "part_rel", "parts_of", "read_local", "seal",
+]

@@ -32,7 +32,7 @@ from .format.manifest import (
     locations,
     parse_metadata,
 )
-from .index import INDEX_FNAME
+from .index import INDEX_FNAME, part_rel, parts_of
 
 #: Bytes read at once when a payload's checksum is computed.
 READ_CHUNK = 16 << 20
@@ -80,11 +80,13 @@ def check(
     ``progress(nbytes)`` is called as bytes are read.
 
     ``restoring_ranks``: the number of ranks about to restore the snapshot (restore_from_latest
-    checks it on rank 0). Where that is more than one and the index locates the records of that
-    many ranks (``"ranks"``) and records the metadata's checksum, the metadata is checked against
-    the checksum as it streams and is not parsed (``metadata`` stays None): each restoring rank
-    parses and validates the records it reads, and a file the index lists is checked for its size
-    here as always, so the verdict is the one a whole parse gives on what the plugin wrote.
+    checks it on rank 0). Where that is more than one (and ``checksums`` False) and the index
+    locates the records of that many ranks (``"ranks"``) and records the metadata's checksum, the
+    metadata is checked against the checksum as it streams and is not parsed (``metadata`` stays
+    None), and of the parts of the index (each rank's files' sizes and checksums) only that each
+    is there with its size: each restoring rank validates the records and checks the parts it
+    reads, and reads its files at the sizes listed (a damaged part, or a missing or short file,
+    fails the restore on every rank, and restore_from_latest falls back).
     """
     verdict = Verdict(name)
 
@@ -94,21 +96,20 @@ def check(
         return store.file_size(name, rel)
 
     index, problem = store.checked_index(name)
+    streamed = restoring_ranks > 1 and not checksums and _streamable(index, restoring_ranks)
+    if index is not None and not streamed:
+        index, problem = store.completed_index(name, index)
     if problem is not None:
         verdict.problems.append(problem)
     verdict.index, verdict.index_problem = index, problem
     files: dict[str, int] = index["files"] if index is not None else {}
-    for rel, size in files.items():
-        actual = size_of(rel)
-        if actual is None:
-            verdict.problems.append(f"file {rel} is missing")
-        elif actual != size:
-            verdict.problems.append(f"file {rel} has {actual} bytes, {size} were written")
-    if restoring_ranks > 1 and _streamable(index, restoring_ranks):
+    if streamed and index is not None:
+        # the restoring ranks each read the parts of the index they need, checked (index.Parts)
+        _check_sizes(verdict, {part_rel(r): p[0] for r, p in enumerate(parts_of(index) or [])}, size_of)
+        _check_sizes(verdict, files, size_of)
         _stream_metadata(store, name, verdict, size_of(METADATA_FNAME))
-        if checksums:
-            check_payloads(store, verdict, progress)
         return verdict
+    _check_sizes(verdict, files, size_of)
     verdict.metadata = _metadata(store, name, verdict)
     if verdict.metadata is None:
         return verdict
@@ -120,6 +121,16 @@ def check(
     if checksums:
         check_payloads(store, verdict, progress)
     return verdict
+
+
+def _check_sizes(verdict: Verdict, files: dict[str, int], size_of: Callable[[str], Optional[int]]) -> None:
+    """Each of ``files`` is there with the size listed."""
+    for rel, size in files.items():
+        actual = size_of(rel)
+        if actual is None:
+            verdict.problems.append(f"file {rel} is missing")
+        elif actual != size:
+            verdict.problems.append(f"file {rel} has {actual} bytes, {size} were written")
 
 
 def _metadata(store: Any, name: str, verdict: Verdict) -> Optional[Metadata]:

@@ -9,8 +9,11 @@ synchronous snapshot). For each snapshot, on every rank:
    payloads through the store, several files at once, each as soon as it is complete (while the
    rest is still being planned), each file's checksum computed from the bytes in hand
    (``checksums``);
-4. one collective gathers every rank's records, file sizes, checksums and outcome;
-5. rank 0 commits: ``.snapshot_metadata`` (the manifest) and the plugin's index, by the store's
+4. on several ranks, each rank writes its files' sizes and checksums as its part of the index
+   (``index.part_bytes``);
+5. one collective gathers every rank's records and outcome, with its part's size and digest
+   (one rank: its file sizes and checksums);
+6. rank 0 commits: ``.snapshot_metadata`` (the manifest) and the plugin's index, by the store's
    commit strategy (a rename on disk, the metadata written last on an object store); then
    retention deletes older snapshots, never before.
 
@@ -28,6 +31,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
+from . import index as index_file
 from . import policies, retention
 from .checksums import new_hasher, record_views
 from .config import SnapshotConfig
@@ -130,11 +134,14 @@ class SnapshotWriter:
         replicated = agree_replicated(self.coll, job, leaves if error is None else {})
         if error is None:
             entries, sizes, sums, error = self._write_payloads(job, containers, leaves, replicated)
-        # Every rank's records (those that changed since the last snapshot: coordination.py),
-        # sizes and checksums, to rank 0, which alone commits: one collective, and no rank but
-        # rank 0 holds the others' records.
+        listing: Any = (sizes, sums)  # what rank 0 puts in the index for this rank's files
+        if error is None and coll.world_size > 1:
+            listing, error = _write_part(self.store, self.coll.rank, job, sizes, sums)
+        # Every rank's records (those that changed since the last snapshot: coordination.py)
+        # and its files' listing, to rank 0, which alone commits: one collective, and no rank
+        # but rank 0 holds the others' records.
         deltas = self.deltas
-        gathered = coll.gather((deltas.outgoing(entries), sizes, sums) if error is None else None)
+        gathered = coll.gather((deltas.outgoing(entries), listing) if error is None else None)
         try:
             # the state's own fault on every rank that failed: the same on every rank
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
@@ -152,18 +159,9 @@ class SnapshotWriter:
 
         def commit() -> int:
             assert gathered is not None  # rank 0
-            parts = [
-                (deltas.incoming(rank, part[0]), part[1], part[2])
-                for rank, part in enumerate(gathered)
-                if part is not None
-            ]
-            files: dict[str, int] = {}
-            checksums: dict[str, dict[str, Any]] = {}
-            for _entries, rank_sizes, rank_sums in parts:
-                files.update(rank_sizes)
-                checksums.update(rank_sums)
-            self._commit(job, writer, [p[0] for p in parts], files, checksums, locked)
-            return sum(files.values())
+            records = [deltas.incoming(rank, part[0]) for rank, part in enumerate(gathered) if part is not None]
+            listings = [part[1] for part in gathered if part is not None]
+            return self._commit(job, writer, records, listings, locked)
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
         try:
@@ -307,16 +305,18 @@ class SnapshotWriter:
         job: Any,
         writer: dict[str, Any],
         parts: list[dict[str, str]],
-        files: dict[str, int],
-        checksums: dict[str, dict[str, Any]],
+        listings: list[Any],
         locked: bool,
-    ) -> None:
+    ) -> int:
+        """Commit the snapshot of ``parts`` (each rank's records) and ``listings`` (each rank's
+        files: (sizes, checksums) on one rank, (part entry, bytes) on several); its bytes."""
         # each rank's records together, and where they lie in the index (coordination.py)
         metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), self.coll.world_size)
         regions = rank_regions(metadata, parts) if len(parts) > 1 else None  # one rank: the whole file
         listed, retaining, seq = self._listed_and_seq(job, locked)
+        files, checksums, nbytes = _listed(self.coll.world_size, listings)
         fields: dict[str, Any] = {
-            "format": 1,
+            "format": 1 if self.coll.world_size == 1 else index_file.PARTED_FORMAT,
             "epoch": job.name.epoch,
             "step": job.name.step,
             "files": files,
@@ -327,6 +327,8 @@ class SnapshotWriter:
         }
         if regions is not None:
             fields["ranks"] = {"regions": regions, "shapes": self._shapes}
+        if self.coll.world_size > 1:
+            fields["parts"] = [listing[0] for listing in listings]
         # the metadata too: it holds the primitive values (numbers, strings) themselves
         fields["checksums"] = {**checksums, METADATA_FNAME: record_views([memoryview(metadata)])}
         if job.name.metric is not None and job.name.metric_value is not None:
@@ -349,6 +351,7 @@ class SnapshotWriter:
         )
         if retaining:
             retain_after_commit(self, job, [r for r in listed if r.text != job.name.text] + [this])
+        return nbytes
 
 
 class _Writes:
@@ -434,6 +437,30 @@ class _Writes:
             sizes[rel] = size
             sums[rel] = checksum
         return sizes, sums
+
+
+def _write_part(
+    store: Store, rank: int, job: Any, sizes: dict[str, int], sums: dict[str, dict[str, Any]]
+) -> tuple[Any, Optional[BaseException]]:
+    """Write rank ``rank``'s part of the index; (what the index lists of it and the bytes of
+    the rank's files, error)."""
+    data = index_file.part_bytes(sizes, sums)
+    rel = index_file.part_rel(rank)
+    try:
+        with _writing(store, job.staging, rel):
+            store.write_payload(job.staging, rel, [memoryview(data)])
+    except Exception as exc:
+        return None, write_error(job, exc)
+    return (index_file.part_entry(data), sum(sizes.values())), None
+
+
+def _listed(world_size: int, listings: list[Any]) -> tuple[dict[str, int], dict[str, dict[str, Any]], int]:
+    """(files, checksums, bytes) for the index from each rank's listing: one rank's files; on
+    several ranks none (each part lists its rank's), and the sum of every rank's bytes."""
+    if world_size == 1:
+        files, checksums = listings[0]
+        return files, checksums, sum(files.values())
+    return {}, {}, sum(listing[1] for listing in listings)
 
 
 @contextlib.contextmanager

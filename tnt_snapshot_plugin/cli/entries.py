@@ -243,7 +243,7 @@ def checked_metadata(store: Store, name: str) -> tuple[Metadata, Optional[dict[s
             f"{store.child(name)} is not a complete snapshot (it holds no {METADATA_FNAME}: an "
             "interrupted write, or not a snapshot)"
         )
-    index, problem = store.checked_index(name)
+    index, problem = store.checked_index(name, parts=True)
     if problem is not None:
         raise SnapshotCorruptError(f"{store.child(name)}: {problem}; the snapshot is damaged")
     data = store.read_file(name, METADATA_FNAME)

@@ -48,17 +48,35 @@ def reading_io(
             index = None
         if index is not None:
             parsed = index_file.parse(index, path)
+    parts = None
+    if index_file.parts_of(parsed) is not None:  # several ranks': each part read as its files are
+        parts = index_file.Parts(parsed, functools.partial(store.read_optional, name), path)
     listed = parsed.get("files") if isinstance(parsed, dict) else None
-    sizes: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    sizes: dict[str, Any] = parts.files if parts is not None else listed if isinstance(listed, dict) else {}
     records = parsed.get("checksums") if isinstance(parsed, dict) else None
     verifier = Verifier(path, records, sizes) if isinstance(records, dict) and records else None
 
+    def with_parts(rels: Any) -> None:
+        assert parts is not None
+        for files, checksums in parts.load_for(rels):
+            if verifier is not None:
+                verifier.add(checksums, files)
+
     def file_size(rel: str) -> Optional[int]:
+        if parts is not None:
+            with_parts((rel,))
         size = sizes.get(rel)
         return size if isinstance(size, int) else store.file_size(name, rel)
 
-    read_into = functools.partial(store.read_into, name, concurrency=concurrency)
-    return ReadingIO(read_into, file_size, verifier, parsed if isinstance(parsed, dict) else None)
+    reading = functools.partial(store.read_into, name, concurrency=concurrency)
+
+    def read_into(reads: Any, *args: Any, **kwargs: Any) -> None:
+        with_parts({read[0] for read in reads})
+        reading(reads, *args, **kwargs)
+
+    return ReadingIO(
+        reading if parts is None else read_into, file_size, verifier, parsed if isinstance(parsed, dict) else None
+    )
 
 
 def metadata_range(store: Store, name: str, start: int, end: int) -> bytes:

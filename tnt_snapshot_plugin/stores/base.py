@@ -29,7 +29,7 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
-from ..index import INDEX_FNAME
+from ..index import INDEX_FNAME, part_rel, parts_of
 from ..naming import SnapshotName, is_staging_name
 from ..retention import Listed, commit_order, from_index
 from .ownership import staged_by_this_process
@@ -107,7 +107,10 @@ class AtomicRename(CommitProtocol):
     def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
         # Every file written must still be there: a directory removed during the write (and
         # recreated by a later file's write) would otherwise commit a snapshot with holes.
-        for rel, size in json.loads(index)["files"].items():
+        fields = json.loads(index)
+        written = dict(fields["files"])  # and on several ranks the index's parts, each written last
+        written.update((part_rel(r), p[0]) for r, p in enumerate(parts_of(fields) or []))
+        for rel, size in written.items():
             actual = store.file_size(staging, rel)
             if actual != size:
                 raise SnapshotWriteError(
@@ -290,23 +293,32 @@ class Store:
         index = self._read_json(name, INDEX_FNAME)
         return index if index is not None and "format" in index else None
 
-    def checked_index(self, name: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-        """(the index of snapshot ``name``, checked by ``index.parse``; or None, why it is
-        damaged): (None, None) for a snapshot the plugin did not write (no index and no writer
-        marker: torchtnt's, torchsnapshot's), (None, reason) for one whose index is missing
-        while its writer marker says the plugin wrote it, or that is unreadable or changed."""
-        from .. import index as index_file
-
+    def read_optional(self, name: str, rel: str) -> Optional[bytes]:
+        """File ``rel`` of child ``name``, or None where it does not exist."""
         try:
-            data = self.read_file(name, INDEX_FNAME)
+            return self.read_file(name, rel)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            data = None
-        except SnapshotCorruptError as exc:  # not a regular file inside the snapshot
-            return None, f"its index {INDEX_FNAME} cannot be read ({exc})"
+            return None
+        except SnapshotCorruptError:  # not a regular file inside the snapshot
+            raise
         except Exception as exc:
             if not (is_missing_key(exc) or is_missing_key(exc.__cause__)):  # type: ignore[arg-type]
                 raise
-            data = None
+            return None
+
+    def checked_index(self, name: str, *, parts: bool = False) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """(the index of snapshot ``name``, checked by ``index.parse``; or None, why it is
+        damaged): (None, None) for a snapshot the plugin did not write (no index and no writer
+        marker: torchtnt's, torchsnapshot's), (None, reason) for one whose index is missing
+        while its writer marker says the plugin wrote it, or that is unreadable or changed.
+        ``parts``: with every file and checksum of a snapshot of several ranks (``index.complete``:
+        each part read and checked), not only the index itself."""
+        from .. import index as index_file
+
+        try:
+            data = self.read_optional(name, INDEX_FNAME)
+        except SnapshotCorruptError as exc:  # not a regular file inside the snapshot
+            return None, f"its index {INDEX_FNAME} cannot be read ({exc})"
         if data is None:
             if self._read_json(name, WRITER_FNAME) is not None:
                 return None, (
@@ -315,7 +327,18 @@ class Store:
                 )
             return None, None
         try:
-            return index_file.parse(data, self.child(name)), None
+            index = index_file.parse(data, self.child(name))
+        except SnapshotCorruptError as exc:
+            return None, getattr(exc, "reason", str(exc))
+        return self.completed_index(name, index) if parts else (index, None)
+
+    def completed_index(self, name: str, index: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """``index`` (of snapshot ``name``, checked) with every part's files and checksums
+        (``index.complete``); (None, why) where a part is missing or damaged."""
+        from .. import index as index_file
+
+        try:
+            return index_file.complete(index, lambda rel: self.read_optional(name, rel), self.child(name)), None
         except SnapshotCorruptError as exc:
             return None, getattr(exc, "reason", str(exc))
 
