@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import launching
 import pytest
 import torch
 from torchtnt.framework.train import train
@@ -35,6 +36,7 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.checksums import record_views
+from tnt_snapshot_plugin.index import parse, parse_part, part_rel
 from tnt_snapshot_plugin.index import seal as seal_index
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, open_store
@@ -610,3 +612,30 @@ def test_a_flipped_byte_in_an_s3_object_falls_back_to_the_previous_snapshot(opti
     assert restored == f"{run_url}/epoch_0_step_2".replace("step_2", "step_1")
     for name, value in state(1).items():
         assert torch.equal(got.state[name], value)
+
+
+@pytest.mark.slow
+def test_two_ranks_write_their_parts_of_the_index_to_s3_and_resume_bitwise(options, run_url, tmp_path):
+    """2 real gloo ranks (DDP) snapshot to S3: each rank puts its own part of the index; the index
+    lists both parts by size and digest and no file itself; every file listed is an object; new
+    processes restore from the latest snapshot to the trained weights on every rank."""
+    worker = Path(__file__).with_name("s3_ranks_worker.py")
+    (tmp_path / "s3.json").write_text(json.dumps({"url": run_url, "options": options}))
+    saved = launching.run_phase(worker, "save", 2, tmp_path)
+    newest = "epoch_1_step_5"  # the snapshot at the end of training
+    for record in saved:
+        assert f"{newest}/{part_rel(record['rank'])}" in record["parts_written"]
+    assert names_under(options, run_url) == ["epoch_0_step_2", "epoch_0_step_4", newest]
+    client, prefix = client_for(options), f"{run_url[len(f's3://{BUCKET}/'):]}/{newest}"
+    body = lambda key: client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"].read()  # noqa: E731
+    index = parse(body(INDEX_FNAME), run_url)
+    assert index["format"] == 2 and index["files"] == {} and len(index["parts"]) == 2
+    keys = set(keys_under(options, run_url))
+    for rank in range(2):
+        files, checksums = parse_part(body(part_rel(rank)), index, rank, run_url)
+        assert files and set(checksums) == set(files)
+        assert {f"{newest}/{rel}" for rel in files} <= keys
+    restored = launching.run_phase(worker, "restore", 2, tmp_path)
+    for before, after in zip(saved, restored, strict=True):
+        assert after["restored"] is True
+        assert after["steps"] == 5 and after["weights"] == before["weights"]
