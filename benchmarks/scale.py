@@ -391,7 +391,7 @@ class Point:
     records_per_rank: int = 0
     files_per_rank: int = 0
     packs_per_rank: int = 0  # files in batched/ (one directory for every rank's packs)
-    s3_puts_per_rank: int = 0  # requests to upload them on S3 (stores/s3.py: multipart above 64 MiB)
+    s3_puts_per_rank: int = 0  # requests to upload them and its part of the index on S3 (multipart above 64 MiB)
     part_first_bytes: int = 0  # what one rank sends rank 0 at the first save
     part_later_bytes: int = 0  # ... at a later save (RecordDeltas)
     part_before_bytes: int = 0  # ... at every save, before RecordDeltas
@@ -445,7 +445,7 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
         records.append(len(first.entries))
         files.append(len(first.sizes))
         packs.append(sum(1 for rel in first.sizes if rel.startswith("batched/")))
-        puts.append(sum(s3_puts(size) for size in first.sizes.values()))
+        puts.append(sum(s3_puts(size) for size in first.sizes.values()) + (world > 1))  # and its part of the index
     point.rank_sim_s = (time.perf_counter() - started) / (2 * len(sample))
     mean = lambda xs: int(sum(xs) / len(xs))  # noqa: E731
     point.part_first_bytes, point.part_later_bytes, point.part_before_bytes = mean(first_b), mean(later_b), mean(before_b)
@@ -571,8 +571,9 @@ def extrapolate(point: Point, base: Point) -> None:
     point.directories = base.directories * max(1, point.files_per_rank - point.packs_per_rank) * point.world / own
     point.store_commit_s = base.store_commit_s * point.directories / base.directories
     point.latest_s, point.latest_peak = base.latest_s * scale, base.latest_peak * scale
-    point.latest_ranked_s = base.latest_ranked_s * scale
-    point.latest_ranked_peak = base.latest_ranked_peak * scale
+    point.latest_ranked_s = base.latest_ranked_s * scale  # the metadata streamed through its checksum
+    # ... READ_CHUNK at a time (verify.py): of its peak only the index's parse grows
+    point.latest_ranked_peak = base.latest_ranked_peak + point.index_parse_peak - base.index_parse_peak
     point.restore_s = {k: v * scale for k, v in (base.restore_s or {}).items()}
     point.restore_peak = {k: v * scale for k, v in (base.restore_peak or {}).items()}
 

@@ -112,12 +112,12 @@ def body(rank: int, world: int, record: dict[str, Any], out_dir: str) -> None:
     for step in (1, 2):
         train_step(model, optimizer)
         part = plan_save(model, optimizer, step, rank, world)
-        outgoing = (deltas.outgoing(part.entries), part.sizes, part.sums)
+        outgoing = (deltas.outgoing(part.entries), scale.listing(part, world))  # as writer_job sends
         sent.append(len(pickle.dumps(outgoing)))
         gathered = coll.gather(outgoing)
         if gathered is not None:
             real_parts = [
-                scale.RankPart(deltas.incoming(r, p[0]), p[1], p[2]) for r, p in enumerate(gathered)
+                scale.RankPart(deltas.incoming(r, p[0]), {}, {}) for r, p in enumerate(gathered)
             ]
         deltas.settle()
         if step == 1:

@@ -7,6 +7,7 @@ gloo processes (tests/by_rank_worker.py); every restore must equal the saved sta
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ def test_tnt_snapshot_verify_reads_every_part_and_names_the_damaged_one(runs):
     from click.testing import CliRunner
 
     from tnt_snapshot_plugin.cli import cli
-    from tnt_snapshot_plugin.index import read_local
+    from tnt_snapshot_plugin.index import read_local, seal
 
     def verify(path: Path) -> dict[str, list[str]]:
         result = CliRunner().invoke(cli, ["verify", str(path), "--json"], catch_exceptions=False)
@@ -186,6 +187,14 @@ def test_tnt_snapshot_verify_reads_every_part_and_names_the_damaged_one(runs):
         "rank 2's part of its index (.tnt_snapshot_index/2.json) is damaged: its bytes differ from the size "
         "and digest the index recorded"
     ]
+    # the layout before the parts (every file in the index itself) still verifies
+    old = out / "old_layout"
+    shutil.copytree(out / "snapshots", old)
+    for snapshot in old.iterdir():
+        fields = {k: v for k, v in read_local(str(snapshot)).items() if k not in ("seal", "parts")}
+        shutil.rmtree(snapshot / ".tnt_snapshot_index")
+        (snapshot / ".tnt_snapshot_index.json").write_bytes(seal({**fields, "format": 1}))
+    assert verify(old) == {"epoch_0_step_2": [], "epoch_0_step_4": []}
     missing = verify(out / "missing_file")
     assert missing["epoch_0_step_2"] == []
     assert len(missing["epoch_0_step_4"]) == 1 and missing["epoch_0_step_4"][0].startswith("file 3/")

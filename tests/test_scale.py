@@ -86,7 +86,7 @@ def test_simulated_costs_agree_with_real_ranks_within_2x(worlds, world):
         sent = []
         for step in (1, 2):
             part = scale.rank_part("fsdp2", scale.TINY, got["rank"], world, step, arena)
-            sent.append(len(pickle.dumps((deltas.outgoing(part.entries), part.sizes, part.sums))))
+            sent.append(len(pickle.dumps((deltas.outgoing(part.entries), scale.listing(part, world)))))
             deltas.settle()
         for simulated, real in zip(sent, got["sent"], strict=True):
             assert 0.5 <= simulated / real <= 2, (sent, got["sent"])
