@@ -58,8 +58,8 @@ import xxhash
 
 from tnt_snapshot_plugin import verify
 from tnt_snapshot_plugin.app_state import RNGState
-from tnt_snapshot_plugin.checksums import record_views
-from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_by_rank, rank_regions
+from tnt_snapshot_plugin.checksums import record_whole
+from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_metadata
 from tnt_snapshot_plugin.format import manifest as mf
 from tnt_snapshot_plugin.format import mesh_aliases
 from tnt_snapshot_plugin.format import writer as fmt
@@ -263,6 +263,33 @@ def rank_part(layout: str, model: Decoder, rank: int, world: int, step: int, are
 # --- measurements -----------------------------------------------------------------------------
 
 
+def metadata_of(entries: list[dict[str, str]], world: int) -> tuple[bytes, Optional[list[list[Any]]]]:
+    """``.snapshot_metadata`` of every rank's records (in rank order) and where each rank's group
+    lies, as rank 0 commits a first save (``coordination.grouped_metadata``)."""
+    rank0 = RecordDeltas(enabled=world > 1)
+    zeros = [rank0.incoming(r, RecordDeltas(enabled=world > 1).outgoing(e)) for r, e in enumerate(entries)]
+    views, regions = grouped_metadata(zeros, rank0.groups(world), world)
+    return b"".join(bytes(v) for v in views), regions
+
+
+def measured_after(setup: Callable[[], Any], fn: Callable[[Any], Any]) -> tuple[Any, float, int]:
+    """:func:`measured` of ``fn(setup())``, each of the two runs on a new ``setup()``, which is
+    neither timed nor traced."""
+    state = setup()
+    gc.collect()
+    started = time.perf_counter()
+    fn(state)
+    seconds = time.perf_counter() - started
+    del state
+    state = setup()
+    gc.collect()
+    tracemalloc.start()
+    result = fn(state)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return result, seconds, peak
+
+
 def measured(fn: Callable[[], Any], memory: bool = True) -> tuple[Any, float, int]:
     """(result, seconds, peak bytes Python allocated meanwhile): timed without tracemalloc,
     then run again under it for the peak (0 when ``memory`` is False)."""
@@ -373,8 +400,8 @@ def by_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena)
         ranks = needed_ranks(zero, world, target, new_world)
         parts = [zero.entries if r == 0 else rank_part(layout, model, r, world, 1, arena).entries if r in ranks else {}
                  for r in range(world)]
-        data = bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), world))
-        regions = mf.RankRegions.from_index({"ranks": {"regions": rank_regions(data, parts), "shapes": zero.shapes}})
+        data, ranked = metadata_of(parts, world)
+        regions = mf.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": zero.shapes}})
         assert regions is not None
         reads, seconds, peak = measured(
             lambda t=target, m=new_world, r=regions, d=data: plan_restore_by_rank(lambda a, b: d[a:b], r, world, t, m)
@@ -399,7 +426,9 @@ class Point:
     rank_sim_s: float = 0.0
     metadata_bytes: float = 0.0
     index_bytes: float = 0.0
-    commit_s: float = 0.0
+    commit_first_s: float = 0.0  # rank 0's commit of a first save (every group sent whole)
+    commit_first_peak: float = 0.0
+    commit_s: float = 0.0  # ... of a later one (each group's changes applied)
     commit_peak: float = 0.0
     store_commit_s: float = 0.0
     store_estimated: bool = False  # from the time per directory of a smaller commit
@@ -477,7 +506,13 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
           store_base: list[Point]) -> None:
     """Rank 0's commit, latest selection and restore planning, on every rank's records."""
     parts = [rank_part(layout, model, rank, world, 1, arena) for rank in range(world)]
-    deltas = RecordDeltas()
+    # what each rank sends at a first save and at a later one (coordination.RecordDeltas)
+    senders = [RecordDeltas() for _ in range(world)]
+    first = [deltas.outgoing(p.entries) for deltas, p in zip(senders, parts, strict=True)]
+    for deltas in senders:
+        deltas.settle()
+    later = [deltas.outgoing(rank_part(layout, model, r, world, 2, arena).entries) for r, deltas in enumerate(senders)]
+    del senders
     store = open_store(str(root))
     final = "epoch_0_step_1"
     staging = store.protocol.staging_for(final, "scale0")
@@ -497,19 +532,24 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
     gc.collect()
     before_commit = [p for p in root.iterdir()]
 
-    def commit() -> tuple[int, int]:
-        entries = [deltas.incoming(rank, ("all", p.entries)) for rank, p in enumerate(parts)]
-        metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(entries)), world)  # as writer_job commits
-        sums = {METADATA_FNAME: record_views([memoryview(metadata)])}  # as writer_job records it
+    def commit(rank0: RecordDeltas, sent: list[Any]) -> tuple[list[Any], bytes]:
+        """Rank 0's part of writer_job's commit: the metadata's buffers and the index."""
+        zeros = [rank0.incoming(rank, part) for rank, part in enumerate(sent)]
+        metadata, regions = grouped_metadata(zeros, rank0.groups(world), world)
         fields = {"format": PARTED_FORMAT, "epoch": 0, "step": 1, "files": {}, "seq": 1, "world_size": world,
-                  "committed_at": 0.0, "writer": {}, "checksums": sums, "parts": listings}
-        regions = rank_regions(metadata, entries)
-        if regions is not None:
-            fields["ranks"] = {"regions": regions, "shapes": parts[0].shapes}
+                  "committed_at": 0.0, "writer": {}, "checksums": {METADATA_FNAME: record_whole(metadata)},
+                  "parts": listings, "ranks": {"regions": regions, "shapes": parts[0].shapes}}
         return metadata, seal(fields)
 
-    (metadata, index), point.commit_s, point.commit_peak = measured(commit)
-    point.metadata_bytes, point.index_bytes = len(metadata), len(index)
+    def settled() -> RecordDeltas:  # rank 0 after the first save
+        rank0 = RecordDeltas()
+        commit(rank0, first)
+        rank0.settle()
+        return rank0
+
+    _, point.commit_first_s, point.commit_first_peak = measured(lambda: commit(RecordDeltas(), first))
+    (metadata, index), point.commit_s, point.commit_peak = measured_after(settled, lambda r: commit(r, later))
+    point.metadata_bytes, point.index_bytes = sum(len(v) for v in metadata), len(index)
     # every restoring rank reads the index (then its part: per_rank)
     _, point.index_parse_s, point.index_parse_peak = measured(lambda data=index: parse_index(data, "scale"))
     point.directories = sum(1 for _ in os.walk(root / staging))
@@ -523,10 +563,12 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
         point.store_commit_s = base.store_commit_s * point.directories / base.directories
         point.store_estimated = True
         os.rename(root / staging, root / final)
-        (root / final / METADATA_FNAME).write_bytes(metadata)
+        with open(root / final / METADATA_FNAME, "wb") as f:
+            f.writelines(metadata)
         (root / final / INDEX_FNAME).write_bytes(index)
     del before_commit, metadata, index
-    parts.clear()
+    for held in (first, later, parts):
+        held.clear()
     gc.collect()
 
     def latest() -> bool:
@@ -565,7 +607,10 @@ def extrapolate(point: Point, base: Point) -> None:
     point.index_bytes = base.index_bytes * point.world / base.world
     index_scale = point.index_bytes / base.index_bytes
     point.index_parse_s, point.index_parse_peak = base.index_parse_s * index_scale, base.index_parse_peak * index_scale
-    point.commit_s, point.commit_peak = base.commit_s * scale, base.commit_peak * scale
+    point.commit_first_s, point.commit_s = base.commit_first_s * scale, base.commit_s * scale
+    # what a commit allocates: rank 0's own group, the lists of N groups' buffers, the index
+    point.commit_first_peak = base.commit_first_peak * point.world / base.world
+    point.commit_peak = base.commit_peak * point.world / base.world
     # a file of its own (not a pack) sits in a directory of its own (RANK/<path>/shard_...)
     own = max(1, base.files_per_rank - base.packs_per_rank) * base.world
     point.directories = base.directories * max(1, point.files_per_rank - point.packs_per_rank) * point.world / own
@@ -620,8 +665,8 @@ def secs(s: float) -> str:
 
 HEADER = (
     "| layout | N | records / rank | to rank 0 per save: before / first / later (one rank) | "
-    "gathered to rank 0, later saves | .snapshot_metadata | rank 0 commit: merge, metadata, index: "
-    "time, peak | local disk commit (directories fsynced) | index + each rank's part | latest: time, peak (whole parse / "
+    "gathered to rank 0, later saves | .snapshot_metadata | rank 0 commit (metadata, index), first / "
+    "later save: time, peak | local disk commit (directories fsynced) | index + each rank's part | latest: time, peak (whole parse / "
     "checked for N ranks) | "
     "restore planning, whole metadata: time, peak | restore planning by rank N / N/2 / 2N: time "
     "(groups read) | peak | index + own part, parsed by every rank at restore: time, peak |\n|" + "---|" * 14
@@ -640,6 +685,7 @@ def row(p: Point) -> str:
         f"| {p.layout} | {p.world} | {p.records_per_rank} | {human(p.part_before_bytes)} / "
         f"{human(p.part_first_bytes)} / {human(p.part_later_bytes)} ({p.later_records} records) | "
         f"{human(p.part_later_bytes * p.world)} | {mark}{human(p.metadata_bytes)} | "
+        f"{mark}{secs(p.commit_first_s)}, {mark}{human(p.commit_first_peak)} / "
         f"{mark}{secs(p.commit_s)}, {mark}{human(p.commit_peak)} | "
         f"{store}{secs(p.store_commit_s)} ({mark}{int(p.directories)}) | {mark}{human(p.index_bytes)} + "
         f"{human(p.index_part_bytes)} | "
@@ -662,7 +708,8 @@ def plot(points: list[Point], out: Path) -> list[Path]:
         "scale_gathered.png": ("bytes sent to rank 0 per later save (all ranks)", lambda p: p.part_later_bytes * p.world,
                                lambda p: p.part_before_bytes * p.world, "every record, every save", None),
         "scale_metadata.png": (".snapshot_metadata bytes", lambda p: p.metadata_bytes, None, "", "solid"),
-        "scale_commit.png": ("rank 0 commit (merge, metadata, index), seconds", lambda p: p.commit_s, None, "",
+        "scale_commit.png": ("rank 0 commit (metadata, index) of a later save, seconds", lambda p: p.commit_s,
+                             lambda p: p.commit_first_s, "first save",
                              "solid"),
         "scale_restore.png": ("restore planning of one rank (N -> N), seconds",
                               lambda p: (p.by_rank_s or {}).get("N", 0.0),

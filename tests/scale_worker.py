@@ -88,10 +88,8 @@ def plan_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: in
     return scale.RankPart(entries, sizes, sums)
 
 
-def commit(parts: list[scale.RankPart], world: int) -> bytearray:
-    deltas = RecordDeltas()
-    entries = [deltas.incoming(rank, ("all", p.entries)) for rank, p in enumerate(parts)]
-    return fmt.metadata_bytes(fmt.merge(entries), world)
+def commit(parts: list[scale.RankPart], world: int) -> bytes:
+    return scale.metadata_of([p.entries for p in parts], world)[0]
 
 
 def best_of(fn: Any, reps: int = 5) -> float:
@@ -114,11 +112,9 @@ def body(rank: int, world: int, record: dict[str, Any], out_dir: str) -> None:
         part = plan_save(model, optimizer, step, rank, world)
         outgoing = (deltas.outgoing(part.entries), scale.listing(part, world))  # as writer_job sends
         sent.append(len(pickle.dumps(outgoing)))
-        gathered = coll.gather(outgoing)
+        gathered = coll.gather(part.entries)  # every rank's records, for rank 0's commit
         if gathered is not None:
-            real_parts = [
-                scale.RankPart(deltas.incoming(r, p[0]), {}, {}) for r, p in enumerate(gathered)
-            ]
+            real_parts = [scale.RankPart(entries, {}, {}) for entries in gathered]
         deltas.settle()
         if step == 1:
             record["entries"] = part.entries

@@ -57,12 +57,16 @@ def test_the_plugin_reads_what_torchsnapshot_s_yaml_loader_reads():
 
 
 def test_one_rank_s_group_read_alone_holds_the_meshes_it_names():
-    from tnt_snapshot_plugin.coordination import grouped_by_rank, rank_regions
+    from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_metadata
 
     parts = [records(0), records(1), records(2)]
-    data = metadata(grouped_by_rank(parts))
+    rank0 = RecordDeltas()  # each rank's group, as rank 0 commits them (writer_job)
+    zeros = [rank0.incoming(rank, RecordDeltas().outgoing(part)) for rank, part in enumerate(parts)]
+    views, ranked = grouped_metadata(zeros, rank0.groups(3), 3)
+    data = b"".join(bytes(view) for view in views)
     shapes = {"m/w0": [4, 2], "m/w1": [4, 2], "m/w2": [4, 2], "m/h": [4, 2]}  # as the index records them
-    regions = RankRegions(rank_regions(data, parts), shapes)
+    assert ranked is not None
+    regions = RankRegions([(start, end, digest) for start, end, digest in ranked], shapes)
     got = read_for_rank(lambda a, b: data[a:b], regions, 3, 2, "snap")
     assert got is not None
     assert got[0].manifest["2/m/w1"]["mesh"] == [0, 1, 2, 3]

@@ -17,9 +17,12 @@ from typing import Any
 
 import launching
 import pytest
+import xxhash
 
-from tnt_snapshot_plugin.coordination import RecordDeltas, agree_on_paths
+from tnt_snapshot_plugin.coordination import RecordDeltas, agree_on_paths, grouped_metadata
 from tnt_snapshot_plugin.errors import SnapshotError
+from tnt_snapshot_plugin.format import manifest as mf
+from tnt_snapshot_plugin.format import writer as fmt
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 WORKER = Path(__file__).with_name("scale_worker.py")
@@ -95,26 +98,62 @@ def test_simulated_costs_agree_with_real_ranks_within_2x(worlds, world):
 
 
 def test_later_parts_carry_only_changed_records():
+    """A rank's 0/ records go as records, its own as its group's text: whole at first, then
+    only the byte ranges that changed; rank 0 holds both and applies the changes."""
     deltas = RecordDeltas()
-    first = {"0/a": "A", "0/b": "B", "0/c": "C"}
-    assert deltas.outgoing(first) == ("all", first)
-    assert deltas.incoming(0, ("all", first)) == first
+    first = {"0/a": "A", "0/b": "B", "0/c": "C", "1/x": '{"v": 1}', "1/y": '{"v": 2}'}
+    zeros, group = deltas.outgoing(first)
+    assert zeros == ("all", {"0/a": "A", "0/b": "B", "0/c": "C"})
+    assert group[0] == "all" and group[1] == b'"1/x": {"v": 1}, "1/y": {"v": 2}'
+    assert deltas.incoming(1, (zeros, group)) == zeros[1]
     deltas.settle()
-    second = {"0/a": "A", "0/b": "B2", "0/d": "D"}
-    part = deltas.outgoing(second)
-    assert part == ("changed", {"0/b": "B2", "0/d": "D"}, ["0/c"])
-    assert deltas.incoming(0, part) == second
+    second = {"0/a": "A", "0/b": "B2", "0/d": "D", "1/x": first["1/x"], "1/y": '{"v": 30}'}
+    zeros, group = deltas.outgoing(second)
+    assert zeros == ("changed", {"0/b": "B2", "0/d": "D"}, ["0/c"])
+    assert group[0] == "changes" and group[1] == [(17, 32, b'"1/y": {"v": 30}')]
+    assert deltas.incoming(1, (zeros, group)) == {"0/a": "A", "0/b": "B2", "0/d": "D"}
+    assert bytes(deltas.groups(2)[0][0]) == b'"1/x": {"v": 1}, "1/y": {"v": 30}'
     deltas.settle()
-    assert deltas.outgoing(dict(second)) == ("changed", {}, [])
+    assert deltas.outgoing(dict(second)) == (("changed", {}, []), ("changes", [], group[2]))
+
+
+def test_a_change_of_length_while_a_view_of_rank_0_s_copy_is_held_is_applied_to_a_copy():
+    sender, rank0 = RecordDeltas(), RecordDeltas()
+    rank0.incoming(1, sender.outgoing({"1/x": '"a"', "1/y": '"b"'}))
+    held = memoryview(rank0.groups(2)[0][0])  # as a write of the metadata still in flight holds it
+    sender.settle()
+    rank0.settle()
+    rank0.incoming(1, sender.outgoing({"1/x": '"a"', "1/y": '"longer"'}))
+    assert bytes(rank0.groups(2)[0][0]) == b'"1/x": "a", "1/y": "longer"'
+    assert bytes(held) == b'"1/x": "a", "1/y": "b"'
+
+
+def test_a_group_whose_records_change_order_or_number_is_sent_whole():
+    deltas = RecordDeltas()
+    deltas.outgoing({"1/x": "1", "1/y": "2"})
+    deltas.settle()
+    assert deltas.outgoing({"1/y": "2", "1/x": "1"})[1][0] == "all"
+
+
+def test_rank0_refuses_changes_that_do_not_make_the_rank_s_text():
+    """rank 0's copy of a group checked against the digest of the text the rank built."""
+    deltas = RecordDeltas()
+    part = deltas.outgoing({"1/x": '"a"'})
+    deltas.incoming(1, part)
+    deltas.settle()
+    zeros, (_, changes, digest) = deltas.outgoing({"1/x": '"b"'})
+    with pytest.raises(SnapshotError, match="differs from the rank's"):
+        deltas.incoming(1, (zeros, ("changes", [(0, 1, b"x")], digest)))
 
 
 def test_a_failed_save_sends_everything_again():
     deltas = RecordDeltas()
-    deltas.outgoing({"0/a": "A"})
+    deltas.outgoing({"0/a": "A", "1/b": "B"})
     deltas.settle()
-    deltas.outgoing({"0/a": "A2"})
+    deltas.outgoing({"0/a": "A2", "1/b": "B2"})
     deltas.reset()  # the snapshot failed on some rank: every rank resets
-    assert deltas.outgoing({"0/a": "A3"})[0] == "all"
+    zeros, group = deltas.outgoing({"0/a": "A3", "1/b": "B3"})
+    assert zeros[0] == "all" and group[0] == "all"
 
 
 def test_a_save_that_ended_unsettled_sends_everything_again():
@@ -122,19 +161,53 @@ def test_a_save_that_ended_unsettled_sends_everything_again():
     deltas.outgoing({"0/a": "A"})
     deltas.settle()
     deltas.outgoing({"0/a": "A"})  # neither settled nor reset
-    assert deltas.outgoing({"0/a": "A"})[0] == "all"
+    assert deltas.outgoing({"0/a": "A"})[0][0] == "all"
 
 
 def test_rank0_refuses_changes_to_records_it_does_not_hold():
     with pytest.raises(SnapshotError, match="out of step"):
-        RecordDeltas().incoming(3, ("changed", {}, []))
+        RecordDeltas().incoming(3, (("changed", {}, []), None))
+    with pytest.raises(SnapshotError, match="out of step"):
+        RecordDeltas().incoming(3, (("all", {}), ("changes", [], "0")))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_metadata_from_groups_is_the_merged_manifest_s_bytes(world):
+    """grouped_metadata writes what metadata_bytes writes for the records in group order (rank
+    0's, every 0/ record, each rank's own), non-ASCII escaped alike, at a first save and at a
+    later one made of changes; and locates each rank's group with its digest."""
+    senders = [RecordDeltas(enabled=world > 1) for _ in range(world)]
+    rank0 = RecordDeltas(enabled=world > 1)
+    for step in (1, 2):
+        ranks = [
+            {f"{r}/m/w": '{"type": "Tensor"}', f"{r}/s\u00e9": json.dumps(f"caf\u00e9 \u2028 {step}", ensure_ascii=False),
+             "0/rep": '"R"', f"{r}/n": str(r * 10 + step)}
+            for r in range(world)
+        ]
+        zeros = [rank0.incoming(r, senders[r].outgoing(records)) for r, records in enumerate(ranks)]
+        views, regions = grouped_metadata(zeros, rank0.groups(world), world)
+        for deltas in (*senders, rank0):
+            deltas.settle()
+    if world > 1:
+        assert senders[1].last_sent_records == 2  # the records that changed
+    data = b"".join(bytes(v) for v in views)
+    ordered = [ranks[0], *({p: t for p, t in r.items() if p.startswith("0/")} for r in ranks[1:]),
+               *({p: t for p, t in r.items() if not p.startswith("0/")} for r in ranks[1:])]
+    assert data == bytes(fmt.metadata_bytes(fmt.merge(ordered), world))
+    assert json.loads(data)["manifest"].keys() == {p for r in ranks for p in r}
+    if world == 1:
+        assert regions is None
+        return
+    for rank, (start, end, digest) in enumerate(regions):
+        assert xxhash.xxh3_64_hexdigest(data[start:end]) == digest
+        assert data[start:end].startswith(f'"{rank}/'.encode())
 
 
 def test_one_process_sends_every_record_each_time():
     deltas = RecordDeltas(enabled=False)
     deltas.outgoing({"0/a": "A"})
     deltas.settle()
-    assert deltas.outgoing({"0/a": "A"}) == ("all", {"0/a": "A"})
+    assert deltas.outgoing({"0/a": "A"}) == (("all", {"0/a": "A"}), None)
 
 
 class _Gathering:
@@ -183,23 +256,16 @@ def test_benchmark_quick_run_writes_its_table(tmp_path):
 
 
 def _grouped_snapshot(world: int) -> tuple[bytes, Any, list[Any]]:
-    from tnt_snapshot_plugin.coordination import grouped_by_rank, rank_regions
-    from tnt_snapshot_plugin.format import manifest as mf
-    from tnt_snapshot_plugin.format import writer as fmt
-
     arena = scale.Arena()
     parts = [scale.rank_part("fsdp2", scale.TINY, rank, world, 1, arena) for rank in range(world)]
-    entries = [p.entries for p in parts]
-    data = bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(entries)), world))
-    regions = mf.RankRegions.from_index({"ranks": {"regions": rank_regions(data, entries), "shapes": parts[0].shapes}})
+    data, ranked = scale.metadata_of([p.entries for p in parts], world)
+    regions = mf.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": parts[0].shapes}})
     assert regions is not None
     return data, regions, parts
 
 
 @pytest.mark.parametrize("new_world", [4, 2, 8, 3])
 def test_a_rank_reads_its_view_by_groups_as_the_whole_metadata_gives_it(new_world):
-    from tnt_snapshot_plugin.format import manifest as mf
-
     world = 4
     data, regions, _parts = _grouped_snapshot(world)
     full = mf.parse_metadata(data, "snap")
@@ -224,13 +290,9 @@ def test_a_rank_reads_its_view_by_groups_as_the_whole_metadata_gives_it(new_worl
 
 
 def test_grouped_metadata_holds_the_same_records():
-    from tnt_snapshot_plugin.coordination import grouped_by_rank
-    from tnt_snapshot_plugin.format import manifest as mf
-    from tnt_snapshot_plugin.format import writer as fmt
-
     parts = [{"0/a": '{"type": "list"}', "0/a/0": '{"type": "int", "serialized_value": "1", "replicated": true}'},
              {"1/b": '{"type": "list"}', "0/c": '{"type": "str", "serialized_value": "x", "replicated": true}'}]
-    grouped = mf.parse_metadata(bytes(fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), 2)), "s").manifest
+    grouped = mf.parse_metadata(scale.metadata_of(parts, 2)[0], "s").manifest
     plain = mf.parse_metadata(bytes(fmt.metadata_bytes(fmt.merge(parts), 2)), "s").manifest
     assert grouped == plain
     assert list(grouped) == ["0/a", "0/a/0", "0/c", "1/b"]
@@ -238,7 +300,6 @@ def test_grouped_metadata_holds_the_same_records():
 
 def test_a_damaged_group_is_corruption():
     from tnt_snapshot_plugin.errors import SnapshotCorruptError
-    from tnt_snapshot_plugin.format import manifest as mf
 
     data, regions, _parts = _grouped_snapshot(2)
     start, end, _digest = regions.regions[1]
@@ -248,8 +309,6 @@ def test_a_damaged_group_is_corruption():
 
 
 def test_groups_that_do_not_cover_a_piece_ask_for_the_whole_metadata():
-    from tnt_snapshot_plugin.format import manifest as mf
-
     data, regions, _parts = _grouped_snapshot(4)
     logical, shape = next(iter(regions.shapes.items()))
     # a piece the Shard(0) chunks do not predict: all of the tensor, on one rank

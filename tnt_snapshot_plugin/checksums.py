@@ -57,6 +57,15 @@ def new_hasher() -> Streaming:
     return Streaming()
 
 
+def record_whole(views: Iterable[Any]) -> dict[str, Any]:
+    """The checksum record of one file written as ``views`` one after another (one digest of
+    the whole: the views are not packed tensors)."""
+    hasher = Streaming()
+    for view in views:
+        hasher.update(view)
+    return hasher.record()
+
+
 #: The bytes of packed tensors hashed tensor by tensor before they go into the file's digest
 #: (well inside a core's L2 cache).
 HASH_PIECE = 256 << 10
@@ -259,4 +268,6 @@ def check_file(where: str, rel: str, index: Any, data: Any) -> None:
         Verifier(where, {rel: record}, {}).check(rel, 0, data)
 
 
-__all__ = ["ALGO", "Verifier", "check_file", "digest", "mismatch", "new_hasher", "packed_ranges", "record_views"]
+__all__ = [
+    "ALGO", "Verifier", "check_file", "digest", "mismatch", "new_hasher", "packed_ranges", "record_views", "record_whole",
+]

@@ -23,83 +23,128 @@ from typing import Any, Optional, Sequence
 import xxhash
 
 from .errors import SnapshotError
+from .format.groups import Group, apply, metadata_views
+from .format.merging import merge, records_text
 
 #: What a rank sends for its records: ("all", records) or ("changed", records, removed paths).
 Part = tuple
 
 
 class RecordDeltas:
-    """One rank's view of the records gathered to rank 0 (and, on rank 0, every rank's)."""
+    """One rank's view of the records gathered to rank 0 (and, on rank 0, every rank's).
+
+    A rank's ``0/`` records (rank 0's records, and replicated values a rank wrote) go to rank 0
+    as records, to be merged into the metadata's first group; a rank's own records (``R/``) as
+    the text of its group of the metadata (``format.groups.Group``), which rank 0 keeps as
+    bytes and writes as they are (:meth:`groups`)."""
 
     def __init__(self, *, enabled: bool = True) -> None:
         #: False: every part carries every record (a world of one process: nothing to save)
         self.enabled = enabled
-        #: the records this rank sent at the last snapshot every rank completed (None: send all)
+        #: the 0/ records and the group this rank sent at the last snapshot every rank completed
+        #: (None: send all)
         self._sent: Optional[dict[str, str]] = None
-        #: rank 0: each rank's records as of that snapshot
+        self._sent_group: Optional[Group] = None
+        #: rank 0: each rank's 0/ records and group text as of that snapshot
         self._held: dict[int, dict[str, str]] = {}
+        self._held_groups: dict[int, bytearray] = {}
         #: this snapshot's, until settled
-        self._outgoing: Optional[dict[str, str]] = None
+        self._outgoing: Optional[tuple[dict[str, str], Optional[Group]]] = None
         self._incoming: dict[int, dict[str, str]] = {}
+        self._incoming_groups: dict[int, tuple[bytearray, str]] = {}
         #: how many records the last part carried (for the scale benchmark and tests)
         self.last_sent_records = 0
 
     def reset(self) -> None:
         """Send everything whole next time (a new run, or a failed snapshot)."""
-        self._sent = None
-        self._held = {}
+        self._sent, self._sent_group = None, None
+        self._held, self._held_groups = {}, {}
         self._outgoing = None
-        self._incoming = {}
+        self._incoming, self._incoming_groups = {}, {}
 
     def outgoing(self, records: dict[str, str]) -> Part:
-        """What this rank sends rank 0 for ``records`` (its ``Plan.entries``)."""
+        """What this rank sends rank 0 for ``records`` (its ``Plan.entries``): (its 0/ records,
+        whole or changed; its group: ``("all", text, digest)`` or ``("changes", ranges,
+        digest)``, None on one process)."""
         if self._outgoing is not None:  # the last snapshot ended without settle() or reset()
             self.reset()
-        self._outgoing = records
-        base = self._sent
-        if base is None or not self.enabled:
+        if not self.enabled:
+            self._outgoing = (records, None)
             self.last_sent_records = len(records)
-            return ("all", records)
+            return (("all", records), None)
+        zeros = {p: t for p, t in records.items() if p.startswith("0/")}
+        own = records if not zeros else {p: t for p, t in records.items() if not p.startswith("0/")}
+        group = Group(own, self._sent_group)
+        self._outgoing = (zeros, group)
+        changes = self._sent_group.changes(group) if self._sent_group is not None else None
+        if changes is None:
+            group_part: tuple = ("all", bytearray(group.data), group.digest)  # rank 0 changes it in place
+            self.last_sent_records = len(own)
+        else:
+            group_part = ("changes", changes, group.digest)
+            self.last_sent_records = len(changes)
+        zeros_part = self._zeros_part(zeros)
+        self.last_sent_records += len(zeros_part[1]) + (len(zeros_part[2]) if len(zeros_part) > 2 else 0)
+        return (zeros_part, group_part)
+
+    def _zeros_part(self, zeros: dict[str, str]) -> tuple:
+        base = self._sent
+        if base is None:
+            return ("all", zeros)
         changed: dict[str, str] = {}
         added = 0
-        for path, text in records.items():
+        for path, text in zeros.items():
             old = base.get(path)
             if old is None:
                 added += 1
                 changed[path] = text
             elif old is not text and old != text:  # a reused plan's records are the same objects
                 changed[path] = text
-        removed = [] if len(base) + added == len(records) else [p for p in base if p not in records]
-        self.last_sent_records = len(changed) + len(removed)
+        removed = [] if len(base) + added == len(zeros) else [p for p in base if p not in zeros]
         return ("changed", changed, removed)
 
     def incoming(self, rank: int, part: Part) -> dict[str, str]:
-        """Rank 0: rank ``rank``'s records from what it sent."""
-        if part[0] == "all":
-            records = part[1]
+        """Rank 0: rank ``rank``'s 0/ records (on one process: every record) from what it
+        sent; its group is kept for :meth:`groups`."""
+        zeros_part, group_part = part
+        if zeros_part[0] == "all":
+            records = zeros_part[1]
         else:
-            base = self._held.get(rank)
-            if base is None:
-                raise SnapshotError(
-                    f"rank {rank} sent the changes to records rank 0 does not hold; the ranks are out "
-                    "of step (a bug): the next snapshot sends every record again"
-                )
-            records = dict(base)
-            records.update(part[1])
-            for path in part[2]:
+            records = dict(self._base(self._held, rank))
+            records.update(zeros_part[1])
+            for path in zeros_part[2]:
                 records.pop(path, None)
         self._incoming[rank] = records
+        if group_part is not None:
+            text = group_part[1]  # the text whole, or changes to the last one
+            if group_part[0] != "all":
+                text = apply(self._base(self._held_groups, rank), group_part[1], group_part[2], rank)
+            self._incoming_groups[rank] = (text, group_part[2])
         return records
+
+    @staticmethod
+    def _base(held: dict[int, Any], rank: int) -> Any:
+        if rank not in held:
+            raise SnapshotError(
+                f"rank {rank} sent the changes to records rank 0 does not hold; the ranks are out "
+                "of step (a bug): the next snapshot sends every record again"
+            )
+        return held[rank]
+
+    def groups(self, ranks: int) -> list[tuple[bytearray, str]]:
+        """Rank 0: the group (text, digest) of each rank after the first, as received."""
+        return [self._incoming_groups[rank] for rank in range(1, ranks)]
 
     def settle(self) -> None:
         """After a snapshot every rank completed (committed): its records are what rank 0
         holds. After a failure, call :meth:`reset` instead, on every rank."""
         if self.enabled and self._outgoing is not None:
-            self._sent = self._outgoing
-            if self._incoming:
-                self._held = self._incoming
+            self._sent, self._sent_group = self._outgoing
+        if self.enabled and self._incoming:
+            self._held = self._incoming
+            self._held_groups = {rank: text for rank, (text, _) in self._incoming_groups.items()}
         self._outgoing = None
-        self._incoming = {}
+        self._incoming, self._incoming_groups = {}, {}
 
 
 def paths_digest(paths: Sequence[str]) -> str:
@@ -127,82 +172,27 @@ def agree_on_paths(coll: Any, mine: Sequence[str]) -> set[str]:
 
 
 
-# --- where each rank's records lie in .snapshot_metadata ----------------------------------------
+# --- each rank's records together in .snapshot_metadata ----------------------------------------
 #
 # The metadata holds every rank's records; a restoring rank needs its own, rank 0's (containers
 # and replicated values) and, for sharded tensors, those of the ranks whose shards overlap its
 # own. Rank 0 writes the records grouped by rank (rank 0's and every replicated "0/" record
-# first, then each rank's), and the plugin's index records where each group lies and its digest
-# (``"ranks"``): a rank reads its groups by ranged reads (``format.rank_regions.read_for_rank``)
-# instead of parsing every rank's records.
+# first, then each rank's: format/groups.py), and the plugin's index records where each group
+# lies and its digest (``"ranks"``): a rank reads its groups by ranged reads
+# (``format.rank_regions.read_for_rank``) instead of parsing every rank's records.
 
 
-def grouped_by_rank(parts: Sequence[dict[str, str]]) -> list[dict[str, str]]:
-    """Every rank's records (in rank order) as the parts ``format.writer.merge`` takes, ordered
-    so that each rank's records are consecutive in the metadata: rank 0's and every ``0/``
-    record (replicated values, written by any rank) first, then each other rank's."""
-    zeros: list[dict[str, str]] = []
-    owns: list[dict[str, str]] = []
-    for rank, part in enumerate(parts):
-        if rank == 0:
-            continue
-        zero = {p: t for p, t in part.items() if p.startswith("0/")}
-        zeros.append(zero)
-        owns.append(part if not zero else {p: t for p, t in part.items() if not p.startswith("0/")})
-    return [parts[0] if parts else {}, *zeros, *owns]
-
-
-def _first_paths(parts: Sequence[dict[str, str]]) -> list[Optional[str]]:
-    """The first path of each rank's group in the metadata (None: a rank without records)."""
-    firsts: list[Optional[str]] = [next(iter(parts[0]), None) if parts else None]
-    if firsts[0] is None:
-        for part in parts[1:]:
-            firsts[0] = next((p for p in part if p.startswith("0/")), None)
-            if firsts[0] is not None:
-                break
-    for part in parts[1:]:
-        firsts.append(next((p for p in part if not p.startswith("0/")), None))
-    return firsts
-
-
-def rank_regions(metadata: bytes | bytearray, parts: Sequence[dict[str, str]]) -> Optional[list[list[Any]]]:
-    """``[start, end, digest]`` of each rank's group of records in ``metadata`` (written from
-    :func:`grouped_by_rank` of ``parts``): the bytes ``"path": {record}, ...`` of that rank, the
-    digest their xxh3_64. None where a group cannot be found (the index then has none: readers
-    parse the whole metadata)."""
-    from .format.writer import _json_str
-
-    data = memoryview(metadata)
-    raw = metadata
-    head = raw.find(b'"manifest": {')
-    if head < 0:
-        return None
-    cursor = head + len(b'"manifest": {')
-    starts: list[Optional[int]] = []
-    for path in _first_paths(parts):
-        if path is None:
-            starts.append(None)
-            continue
-        key = f"{_json_str(path)}: ".encode()
-        found = raw.find(key, cursor)
-        if found < 0 or not path.isascii():
-            return None
-        starts.append(found)
-        cursor = found + len(key)
-    end_of_all = len(raw) - 2  # "}}"
-    regions: list[list[Any]] = []
-    following = end_of_all
-    ends: list[int] = []
-    for start in reversed(starts):  # each group ends where the next one starts (less ", ")
-        ends.append(following)
-        if start is not None:
-            following = start - 2
-    ends.reverse()
-    for start, end in zip(starts, ends, strict=True):
-        if start is None:
-            start = end = max(end, 0)
-        regions.append([start, end, xxhash.xxh3_64_hexdigest(data[start:end])])
-    return regions
+def grouped_metadata(
+    zeros: Sequence[dict[str, str]], groups: Sequence[tuple[Any, str]], world_size: int
+) -> tuple[list[Any], Optional[list[list[Any]]]]:
+    """Rank 0: ``.snapshot_metadata`` as buffers to write one after another, from every rank's
+    ``0/`` records (``zeros``, in rank order: rank 0's are all its records) and the groups of the
+    ranks after rank 0 (:meth:`RecordDeltas.groups`); and ``[start, end, digest]`` of each rank's
+    group (None on one process: the whole file is rank 0's)."""
+    first = records_text(merge(zeros))  # rank 0's records, then each rank's 0/ records
+    digest = xxhash.xxh3_64_hexdigest(first) if world_size > 1 else ""
+    views, regions = metadata_views(world_size, [(first, digest), *groups])
+    return views, regions if world_size > 1 else None
 
 
 def sharded_shapes(leaves: dict[str, Any]) -> dict[str, list[int]]:
@@ -222,4 +212,4 @@ def sharded_shapes(leaves: dict[str, Any]) -> dict[str, list[int]]:
     return out
 
 
-__all__ = ["RecordDeltas", "agree_on_paths", "grouped_by_rank", "paths_digest", "rank_regions", "sharded_shapes"]
+__all__ = ["RecordDeltas", "agree_on_paths", "grouped_metadata", "paths_digest", "sharded_shapes"]

@@ -50,6 +50,7 @@ from .stores.base import (
     CommitProtocol,
     DirLock,
     Done,
+    MetadataBytes,
     MetadataWrittenLast,
     Read,
     Store,
@@ -448,7 +449,7 @@ class FaultyStore(Store):
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self._call("begin", (staging,), lambda _f: self.inner.begin(staging, writer))
 
-    def commit(self, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         self._call(
             "commit", (staging, final), lambda _f: self.protocol.commit(self, staging, final, metadata, index)
         )

@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from . import index as index_file
 from . import policies, retention
-from .checksums import new_hasher, record_views
+from .checksums import new_hasher, record_views, record_whole
 from .config import SnapshotConfig
-from .coordination import RecordDeltas, grouped_by_rank, rank_regions, sharded_shapes
+from .coordination import RecordDeltas, grouped_metadata, sharded_shapes
 from .distributed import Collectives, raise_if_any_failed
 from .encoding import agree_replicated, check_loadable, flatten, unencodable, write_error
 from .errors import SnapshotError, SnapshotWriteError, StorageUnavailableError, UnrestorableStateError
@@ -159,9 +159,9 @@ class SnapshotWriter:
 
         def commit() -> int:
             assert gathered is not None  # rank 0
-            records = [deltas.incoming(rank, part[0]) for rank, part in enumerate(gathered) if part is not None]
+            zeros = [deltas.incoming(rank, part[0]) for rank, part in enumerate(gathered) if part is not None]
             listings = [part[1] for part in gathered if part is not None]
-            return self._commit(job, writer, records, listings, locked)
+            return self._commit(job, writer, zeros, deltas.groups(len(zeros)), listings, locked)
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
         try:
@@ -304,15 +304,16 @@ class SnapshotWriter:
         self,
         job: Any,
         writer: dict[str, Any],
-        parts: list[dict[str, str]],
+        zeros: list[dict[str, str]],
+        groups: list[tuple[Any, str]],
         listings: list[Any],
         locked: bool,
     ) -> int:
-        """Commit the snapshot of ``parts`` (each rank's records) and ``listings`` (each rank's
-        files: (sizes, checksums) on one rank, (part entry, bytes) on several); its bytes."""
+        """Commit the snapshot of each rank's ``0/`` records and ``groups`` (coordination.py)
+        and ``listings`` (each rank's files: (sizes, checksums) on one rank, (part entry, bytes)
+        on several); its bytes."""
         # each rank's records together, and where they lie in the index (coordination.py)
-        metadata = fmt.metadata_bytes(fmt.merge(grouped_by_rank(parts)), self.coll.world_size)
-        regions = rank_regions(metadata, parts) if len(parts) > 1 else None  # one rank: the whole file
+        metadata, regions = grouped_metadata(zeros, groups, self.coll.world_size)
         listed, retaining, seq = self._listed_and_seq(job, locked)
         files, checksums, nbytes = _listed(self.coll.world_size, listings)
         fields: dict[str, Any] = {
@@ -330,7 +331,7 @@ class SnapshotWriter:
         if self.coll.world_size > 1:
             fields["parts"] = [listing[0] for listing in listings]
         # the metadata too: it holds the primitive values (numbers, strings) themselves
-        fields["checksums"] = {**checksums, METADATA_FNAME: record_views([memoryview(metadata)])}
+        fields["checksums"] = {**checksums, METADATA_FNAME: record_whole(metadata)}
         if job.name.metric is not None and job.name.metric_value is not None:
             value = job.name.metric_value
             fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}

@@ -40,15 +40,20 @@ _YAML_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\ufff
 METADATA_CHUNK = 1024
 
 
-def metadata_bytes(manifest: Mapping[str, str], world_size: int) -> bytearray:
-    """The contents of ``.snapshot_metadata`` (``manifest``: path -> record, JSON text, as
-    :func:`merge` returns it): JSON, which torchsnapshot's YAML parser reads.
-    Non-ASCII text is written as UTF-8, not as JSON escapes: libyaml rejects the escaped
-    surrogate pairs that ``json.dumps`` writes for characters beyond the BMP (emoji).
-    Built ``METADATA_CHUNK`` records at a time into one buffer: the text of a whole manifest
-    (2 MB at 10,000 tensors) is never held as well, nor a str of each record's line."""
+def metadata_head(world_size: int) -> bytes:
+    """The bytes of ``.snapshot_metadata`` before its records."""
     head = json.dumps({"version": FORMAT_VERSION, "world_size": world_size})
-    out = bytearray(f'{head[:-1]}, "manifest": {{'.encode())
+    return f'{head[:-1]}, "manifest": {{'.encode()
+
+
+def records_text(manifest: Mapping[str, str]) -> bytearray:
+    """The records of ``manifest`` (path -> record, JSON text) as the metadata holds them:
+    ``"path": record`` joined by ``", "``. Non-ASCII text is written as UTF-8, not as JSON
+    escapes: libyaml rejects the escaped surrogate pairs that ``json.dumps`` writes for
+    characters beyond the BMP (emoji). Built ``METADATA_CHUNK`` records at a time into one
+    buffer: the text of a whole manifest (2 MB at 10,000 tensors) is never held as well, nor a
+    str of each record's line."""
+    out = bytearray()
     items = iter(manifest.items())
     separator = ""
     while chunk := list(islice(items, METADATA_CHUNK)):
@@ -57,5 +62,14 @@ def metadata_bytes(manifest: Mapping[str, str], world_size: int) -> bytearray:
             text = _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
         out += text.encode()
         separator = ", "
+    return out
+
+
+def metadata_bytes(manifest: Mapping[str, str], world_size: int) -> bytearray:
+    """The contents of ``.snapshot_metadata`` (``manifest``: path -> record, JSON text, as
+    :func:`merge` returns it): JSON, which torchsnapshot's YAML parser reads
+    (:func:`records_text`)."""
+    out = bytearray(metadata_head(world_size))
+    out += records_text(manifest)
     out += b"}}"
     return out

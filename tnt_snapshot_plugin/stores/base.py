@@ -44,6 +44,13 @@ LOCK_FNAME = ".tnt_snapshot.lock"
 LEASE_FNAME = ".tnt_snapshot.lease.json"
 
 Buffer = Union[bytes, bytearray, memoryview]
+#: ``.snapshot_metadata`` at a commit: its bytes, or buffers to write one after another.
+MetadataBytes = Union[bytes, bytearray, Sequence[Buffer]]
+
+
+def buffers(metadata: MetadataBytes) -> list[Buffer]:
+    """``metadata`` as buffers to write one after another."""
+    return [metadata] if isinstance(metadata, (bytes, bytearray, memoryview)) else list(metadata)
 #: One read of :meth:`Store.read_into`: (file relative to the snapshot, offset, destination): the
 #: destination is a flat writable byte buffer with ``nbytes`` (a memoryview, or a ``uint8`` numpy
 #: array over a tensor: ``format.common.flat_bytes``).
@@ -86,7 +93,7 @@ class CommitProtocol:
         """Where to write snapshot ``final`` before its commit (``token``: the writer's, alnum)."""
         raise NotImplementedError
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         """Make ``final`` complete: index, then metadata last (and the rename, where staged)."""
         raise NotImplementedError
 
@@ -104,7 +111,7 @@ class AtomicRename(CommitProtocol):
 
         return staging_name(final, token)
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         # Every file written must still be there: a directory removed during the write (and
         # recreated by a later file's write) would otherwise commit a snapshot with holes.
         fields = json.loads(index)
@@ -119,7 +126,7 @@ class AtomicRename(CommitProtocol):
                     "not committed"
                 )
         store.write_payload(staging, INDEX_FNAME, [index])
-        store.write_payload(staging, METADATA_FNAME, [metadata])
+        store.write_payload(staging, METADATA_FNAME, buffers(metadata))
         store.publish(staging, final)
 
 
@@ -134,14 +141,14 @@ class MetadataWrittenLast(CommitProtocol):
         # A leftover of the plugin's under the same name is removed before the write begins.
         return final
 
-    def commit(self, store: Store, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, store: Store, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         if staging != final:
             raise SnapshotWriteError(
                 f"{store.child(staging)}: an object store writes a snapshot under its final name "
                 f"({final}); the snapshot was not committed"
             )
         store.write_payload(final, INDEX_FNAME, [index])
-        store.write_payload(final, METADATA_FNAME, [metadata])
+        store.write_payload(final, METADATA_FNAME, buffers(metadata))
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +256,7 @@ class Store:
         """Where to write snapshot ``final`` before its commit (``token``: the writer's, alnum)."""
         return self.protocol.staging_for(final, token)
 
-    def commit(self, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         """Make ``final`` complete: index, then metadata last (and the rename, on disk). A
         snapshot of the plugin's already named ``final`` (another run's) is replaced."""
         self.protocol.commit(self, staging, final, metadata, index)

@@ -32,6 +32,7 @@ from .base import (
     WRITER_FNAME,
     Buffer,
     DirLock,
+    MetadataBytes,
     MetadataWrittenLast,
     Store,
     is_missing_key,
@@ -492,7 +493,7 @@ class S3Store(RangedReads, Store):
         )
 
     @translated
-    def commit(self, staging: str, final: str, metadata: bytes | bytearray, index: bytes) -> None:
+    def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
         super().commit(staging, final, metadata, index)
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
