@@ -19,16 +19,13 @@ from typing import Any, Optional, Sequence
 import xxhash
 
 from ..errors import SnapshotError
-from .merging import _YAML_UNSAFE, metadata_head
+from .merging import metadata_head, yaml_safe
 from .writer import _json_str
 
 
 def _item(path: str, record: str) -> bytes:
     """The text of one record in the metadata (merging.metadata_bytes's, escaped alike)."""
-    text = f"{_json_str(path)}: {record}"
-    if not text.isascii():
-        text = _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-    return text.encode()
+    return yaml_safe(f"{_json_str(path)}: {record}").encode()
 
 
 class Group:

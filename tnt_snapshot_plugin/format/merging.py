@@ -36,6 +36,14 @@ def merge(parts: Sequence[Mapping[str, str]]) -> dict[str, str]:
 _YAML_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
 
 
+def yaml_safe(text: str) -> str:
+    """``text`` with what YAML does not take raw escaped (``_YAML_UNSAFE``); ``text`` itself
+    when it is ASCII (the common case: one pass)."""
+    if text.isascii():
+        return text
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 #: Manifest records joined into text at a time by :func:`metadata_bytes`.
 METADATA_CHUNK = 1024
 
@@ -58,9 +66,7 @@ def records_text(manifest: Mapping[str, str]) -> bytearray:
     separator = ""
     while chunk := list(islice(items, METADATA_CHUNK)):
         text = separator + ", ".join([f"{_json_str(path)}: {record}" for path, record in chunk])
-        if not text.isascii():  # (rare: one pass less in the common case)
-            text = _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-        out += text.encode()
+        out += yaml_safe(text).encode()
         separator = ", "
     return out
 
