@@ -3,11 +3,11 @@
 A run saves the same state layout again and again: the manifest records of a rank (one per
 tensor, shard, container and value) are the same from one snapshot to the next, except for the
 few values that change (progress counters, a learning rate). :class:`RecordDeltas` sends a
-rank's records to rank 0 whole at the first snapshot, and afterwards only the records that
-changed since the last snapshot every rank completed; rank 0 keeps each rank's records and
-applies the changes. A snapshot that fails anywhere (every rank learns it at the same point)
-makes every rank send its records whole again next time, so rank 0 and the ranks never
-disagree on what rank 0 holds.
+rank's records to rank 0 whole at the first snapshot (its own as the text of its group of the
+metadata, ``format/groups.py``), and afterwards only what changed since the last snapshot every
+rank completed; rank 0 keeps each rank's records and group text and applies the changes. A
+snapshot that fails anywhere (every rank learns it at the same point) makes every rank send
+its records whole again next time, so rank 0 and the ranks never disagree on what rank 0 holds.
 
 :func:`agree_on_paths` is the agreement on the replicated paths every rank holds: a digest per
 rank, and the paths themselves only when the digests differ.
@@ -26,7 +26,8 @@ from .errors import SnapshotError
 from .format.groups import Group, apply, metadata_views
 from .format.merging import merge, records_text
 
-#: What a rank sends for its records: ("all", records) or ("changed", records, removed paths).
+#: What a rank sends for its records: (its 0/ records: ("all", records) or ("changed", records,
+#: removed paths); its group: ("all", text, digest) or ("changes", ranges, digest), or None).
 Part = tuple
 
 

@@ -11,9 +11,11 @@ synchronous snapshot). For each snapshot, on every rank:
    (``checksums``);
 4. on several ranks, each rank writes its files' sizes and checksums as its part of the index
    (``index.part_bytes``);
-5. one collective gathers every rank's records and outcome, with its part's size and digest
-   (one rank: its file sizes and checksums);
-6. rank 0 commits: ``.snapshot_metadata`` (the manifest) and the plugin's index, by the store's
+5. one collective gathers every rank's records (on several ranks, what changed since the last
+   snapshot: ``coordination.py``) and outcome, with its part's size and digest (one rank: its
+   file sizes and checksums);
+6. rank 0 commits: ``.snapshot_metadata`` (the manifest, from each rank's group of it) and the
+   plugin's index, by the store's
    commit strategy (a rename on disk, the metadata written last on an object store); then
    retention deletes older snapshots, never before.
 
