@@ -192,6 +192,7 @@ def missing_file(rank: int, out: str, record: dict[str, Any]) -> None:
         with open(os.path.join(newest, PARTS, "3.json")) as f:
             victim = sorted(json.load(f)["files"])[0]
         os.remove(os.path.join(newest, victim))
+        record["missing_file_removed"] = victim
 
     restore_damaged(rank, *damaged_copy(rank, out, "missing_file", remove), record, "missing_file")
 
