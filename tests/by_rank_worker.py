@@ -107,18 +107,11 @@ def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
 
 
 def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
-    """Rank 0 copies the snapshots and flips a byte in the middle of rank 2's group of the newest
-    one's metadata; then every rank restores that snapshot, and restores from the latest."""
-    import json
-    import shutil
-    import warnings
+    """A byte flipped in the middle of rank 2's group of the newest snapshot's metadata."""
 
-    import torch.distributed as dist
+    def flip(newest: str) -> None:
+        import json
 
-    copy = os.path.join(os.path.dirname(out), "damaged")
-    newest = os.path.join(copy, "epoch_0_step_4")
-    if rank == 0:
-        shutil.copytree(out, copy)
         with open(os.path.join(newest, ".tnt_snapshot_index.json")) as f:
             start, end, _digest = json.load(f)["ranks"]["regions"][2]
         with open(os.path.join(newest, METADATA), "r+b") as f:
@@ -126,17 +119,8 @@ def damaged_group(rank: int, out: str, record: dict[str, Any]) -> None:
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x20]))
-    dist.barrier()
-    try:
-        TorchSnapshotSaver.restore(newest, Unit("fsdp2", seed=10 + rank), collective_timeout_s=60)
-    except SnapshotCorruptError as exc:
-        record["damaged"] = str(exc)
-    unit = Unit("fsdp2", seed=11 + rank)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        TorchSnapshotSaver.restore_from_latest(copy, unit, collective_timeout_s=60)
-    record["damaged_latest_steps"] = unit.train_progress.num_steps_completed
-    record["damaged_latest_warnings"] = [str(w.message) for w in caught]
+
+    restore_damaged(rank, *damaged_copy(rank, out, "damaged", flip), record, "damaged")
 
 
 def damaged_copy(rank: int, out: str, kind: str, damage: Callable[[str], None]) -> tuple[str, str]:

@@ -40,7 +40,7 @@ def snapshot(world: int) -> tuple[dict, dict[str, bytes]]:
 @pytest.mark.parametrize(
     "rel, rank",
     [("3/model/w", 3), ("12/x/shard_0_0", 12), ("batched/7-0", 7), ("batched/0-12", 0),
-     (".snapshot_metadata", None), ("batched/x-1", None), ("../0/w", None), ("sharded/w", None)],
+     (".snapshot_metadata", None), ("batched/x-1", None), ("../0/w", None), ("sharded/w", None), ("\u00b2/w", None)],
 )
 def test_the_rank_that_wrote_a_file_is_named_by_its_path(rel, rank):
     assert owner(rel) == rank

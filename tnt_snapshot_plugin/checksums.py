@@ -147,19 +147,19 @@ class Verifier:
 
     def add(self, records: dict[str, Any], sizes: dict[str, Any]) -> None:
         """Check reads of the files of ``records`` too (a part of the index read later)."""
-        for rel, rec in records.items():
-            if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
-                continue  # another algorithm (or a damaged record): not checked here
-            size = sizes.get(rel)
-            size = size if isinstance(size, int) else None
-            ranges = packed_ranges(rec)
-            with self._raw_lock:
+        exact = self._exact
+        with self._raw_lock:  # the I/O threads may be checking reads of files added before
+            for rel, rec in records.items():
+                if not isinstance(rec, dict) or rec.get("algo") != ALGO or not isinstance(rec.get("value"), str):
+                    continue  # another algorithm (or a damaged record): not checked here
+                size = sizes.get(rel)
+                size = size if isinstance(size, int) else None
                 self._records[rel] = (size, rec["value"], [], [])
                 if size is not None:
-                    self._exact[rel, 0, size] = rec["value"]
+                    exact[rel, 0, size] = rec["value"]
+                ranges = packed_ranges(rec)
                 if ranges:
                     self._raw[rel] = ranges
-                    exact = self._exact
                     for r in ranges:
                         exact[rel, r[0], r[1]] = r[2]
 

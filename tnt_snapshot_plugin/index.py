@@ -107,7 +107,7 @@ def owner(rel: str) -> Optional[int]:
     head, _, rest = rel.partition("/")
     if head == "batched":
         head = rest.partition("-")[0]
-    return int(head) if head.isdigit() else None
+    return int(head) if head.isascii() and head.isdigit() else None
 
 
 def part_bytes(files: dict[str, int], checksums: dict[str, Any]) -> bytes:

@@ -44,7 +44,7 @@ def yaml_safe(text: str) -> str:
     return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-#: Manifest records joined into text at a time by :func:`metadata_bytes`.
+#: Manifest records joined into text at a time by :func:`records_text`.
 METADATA_CHUNK = 1024
 
 

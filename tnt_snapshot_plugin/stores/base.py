@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from ..index import INDEX_FNAME, part_rel, parts_of
+from ..index import complete as complete_index
+from ..index import parse as parse_index
 from ..naming import SnapshotName, is_staging_name
 from ..retention import Listed, commit_order, from_index
 from .ownership import staged_by_this_process
@@ -320,8 +322,6 @@ class Store:
         while its writer marker says the plugin wrote it, or that is unreadable or changed.
         ``parts``: with every file and checksum of a snapshot of several ranks (``index.complete``:
         each part read and checked), not only the index itself."""
-        from .. import index as index_file
-
         try:
             data = self.read_optional(name, INDEX_FNAME)
         except SnapshotCorruptError as exc:  # not a regular file inside the snapshot
@@ -334,7 +334,7 @@ class Store:
                 )
             return None, None
         try:
-            index = index_file.parse(data, self.child(name))
+            index = parse_index(data, self.child(name))
         except SnapshotCorruptError as exc:
             return None, getattr(exc, "reason", str(exc))
         return self.completed_index(name, index) if parts else (index, None)
@@ -342,10 +342,8 @@ class Store:
     def completed_index(self, name: str, index: dict[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         """``index`` (of snapshot ``name``, checked) with every part's files and checksums
         (``index.complete``); (None, why) where a part is missing or damaged."""
-        from .. import index as index_file
-
         try:
-            return index_file.complete(index, lambda rel: self.read_optional(name, rel), self.child(name)), None
+            return complete_index(index, lambda rel: self.read_optional(name, rel), self.child(name)), None
         except SnapshotCorruptError as exc:
             return None, getattr(exc, "reason", str(exc))
 
