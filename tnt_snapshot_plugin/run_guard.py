@@ -102,6 +102,7 @@ class RunGuard(SaverParts):
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
         if self._lock is None:
             self._lock = lock(self._store, self._run_id)
+        self._writer.lock = self._lock  # checked at each commit
         ahead = prepare(self._store, epoch, step)
         retaining.retain_at_start(self._writer)
         return ahead
@@ -116,6 +117,9 @@ class RunGuard(SaverParts):
         token = staging_token(self._run_id, self._writes)
 
         def on_rank0() -> tuple[bool, str, str]:
+            if self._lock is not None:
+                # dirpath still this run's (SnapshotWriteError if not: nothing is written there)
+                self._lock.check()
             # The monitored metric is read on rank 0 only, inside the agreement: a metric that
             # only rank 0 sets works, and its error reaches every rank instead of leaving the
             # others waiting here.
@@ -131,7 +135,7 @@ class RunGuard(SaverParts):
         except ConfigError:
             self._last_name = None
             raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
-        except Exception as exc:  # the storage is unreachable (botocore retried already)
+        except Exception as exc:  # the storage is unreachable (botocore retried), dirpath lost
             self._last_name = None
             self._fail(name, self._store.child(name.text), exc)
             return None

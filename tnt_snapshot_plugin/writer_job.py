@@ -46,7 +46,7 @@ from .format.common import METADATA_FNAME
 from .index import seal as seal_index
 from .loading import LoadCheck
 from .retaining import chain, free_space_for, retain_after_commit
-from .stores import Store
+from .stores import DirLock, Store
 from .stores.ownership import writer_identity
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class SnapshotWriter:
         #: the records rank 0 holds from the last snapshot: later ones send what changed
         self.deltas = RecordDeltas(enabled=collectives.world_size > 1)
         self._shapes: dict[str, list[int]] = {}
+        #: the run's hold on dirpath (rank 0; RunGuard sets it), checked before each commit
+        self.lock: Optional[DirLock] = None
 
     def close(self) -> None:
         """Let the I/O threads and the pack buffer go (training is over); a later snapshot
@@ -288,6 +290,8 @@ class SnapshotWriter:
         """Commit ``job`` by the store's strategy; a commit that failed leaves nothing behind."""
         store = self.store
         try:
+            if self.lock is not None:
+                self.lock.check()  # never commit into a dirpath this run no longer holds
             store.commit(job.staging, job.name.text, metadata, index)
         except Exception as failure:
             if not self._may_clean_up(failure):

@@ -76,6 +76,13 @@ def check_child_name(url: str, name: str) -> None:
 class DirLock:
     """The live saver's hold on a dirpath for its run; :meth:`release` lets go (idempotent)."""
 
+    def check(self) -> None:
+        """Raise SnapshotWriteError, saying what happened, if this run no longer holds its dirpath
+        (its lock file or the dirpath itself was removed or replaced, its lease was taken over).
+        A hold once lost stays lost for the rest of the run: nothing more is committed into that
+        dirpath, which another job may hold by then. Cheap (no request to a remote store): the
+        saver calls it before each snapshot and at each commit. Nothing to check once released."""
+
     def release(self) -> None:
         pass
 

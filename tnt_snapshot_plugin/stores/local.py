@@ -33,19 +33,28 @@ from .base import (
     Read,
     Store,
 )
-from .ownership import busy_error, writer_of_token
+from .ownership import busy_error, hold_lost, holder_text, writer_of_token
 
 
 class FileLock(DirLock):
     """``fcntl.flock`` on ``dirpath/.tnt_snapshot.lock``, held while the run lasts and naming its
     holder. The kernel drops it when the process dies, so a killed job leaves no stale lock; the
-    file is removed on release (while still locked), and a taker checks that the file it locked is
-    still the one at that path, so a file unlinked under it is never mistaken for the lock."""
+    file is removed on release (while still locked, and only while it is still this lock's file),
+    and a taker checks that the file it locked is still the one at that path, so a file unlinked
+    under it is never mistaken for the lock.
+
+    :meth:`check` compares the lock file at that path, and dirpath itself, with the ones locked
+    (device and inode): a dirpath removed during the run (and perhaps created again, by another
+    job) or a lock file removed or replaced means this run no longer holds the dirpath."""
 
     def __init__(self, root: str, url: str, holder: dict[str, Any]) -> None:
         import fcntl
 
         self._fd: Optional[int] = None
+        self._url = url
+        self._root = root
+        #: why this run no longer holds dirpath (check), once found: it stays lost
+        self._lost: Optional[str] = None
         self._path = os.path.join(root, LOCK_FNAME)
         for _attempt in range(100):
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
@@ -73,16 +82,49 @@ class FileLock(DirLock):
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
+            self._root_id = _identity(os.stat(root))
         except BaseException:
             os.close(fd)  # let go of the lock: no one could release it otherwise
             raise
         self._fd = fd
 
+    def check(self) -> None:
+        fd = self._fd
+        if fd is None:
+            return
+        if self._lost is None:
+            self._lost = self._why_lost(fd)
+        if self._lost is not None:
+            raise SnapshotWriteError(self._lost)
+
+    def _why_lost(self, fd: int) -> Optional[str]:
+        """Why this run no longer holds dirpath (its message), or None while it does."""
+        url = self._url
+        try:
+            root = _identity(os.stat(self._root))
+        except OSError:
+            return _lost_message(f"dirpath {url!r} was removed during this run", None)
+        try:
+            current = _identity(os.stat(self._path, follow_symlinks=False))
+        except OSError:
+            current = None
+        if root != self._root_id:
+            what = f"dirpath {url!r} was removed during this run and created again"
+        elif current is None:
+            what = f"the lock file {self._path} of this run was removed from dirpath {url!r}"
+        elif current != _identity(os.fstat(fd)):
+            what = f"the lock file {self._path} of this run was replaced in dirpath {url!r}"
+        else:
+            return None
+        return _lost_message(what, None if current is None else _read_holder(self._path))
+
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
-                os.unlink(self._path)
+                # only this lock's file: after a loss (check) the path may hold another job's
+                if _identity(os.stat(self._path, follow_symlinks=False)) == _identity(os.fstat(fd)):
+                    os.unlink(self._path)
             except OSError:
                 pass
             os.close(fd)  # closing the only descriptor drops the flock
@@ -92,6 +134,23 @@ class FileLock(DirLock):
             self.release()
         except Exception:  # at interpreter shutdown; the kernel drops the lock at exit anyway
             pass
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _read_holder(path: str) -> Any:
+    """The holder a lock file names (None if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(4096) or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def _lost_message(what: str, holder: Any) -> str:
+    return hold_lost(what if holder is None else f"{what}; its lock file now names {holder_text(holder)}")
 
 
 class LocalStore(Store):
@@ -202,7 +261,9 @@ class LocalStore(Store):
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self._inside_dirs = set()
         path = os.path.join(self.root, staging)
-        os.makedirs(path)  # dirpath too, if someone removed it meanwhile
+        # dirpath too where it is missing: a saver's run checks its lock first (DirLock.check),
+        # so a dirpath removed under a run fails that snapshot instead of being made again here
+        os.makedirs(path)
         try:
             fileio.write_durably(os.path.join(path, WRITER_FNAME), json.dumps(writer).encode())
         except BaseException:

@@ -148,6 +148,16 @@ def holder_text(holder: Any) -> str:
     return f"host {holder.get('host')!r} pid {holder.get('pid')} run {holder.get('run_id')!r}{when}"
 
 
+def hold_lost(what: str) -> str:
+    """The message for a run that no longer holds its dirpath (``what`` happened to its lock or
+    lease): raised at each of its later snapshots (``DirLock.check``)."""
+    return (
+        f"{what}: this run no longer holds the dirpath and commits no more snapshots into it "
+        "(two runs in one dirpath would replace and delete each other's snapshots); start the "
+        "run again to take the dirpath anew, or give each job its own dirpath"
+    )
+
+
 def busy_error(url: str, holder: Any) -> ConfigError:
     """The error for a dirpath held by another saver (``holder``: its lock's or lease's record)."""
     return ConfigError(

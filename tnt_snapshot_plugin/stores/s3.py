@@ -37,7 +37,7 @@ from .base import (
     Store,
     is_missing_key,
 )
-from .ownership import LEASE_S, busy_error, holder_text, lease_held_by_another
+from .ownership import LEASE_S, busy_error, hold_lost, holder_text, lease_held_by_another
 from .ranged_reads import FETCH_CHUNK_BYTES, FETCH_WORKERS, RangedReads, fetch_ranges
 
 S3_OPTION_KEYS = frozenset(
@@ -213,16 +213,25 @@ class S3Lease(DirLock):
     The lease is written with S3's conditional writes: created with ``If-None-Match: *``, replaced
     and renewed with ``If-Match`` on the version read or last written. Of two savers starting at
     once, one takes it and the other, finding a newer lease than the one it read, looks again and
-    is refused; a renewal that finds the lease taken over (this run's had expired) warns and stops.
-    An object store that refuses conditional writes gets plain ones, with a warning: there, two
-    jobs starting within the same second can both miss each other's lease."""
+    is refused. Each write carries a ``generation`` counted by this saver: a renewal refused
+    because the lease is not the version it expected reads the lease, and if the lease is this
+    run's own (the store applied an earlier write whose answer was lost, and the client's retry of
+    it found the new version), takes that version and goes on renewing. A lease of another run
+    there (this run's had expired), or none, means the dirpath is lost: a warning, no more
+    renewals, and every later snapshot of the run fails (:meth:`check`). An object store that
+    refuses conditional writes gets plain ones, with a warning: there, two jobs starting within
+    the same second can both miss each other's lease."""
 
     def __init__(self, store: S3Store, holder: dict[str, Any]) -> None:
         self._store = store
         self._holder = dict(holder)
         self._stop = threading.Event()
         self._etag: Optional[str] = None  # the version of the lease this run last wrote
+        self._generation = 0  # of this run's last write attempted
         self._conditional = True
+        #: why this run no longer holds dirpath (its lease was taken over or removed), once found
+        self._lost: Optional[str] = None
+        self._released = False
         try:
             self._take()
         except ConfigError:
@@ -270,11 +279,14 @@ class S3Lease(DirLock):
 
     def _write(self, match: Optional[str]) -> None:
         """Write this run's lease over version ``match`` (None: create it); _LeaseChanged if the
-        object is not that version (or, creating, exists)."""
+        object is not that version (or, creating, exists; or, replacing, is gone)."""
         from botocore.exceptions import ClientError
 
         store = self._store
-        body = json.dumps({**self._holder, "expires_at": time.time() + LEASE_S}).encode()
+        self._generation += 1
+        body = json.dumps(
+            {**self._holder, "expires_at": time.time() + LEASE_S, "generation": self._generation}
+        ).encode()
         condition = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
         try:
             response = store.client.put_object(
@@ -286,6 +298,8 @@ class S3Lease(DirLock):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if error.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise _LeaseChanged() from exc
+            if match is not None and self._conditional and is_missing_key(exc):
+                raise _LeaseChanged() from exc  # If-Match on a lease that is gone
             if not (self._conditional and (error.get("Code") == "NotImplemented" or status == 501)):
                 raise
             self._conditional = False  # a store without conditional writes: plain ones from now on
@@ -298,17 +312,30 @@ class S3Lease(DirLock):
     def _renew(self) -> None:
         try:
             self._write(self._etag)
+            return
         except _LeaseChanged:
-            self._stop.set()  # another run holds it now: leave it be
-            current, _ = self._read()
-            import warnings
-
-            warnings.warn(
-                f"the lease {self._store.child(LEASE_FNAME)} of this run was taken over by another "
-                f"saver ({holder_text(current)}) after it expired (a stall of over {LEASE_S:.0f} s?); "
-                "two jobs may now write this dirpath at once: stop one of them",
-                stacklevel=2,
+            attempted = self._generation
+            current, etag = self._read()
+        if current is not None and current.get("run_id") == self._holder.get("run_id"):
+            # This run's own lease, in a version it did not see written: the store applied a
+            # write whose answer was lost, and the client's retry found that new version.
+            self._etag = etag
+            if current.get("generation") != attempted:
+                self._write(etag)  # an earlier write of this run's: renew it now
+            return
+        lease = self._store.child(LEASE_FNAME)
+        if current is None:
+            what = f"the lease {lease} of this run was removed during the run (was dirpath removed?)"
+        else:
+            what = (
+                f"the lease {lease} of this run was taken over by another saver "
+                f"({holder_text(current)}) after it expired (a stall of over {LEASE_S:.0f} s?)"
             )
+        self._lost = hold_lost(what)
+        self._stop.set()  # leave it be: no more renewals, and release does not delete it
+        import warnings
+
+        warnings.warn(self._lost, stacklevel=2)
 
     def _keep(self) -> None:
         while not self._stop.wait(min(60.0, LEASE_S / 5)):
@@ -317,7 +344,12 @@ class S3Lease(DirLock):
             except Exception:  # best effort; the next renewal tries again
                 pass
 
+    def check(self) -> None:
+        if self._lost is not None and not self._released:
+            raise SnapshotWriteError(self._lost)
+
     def release(self) -> None:
+        self._released = True
         if self._stop.is_set():
             return
         self._stop.set()
@@ -488,9 +520,10 @@ class S3Store(RangedReads, Store):
             raise
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
-        self.client.put_object(
-            Bucket=self.bucket, Key=self._key(staging, WRITER_FNAME), Body=json.dumps(writer).encode()
-        )
+        with s3_errors(self.child(staging)):
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._key(staging, WRITER_FNAME), Body=json.dumps(writer).encode()
+            )
 
     @translated
     def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
