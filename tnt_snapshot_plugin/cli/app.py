@@ -40,7 +40,8 @@ class UsageProblem(click.UsageError):
 
 def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if not value.strip():
-        raise click.BadParameter("an empty path; give a local path, a file:// or an s3:// URL")
+        where = "name the file to write" if param.name == "out_path" else "give a local path, a file:// or an s3:// URL"
+        raise click.BadParameter(f"an empty path; {where}")
     return value
 
 
@@ -63,6 +64,9 @@ def open_target(target: str, storage_options: Optional[dict[str, Any]], what: st
 
 def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Store, str]:
     text = target.rstrip("/")
+    scheme, sep, rest = target.partition("://")
+    if sep and not rest.strip("/"):
+        raise UsageProblem(f"{target!r} names no {'bucket' if scheme == 's3' else 'path'}, not a snapshot")
     if text.endswith("/" + METADATA_FNAME):
         text = text[: -len(METADATA_FNAME) - 1]
     head, sep, name = text.rpartition("/")
@@ -72,6 +76,8 @@ def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tupl
         head = "."
     elif not head and "://" not in text:
         head = "/"  # a local absolute path: /name
+    elif head == "file://":
+        head = "/"  # file:///name
     elif not head or head.endswith(":/"):
         raise UsageProblem(f"{target!r} names a bucket or root, not a snapshot")
     store = open_target(head, storage_options)

@@ -129,20 +129,25 @@ def _write(out_path: str, fmt: str, value: Any, tensors: dict[str, Any], about: 
 
     directory = os.path.dirname(os.path.abspath(out_path))
     tmp = os.path.join(directory, f".{os.path.basename(out_path)}.tmp.{os.getpid()}")
+    # torch.save reports a failed write as a RuntimeError, safetensors as its SafetensorError
+    failures: tuple[type[BaseException], ...] = (OSError, RuntimeError)
     try:
         if fmt == "safetensors":
+            from safetensors import SafetensorError
             from safetensors.torch import save_file
 
+            failures += (SafetensorError,)
             save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, tmp, metadata=about)
         else:
-            torch.save(value, tmp)
+            with open(tmp, "wb") as f:  # through a Python file: a failed write is an OSError naming its cause
+                torch.save(value, f)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, out_path)
-    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+    except failures as exc:
         raise click.ClickException(f"could not write {out_path} ({exc}); nothing was written") from exc
     finally:
         if os.path.exists(tmp):
