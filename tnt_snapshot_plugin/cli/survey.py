@@ -237,10 +237,11 @@ def commit_order(infos: Iterable[SnapshotInfo]) -> list[SnapshotInfo]:
 def holds_one_snapshot(name: str, listing: Listing) -> bool:
     """Whether a directory named ``name`` holding ``listing`` is one snapshot (not a directory
     of snapshots): it holds a snapshot's own files (the metadata, the plugin's index or writer
-    record), or it is named like a snapshot and holds files, none of its children so named."""
+    record), or it is named like a snapshot and none of its children is (an interrupted write,
+    or on an object store a snapshot that does not exist)."""
     if {METADATA_FNAME, INDEX_FNAME, WRITER_FNAME} & set(listing.files):
         return True
-    if SnapshotName.parse(name) is None or not listing.dirs:
+    if SnapshotName.parse(name) is None:
         return False
     return not any(SnapshotName.parse(d) is not None or is_staging_name(d) for d in listing.dirs)
 
