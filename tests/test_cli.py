@@ -191,15 +191,20 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
 def test_ls_shows_a_live_runs_lock_file_as_the_plugins_own(written, tmp_path):
     run = fresh_copy(written, tmp_path)
     holder = writer_identity(new_run_id())
-    lock = open_store(str(run)).lock({**holder, "started_at": time.time()})  # a saver's, live
+    started = time.time()
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+    lock = open_store(str(run)).lock({**holder, "started_at": started})  # a saver's, live
     try:
         listing = as_json("ls", str(run))
         entry = next(e for e in listing["entries"] if e["name"] == LOCK_FNAME)
         assert entry["kind"] == "lock" and entry["status"] == "lock" and entry["writer"] == "tnt_snapshot_plugin"
         assert f"pid {holder['pid']}" in entry["note"] and holder["run_id"] in entry["note"]
         assert not any(e["status"] == "foreign" for e in listing["entries"])
+        assert entry["holder"]["pid"] == holder["pid"] and entry["holder"]["run_id"] == holder["run_id"]
         code, out, _ = run_cli("ls", str(run))
-        assert code == 0 and next(line for line in out.splitlines() if line.startswith(LOCK_FNAME)).endswith("lock")
+        row = next(line for line in out.splitlines() if line.startswith(LOCK_FNAME))
+        assert code == 0 and row.endswith(f"pid {holder['pid']} run '{holder['run_id']}' since {since}")
+        assert f"lock, held by host '{holder['host']}'" in row
         # prune leaves it alone (and may not run while a run may be writing anyway)
         doc = as_json("prune", str(run), "--keep-last", "1", "--dry-run")
         assert LOCK_FNAME in doc["untouched"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 import boto3
@@ -20,6 +21,8 @@ from torchtnt.framework.train import train
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
 from tnt_snapshot_plugin.restoring import latest_snapshot
+from tnt_snapshot_plugin.stores import LEASE_FNAME, open_store
+from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 pytestmark = pytest.mark.slow
@@ -119,3 +122,51 @@ def test_every_command_on_s3(endpoint, tmp_path, monkeypatch):
     assert doc["deleted"] == ["epoch_0_step_4", "epoch_1_step_5", "epoch_1_step_8"]
     left = {o["Key"].split("/")[1] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]}
     assert left == {"epoch_2_step_10", "epoch_3_step_12", "notes", "README.txt"}
+
+
+def test_cli_edges_on_s3(endpoint, monkeypatch):
+    """One snapshot's URL lists its files; a live run's lease is shown with its holder and keeps
+    prune out (exit 2); a bucket that does not exist is one line naming --endpoint-url, exit 2."""
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    for key, value in {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    options = {"endpoint_url": endpoint, "region_name": "us-east-1"}
+    client = boto3.session.Session().client("s3", **options)
+    client.create_bucket(Bucket=BUCKET)
+    url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    train(ToyUnit(), StatefulLoader(make_data(16)), max_epochs=1,
+          callbacks=[TorchSnapshotSaver(url, save_every_n_epochs=1, storage_options=options)])
+
+    def run(*args: str) -> tuple[int, str, str]:
+        result = CliRunner().invoke(cli, [*args, "--endpoint-url", endpoint], catch_exceptions=False)
+        return result.exit_code, result.stdout, result.stderr
+
+    code, out, err = run("ls", f"{url}/epoch_1_step_4")
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["FILE", "ROLE", "SIZE", "MODIFIED"] and "foreign" not in out
+    assert out.splitlines()[-1].startswith(f"{url}/epoch_1_step_4: complete; ")
+    doc = json.loads(run("ls", f"{url}/epoch_1_step_4", "--json")[1])
+    assert {f["role"] for f in doc["files"]} == {"metadata", "index", "writer", "payload"}
+    code, out, err = run("ls", f"{url}/epoch_9_step_90")  # no objects under it
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{url}/epoch_9_step_90 does not exist" in err and "holds one complete snapshot, epoch_1_step_4" in err
+
+    holder = writer_identity(new_run_id())
+    lease = open_store(url, options).lock({**holder, "started_at": time.time()})
+    try:
+        code, out, _ = run("ls", url)
+        row = next(line for line in out.splitlines() if line.startswith(LEASE_FNAME))
+        assert code == 0 and f"lock, held by host '{holder['host']}' pid {holder['pid']} run '{holder['run_id']}' since " in row
+        code, out, err = run("prune", url, "--keep-last", "1")
+        assert code == 2 and out == "" and err.count("\n") == 1 and f"run '{holder['run_id']}'" in err
+    finally:
+        lease.release()
+
+    code, out, err = run("ls", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "the bucket does not exist" in err and "check the URL and --endpoint-url" in err
+    assert "storage_options" not in err

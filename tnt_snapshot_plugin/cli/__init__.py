@@ -8,11 +8,14 @@ installed version.
 
 Every command takes a local path, a ``file://`` URL or an ``s3://`` URL. For S3 the connection
 comes from ``--endpoint-url`` / ``--region`` and from the environment variables boto3 reads
-(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``, ...).
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``, ...); S3 errors name
+those (``app.CLI_S3_HINTS``), not the library's ``storage_options``.
 
 Exit status: 0 success; 1 something was found damaged or different (``verify``, ``diff``), or a
-command refused or failed to act (``prune``); 2 bad input (an unknown option, a path that is not
-what the command needs). Errors are one line on stderr.
+command refused or failed to act (``prune``, a failed ``export`` write); 2 bad input (an unknown
+option or bad value, a path that is not what the command needs, an output ``export`` cannot
+write, a key holding nothing to export, a storage the options given cannot reach). Errors are
+one line on stderr, never a traceback.
 
 Every command reads snapshots as restore does: ``format.manifest`` parses and validates the
 metadata, ``verify.check`` judges a snapshot. ``ls``, ``inspect``, ``verify`` and ``prune`` never

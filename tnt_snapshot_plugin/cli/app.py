@@ -10,13 +10,44 @@ from typing import Any, Callable, Optional
 import click
 
 from .. import holdings
-from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
+from ..errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    StorageUnavailableError,
+)
 from ..stores import METADATA_FNAME, Store, open_store
+from ..stores.s3 import S3Hints, hints_for, s3_error
 from .output import safe
+
+#: How S3 errors met by a command name the connection's settings: the command's options and the
+#: environment variables boto3 reads, not the library's ``storage_options``.
+CLI_S3_HINTS = S3Hints(
+    endpoint="--endpoint-url (or AWS_ENDPOINT_URL_S3)",
+    region="--region (or AWS_REGION)",
+    credentials="the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN; or AWS_PROFILE)",
+)
+
+#: Errors that say the input is wrong (exit status 2): a path or URL that is not what the command
+#: needs, a damaged snapshot named by path, a storage the options given cannot reach or read.
+BAD_INPUT = (ConfigError, SnapshotNotFoundError, SnapshotCorruptError, StorageUnavailableError)
 
 
 class UsageProblem(click.UsageError):
     """Bad input found after parsing (a path that is not what the command needs): exit 2."""
+
+
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value.strip():
+        where = "name the file to write" if param.name == "out_path" else "give a local path, a file:// or an s3:// URL"
+        raise click.BadParameter(f"an empty path; {where}")
+    return value
+
+
+def path_argument(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A path or URL argument: an empty one is refused as bad input, naming the argument."""
+    return click.argument(name, callback=_not_empty, **kwargs)
 
 
 def s3_options(endpoint_url: Optional[str], region: Optional[str]) -> Optional[dict[str, Any]]:
@@ -33,6 +64,9 @@ def open_target(target: str, storage_options: Optional[dict[str, Any]], what: st
 
 def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Store, str]:
     text = target.rstrip("/")
+    scheme, sep, rest = target.partition("://")
+    if sep and not rest.strip("/"):
+        raise UsageProblem(f"{target!r} names no {'bucket' if scheme == 's3' else 'path'}, not a snapshot")
     if text.endswith("/" + METADATA_FNAME):
         text = text[: -len(METADATA_FNAME) - 1]
     head, sep, name = text.rpartition("/")
@@ -42,6 +76,8 @@ def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tupl
         head = "."
     elif not head and "://" not in text:
         head = "/"  # a local absolute path: /name
+    elif head == "file://":
+        head = "/"  # file:///name
     elif not head or head.endswith(":/"):
         raise UsageProblem(f"{target!r} names a bucket or root, not a snapshot")
     store = open_target(head, storage_options)
@@ -95,7 +131,8 @@ class _Cli(click.Group):
              standalone_mode: bool = True, **extra: Any) -> Any:
         prog = prog_name or "tnt-snapshot"
         try:
-            rv = super().main(args, prog, complete_var, standalone_mode=False, **extra)
+            with hints_for(CLI_S3_HINTS):
+                rv = super().main(args, prog, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
         except click.UsageError as exc:
             if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:  # bare "tnt-snapshot"
@@ -114,14 +151,15 @@ class _Cli(click.Group):
             code = fail(prog, exc.format_message(), exc.exit_code)
         except click.Abort:
             code = fail(prog, "aborted", 1)
-        except (ConfigError, SnapshotNotFoundError, SnapshotCorruptError) as exc:
+        except BAD_INPUT as exc:
             code = fail(prog, str(exc), 2)
         except (SnapshotError, OSError) as exc:
             code = fail(prog, str(exc), 1)
         except Exception as exc:
-            if not type(exc).__module__.startswith(("botocore", "boto3")):
+            mapped = s3_error("S3", exc, CLI_S3_HINTS) if type(exc).__module__.startswith("botocore") else None
+            if mapped is None:
                 raise
-            code = fail(prog, f"S3: {exc}", 1)
+            code = fail(prog, str(mapped), 2 if isinstance(mapped, BAD_INPUT) else 1)
         if standalone_mode:
             sys.exit(code)
         return code

@@ -281,19 +281,34 @@ def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict
     )
 
 
-def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts/lists of tensors as {"a.b.0": tensor}; ValueError naming a non-tensor."""
+def tensor_leaves(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[str]]:
+    """The leaves of nested dicts/lists/tuples: the tensors as {"a.b.0": tensor}, and the paths
+    of the other values (numbers, strings, objects)."""
     import torch
 
-    out: dict[str, Any] = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
-    else:
-        raise ValueError(f"{prefix or 'the entry'} is a {type(obj).__name__}, not a tensor")
-    return out
+    tensors: dict[str, Any] = {}
+    others: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}.{i}" if path else str(i))
+        else:
+            others.append(path)
+
+    walk(obj, prefix)
+    return tensors, others
+
+
+def tensor_keys(metadata: Metadata) -> list[str]:
+    """Top-level keys of rank 0 holding at least one tensor (the reserved ones left out)."""
+    return sorted({
+        path.split("/")[1]
+        for path, entry in metadata.manifest.items()
+        if path.startswith("0/") and entry["type"] in manifest.TENSOR_TYPES | manifest.SHARDED_TYPES
+    } - set(RESERVED))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-import click
 from rich.filesize import decimal as human_size
 from rich.text import Text
 
-from .app import cli, json_flag, open_target, s3_flags, s3_options
+from ..stores import METADATA_FNAME
+from .app import cli, json_flag, open_target, path_argument, s3_flags, s3_options, split_target
 from .output import (
     STATUS_INCOMPLETE,
     STATUS_STYLE,
@@ -20,24 +20,30 @@ from .output import (
     say,
     when,
 )
-from .survey import survey
+from .survey import file_role, holder_state, holds_one_snapshot, list_directory, snapshot_info, survey
 
 
 @cli.command("ls")
-@click.argument("dirpath")
+@path_argument("dirpath")
 @json_flag
 @s3_flags
 def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
-    """One row per entry of DIRPATH, oldest snapshot first.
+    """One row per entry of DIRPATH, oldest snapshot first; given one snapshot, its files.
 
     Status: complete, damaged (its index, a file or the metadata missing, of the wrong size or
     unreadable; or, for the snapshot restore would pick, a payload that differs from its
-    checksum), incomplete (no .snapshot_metadata), staging leftover, or foreign (not a
-    snapshot: never touched). '*' marks the snapshot restore_from_latest would restore: the same
-    check decides both.
+    checksum), incomplete (no .snapshot_metadata), staging leftover, lock (a saver's lock or
+    lease, with its holder), or foreign (not a snapshot: never touched). '*' marks the snapshot
+    restore_from_latest would restore: the same check decides both.
     """
-    store = open_target(dirpath, s3_options(endpoint_url, region))
-    infos = survey(store)
+    opts = s3_options(endpoint_url, region)
+    if dirpath.rstrip("/").endswith("/" + METADATA_FNAME):  # a snapshot's metadata: that snapshot
+        return _ls_snapshot(dirpath, opts, as_json)
+    store = open_target(dirpath, opts)
+    listing = list_directory(store)
+    if holds_one_snapshot(dirpath.rstrip("/").rpartition("/")[2], listing):
+        return _ls_snapshot(dirpath, opts, as_json)
+    infos = survey(store, listing=listing)
     if as_json:
         pick = next((i.name for i in infos if i.restore), None)
         emit_json({"dirpath": store.url, "restore": pick, "entries": [i.to_json() for i in infos]})
@@ -50,6 +56,8 @@ def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region:
         status = Text(i.status, style=STATUS_STYLE[i.status])
         if i.restore:
             status.append(" *", style="bold")
+        if i.kind == "lock":
+            status.append(f", {holder_state(i.holder)}")
         size = human_size(i.nbytes) if i.kind != "foreign" or i.files else "-"
         table.add_row(
             i.name, num(p.epoch if p else None), num(p.step if p else None), num(i.world_size),
@@ -69,4 +77,34 @@ def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region:
     pick = next((i.name for i in infos if i.restore), None)
     say(out, f"{', '.join(parts) or 'empty'}; {human_size(total)} in snapshots")
     say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
+    return 0
+
+
+def _ls_snapshot(target: str, opts: Optional[dict[str, Any]], as_json: bool) -> int:
+    """``ls`` of one snapshot: its files, what each is, and the snapshot's status."""
+    store, name = split_target(target, opts)
+    info = snapshot_info(store, name, checksums=False)
+    rows = [(rel, file_role(rel), f) for rel, f in sorted(info.files.items())]
+    if as_json:
+        emit_json({
+            "snapshot": store.child(name),
+            "entry": {k: v for k, v in info.to_json().items() if k not in ("restore", "holder")},
+            "files": [{"path": rel, "role": role, "bytes": f.size, "modified_at": f.mtime} for rel, role, f in rows],
+        })
+        return 0
+    out = console()
+    table = new_table("FILE", "ROLE", "SIZE", "MODIFIED", right=("SIZE",))
+    for rel, role, f in rows:
+        table.add_row(rel, role, human_size(f.size), when(f.mtime))
+    print_table(out, table)
+    for problem in info.problems:
+        say(out, f"{name}: {problem}", style="red")
+    p = info.parsed
+    about = [f"epoch {num(p.epoch)}, step {num(p.step)}"] if p is not None else []
+    if info.world_size is not None:
+        about.append(f"world size {info.world_size}")
+    if info.committed_at is not None:
+        about.append(f"committed {when(info.committed_at)}")
+    say(out, f"{store.child(name)}: {info.status}; {len(rows)} files, {human_size(info.nbytes)}"
+             + "".join(f"; {a}" for a in about))
     return 0

@@ -16,7 +16,17 @@ from ..errors import ConfigError, SnapshotError
 from ..naming import SnapshotName
 from ..stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, Store
 from ..stores.s3 import S3Store
-from .app import UsageProblem, cli, duration, fail, json_flag, open_target, s3_flags, s3_options
+from .app import (
+    UsageProblem,
+    cli,
+    duration,
+    fail,
+    json_flag,
+    open_target,
+    path_argument,
+    s3_flags,
+    s3_options,
+)
 from .output import (
     STATUS_COMPLETE,
     STATUS_DAMAGED,
@@ -27,7 +37,7 @@ from .output import (
     print_table,
     say,
 )
-from .survey import SnapshotInfo, list_directory, lock_holder, survey
+from .survey import SnapshotInfo, holds_one_snapshot, list_directory, lock_holder, survey
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,7 @@ def metric_value(info: SnapshotInfo, metric: str) -> Optional[float]:
 
 
 @cli.command("prune")
-@click.argument("dirpath")
+@path_argument("dirpath")
 @click.option("--keep-last", type=click.IntRange(min=1), required=True, help="Keep the N newest (or best) snapshots.")
 @click.option("--keep-best", "keep_best", default=None, metavar="METRIC",
               help="Keep the N best by METRIC (from the name's _METRIC=value or the index) instead of the newest.")
@@ -159,7 +169,13 @@ def prune_command(dirpath: str, keep_last: int, keep_best: Optional[str], mode: 
         raise click.UsageError("--keep-best and --mode go together")
     min_age = duration(min_staging_age)
     store = open_target(dirpath, s3_options(endpoint_url, region))
-    list_directory(store)  # a missing or wrong dirpath: exit 2 before any lock is taken
+    listing = list_directory(store)  # a missing or wrong dirpath: exit 2 before any lock is taken
+    head, sep, name = dirpath.rstrip("/").rpartition("/")
+    if holds_one_snapshot(name, listing):
+        raise UsageProblem(
+            f"{dirpath} is a snapshot, not a directory of snapshots; prune the directory holding it, "
+            f"{(head or '/') if sep else '.'}"
+        )
     lock = None
     if not force and not dry_run:
         lock = take_lock(store)

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .. import holdings, retention, verify
 from ..errors import ConfigError, SnapshotError, SnapshotNotFoundError
 from ..format.manifest import Metadata
+from ..index import PARTS_DIR
 from ..naming import SnapshotName, is_staging_name
-from ..stores import LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, LocalStore, Store
-from ..stores.s3 import S3Store
+from ..stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, LocalStore, Store
+from ..stores.ownership import holder_text, writer_gone
+from ..stores.s3 import S3Store, s3_errors
 from .app import UsageProblem
 from .output import (
     STATUS_COMPLETE,
@@ -90,9 +93,10 @@ def list_directory(store: Store) -> Listing:
 
 
 def _s3_objects(store: S3Store, prefix: str) -> Iterator[tuple[str, FileInfo]]:
-    for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            yield obj["Key"], FileInfo(int(obj["Size"]), obj["LastModified"].timestamp())
+    with s3_errors(store.url, store.hints):
+        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                yield obj["Key"], FileInfo(int(obj["Size"]), obj["LastModified"].timestamp())
 
 
 def snapshot_files(store: Store, name: str) -> tuple[dict[str, FileInfo], float]:
@@ -133,6 +137,8 @@ class SnapshotInfo:
     restore: bool = False
     #: whether the payloads' checksums were compared (``verify``, and ``ls``'s pick)
     checksummed: bool = False
+    #: a lock or lease file's record of its holder (host, pid, run_id, started_at), if readable
+    holder: Optional[dict[str, Any]] = None
 
     @property
     def index(self) -> Optional[dict[str, Any]]:
@@ -195,6 +201,7 @@ class SnapshotInfo:
             "checksums_checked": self.checksummed,
             "problems": list(self.problems),
             "note": self.note,
+            "holder": self.holder,  # lock and lease files: {"host", "pid", "run_id", "started_at", ...}
         }
 
 
@@ -227,11 +234,53 @@ def commit_order(infos: Iterable[SnapshotInfo]) -> list[SnapshotInfo]:
     return [by_name[r.text] for r in retention.commit_order(_listed(i) for i in by_name.values())]
 
 
-def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable[[int], None]] = None) -> list[SnapshotInfo]:
-    """Every child of the snapshot directory, classified: snapshots oldest first, then staging
-    leftovers, then foreign entries. The snapshot ``restore_from_latest`` would restore is marked
-    (``restore_pick``)."""
-    listing = list_directory(store)
+def holds_one_snapshot(name: str, listing: Listing) -> bool:
+    """Whether a directory named ``name`` holding ``listing`` is one snapshot (not a directory
+    of snapshots): it holds a snapshot's own files (the metadata, the plugin's index or writer
+    record), or it is named like a snapshot and none of its children is (an interrupted write,
+    or on an object store a snapshot that does not exist)."""
+    if {METADATA_FNAME, INDEX_FNAME, WRITER_FNAME} & set(listing.files):
+        return True
+    if SnapshotName.parse(name) is None:
+        return False
+    return not any(SnapshotName.parse(d) is not None or is_staging_name(d) for d in listing.dirs)
+
+
+def snapshot_info(
+    store: Store, name: str, *, checksums: bool, progress: Optional[Callable[[int], None]] = None
+) -> SnapshotInfo:
+    """One snapshot given by path, judged by ``verify.check`` (with its checksums if asked)."""
+    files, modified = snapshot_files(store, name)
+    parsed = SnapshotName.parse(name)
+    if METADATA_FNAME not in files:
+        return SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
+                            problems=[f"{METADATA_FNAME} is missing: the snapshot is incomplete"])
+    verdict = check_snapshot(store, name, files, checksums=checksums, progress=progress)
+    return SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED,
+                        parsed=parsed, files=files, modified_at=modified, verdict=verdict,
+                        problems=list(verdict.problems), note="; ".join(verdict.notes), checksummed=checksums)
+
+
+def file_role(rel: str) -> str:
+    """What one file of a snapshot is: "metadata", "index", "writer" (the writer's record) or "payload"."""
+    if rel == METADATA_FNAME:
+        return "metadata"
+    if rel == INDEX_FNAME or rel.startswith(PARTS_DIR + "/"):
+        return "index"
+    return "writer" if rel == WRITER_FNAME else "payload"
+
+
+def survey(
+    store: Store,
+    *,
+    checksums: bool = False,
+    progress: Optional[Callable[[int], None]] = None,
+    listing: Optional[Listing] = None,
+) -> list[SnapshotInfo]:
+    """Every child of the snapshot directory (``listing``: its listing, if already made),
+    classified: snapshots oldest first, then staging leftovers, then foreign entries. The snapshot
+    ``restore_from_latest`` would restore is marked (``restore_pick``)."""
+    listing = list_directory(store) if listing is None else listing
     snapshots: list[SnapshotInfo] = []
     staging: list[SnapshotInfo] = []
     foreign: list[SnapshotInfo] = []
@@ -240,9 +289,10 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
     plugin_files: list[SnapshotInfo] = []
     for name, info in sorted(listing.files.items()):
         if name in (LOCK_FNAME, LEASE_FNAME):
+            holder = lock_holder(store, name)
             plugin_files.append(
                 SnapshotInfo(name, "lock", STATUS_LOCK, files={"": info}, modified_at=info.mtime,
-                             note=lock_note(store, name))
+                             note=lock_note(name, holder), holder=holder)
             )
             continue
         foreign.append(
@@ -279,13 +329,23 @@ def survey(store: Store, *, checksums: bool = False, progress: Optional[Callable
     return commit_order(committed) + never + staging + plugin_files + foreign
 
 
-def lock_note(store: Store, name: str) -> str:
-    """What a lock or lease file says of its holder (it is the plugin's; never touched)."""
+def lock_note(name: str, holder: Optional[dict[str, Any]]) -> str:
+    """What a lock or lease file is and who holds it (it is the plugin's; never touched)."""
     what = "the dirpath lock of a saver's run" if name == LOCK_FNAME else "the dirpath lease of a saver's run (S3)"
-    holder = lock_holder(store, name)
-    if holder is not None:
-        what += f", held by host {holder.get('host')} pid {holder.get('pid')} run {holder.get('run_id')}"
-    return what + " (the plugin's own; a leftover of a killed run is harmless)"
+    return f"{what}, {holder_state(holder)} (the plugin's own; a leftover of a killed run is harmless)"
+
+
+def holder_state(holder: Optional[dict[str, Any]]) -> str:
+    """Who holds a lock or lease (``holder``: its record), or why its holder is known to be gone:
+    "held by host 'h' pid 12 run 'r' since ...", "left by ... (its process 12 is dead)", "expired"."""
+    if holder is None:
+        return "its holder not recorded"
+    who = holder_text(holder)
+    expires = holder.get("expires_at")
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool) and expires <= time.time():
+        return f"expired, left by {who}"
+    gone = writer_gone(holder, stale_after=float("inf"))
+    return f"left by {who} ({gone})" if gone is not None else f"held by {who}"
 
 
 def lock_holder(store: Store, name: str) -> Optional[dict[str, Any]]:

@@ -4,15 +4,14 @@ as restore checks it."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Optional
 
-import click
 from rich.filesize import decimal as human_size
 from rich.text import Text
 
 from ..naming import SnapshotName
-from ..stores import METADATA_FNAME, Store
-from .app import cli, json_flag, open_target, s3_flags, s3_options, split_target
+from ..stores import METADATA_FNAME
+from .app import cli, json_flag, open_target, path_argument, s3_flags, s3_options, split_target
 from .output import (
     STATUS_COMPLETE,
     STATUS_DAMAGED,
@@ -25,11 +24,11 @@ from .output import (
     print_table,
     say,
 )
-from .survey import SnapshotInfo, check_snapshot, snapshot_files, survey
+from .survey import SnapshotInfo, snapshot_info, survey
 
 
 @cli.command("verify")
-@click.argument("target")
+@path_argument("target")
 @json_flag
 @s3_flags
 def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
@@ -47,7 +46,7 @@ def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], regi
     err = console(err=True)
     with Progress(err, enabled=err.is_terminal and not as_json) as advance:
         if single:
-            infos = [_one(*split_target(target, opts), advance)]
+            infos = [snapshot_info(*split_target(target, opts), checksums=True, progress=advance)]
         else:
             infos = [i for i in survey(open_target(target, opts), checksums=True, progress=advance) if i.kind == "snapshot"]
     bad = [i for i in infos if i.status == STATUS_DAMAGED or (single and i.status == STATUS_INCOMPLETE)]
@@ -65,19 +64,6 @@ def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], regi
     else:
         _report(target, infos, bad, single)
     return 1 if bad else 0
-
-
-def _one(store: Store, name: str, advance: Optional[Callable[[int], None]]) -> SnapshotInfo:
-    """One snapshot given by path, checked with its checksums."""
-    files, modified = snapshot_files(store, name)
-    parsed = SnapshotName.parse(name)
-    if METADATA_FNAME not in files:
-        return SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
-                            problems=[f"{METADATA_FNAME} is missing: the snapshot is incomplete"])
-    verdict = check_snapshot(store, name, files, checksums=True, progress=advance)
-    return SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED,
-                        parsed=parsed, files=files, verdict=verdict, problems=list(verdict.problems),
-                        note="; ".join(verdict.notes), checksummed=True)
 
 
 def _checked(i: SnapshotInfo) -> str:
@@ -109,4 +95,5 @@ def _report(target: str, infos: list[SnapshotInfo], bad: list[SnapshotInfo], sin
     if not single:
         pick = next((i.name for i in infos if i.restore), None)
         say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
-    say(out, f"{len(bad)} damaged" if bad else "all intact")
+    if infos:
+        say(out, f"{len(bad)} damaged" if bad else "all intact")

@@ -9,12 +9,14 @@ only when an S3 store or client is built; a missing boto3 is a ConfigError with 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import json
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..config import DEFAULT_STORAGE_TIMEOUT_S
 from ..errors import (
@@ -57,9 +59,50 @@ _s3_clients: dict[tuple[Any, ...], Any] = {}
 _s3_clients_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class S3Hints:
+    """How the caller gives an S3 connection its settings, as the hints of S3 errors name them:
+    the saver's and restore's callers pass ``storage_options``; the command line has options and
+    environment variables of its own (``tnt_snapshot_plugin.cli``)."""
+
+    #: where the endpoint comes from
+    endpoint: str
+    #: where the region comes from
+    region: str
+    #: where the credentials come from
+    credentials: str
+
+
+#: The hints for callers of the library: ``storage_options``' keys.
+STORAGE_OPTIONS_HINTS = S3Hints(
+    endpoint="storage_options (endpoint_url)",
+    region="storage_options (region_name)",
+    credentials="storage_options (aws_access_key_id, aws_secret_access_key, aws_session_token)",
+)
+
+_hints: contextvars.ContextVar[S3Hints] = contextvars.ContextVar("tnt_snapshot_plugin_s3_hints", default=STORAGE_OPTIONS_HINTS)
+
+
+@contextlib.contextmanager
+def hints_for(hints: S3Hints) -> Iterator[None]:
+    """S3 stores and clients built inside this block name their settings as ``hints`` does in the
+    errors they raise (a store keeps the hints it was built with, on every thread)."""
+    token = _hints.set(hints)
+    try:
+        yield
+    finally:
+        _hints.reset(token)
+
+
+def current_hints() -> S3Hints:
+    """The hints of S3 stores built now (:func:`hints_for`; else :data:`STORAGE_OPTIONS_HINTS`)."""
+    return _hints.get()
+
+
 def s3_client(storage_options: Optional[dict[str, Any]], timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S) -> Any:
     """The shared boto3 S3 client for ``storage_options``, each of whose requests (retries and
-    their backoff included) gives up within ``timeout_s`` (:func:`request_limits`)."""
+    their backoff included) gives up within ``timeout_s`` (:func:`request_limits`). An endpoint
+    or region boto3 refuses is a ConfigError naming where it came from (:func:`current_hints`)."""
     try:
         import boto3
     except ImportError:
@@ -85,10 +128,30 @@ def s3_client(storage_options: Optional[dict[str, Any]], timeout_s: float = DEFA
     with _s3_clients_lock:
         client = _s3_clients.get(key)
         if client is None:
-            client = _s3_clients[key] = boto3.session.Session().client(
-                "s3", config=_s3_config(timeout_s), **options
-            )
+            try:
+                client = boto3.session.Session().client("s3", config=_s3_config(timeout_s), **options)
+            except Exception as exc:
+                mapped = _client_error(exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
+            _s3_clients[key] = client
     return client
+
+
+def _client_error(exc: BaseException) -> Optional[ConfigError]:
+    """The ConfigError for boto3 refusing to build a client (an endpoint that is not a URL, a
+    region name of the wrong form), or None."""
+    from botocore.exceptions import BotoCoreError, InvalidRegionError
+
+    hints = current_hints()
+    if isinstance(exc, InvalidRegionError):
+        return ConfigError(f"the S3 region is not valid ({exc}); check {hints.region}")
+    if isinstance(exc, BotoCoreError):
+        return ConfigError(f"the S3 client cannot be built ({type(exc).__name__}: {exc})")
+    if isinstance(exc, ValueError):  # botocore's own checks of the endpoint URL
+        return ConfigError(f"the S3 endpoint is not a URL boto3 takes ({exc}); check {hints.endpoint}")
+    return None
 
 
 def _s3_config(timeout_s: float) -> Any:
@@ -143,43 +206,43 @@ _CREDENTIAL_CODES = frozenset(
 )
 
 
-def s3_error(url: str, exc: BaseException) -> Optional[SnapshotError]:
-    """The plugin's error for a botocore exception met at ``url`` (None: not botocore's)."""
+def s3_error(url: str, exc: BaseException, hints: S3Hints = STORAGE_OPTIONS_HINTS) -> Optional[SnapshotError]:
+    """The plugin's error for a botocore exception met at ``url`` (None: not botocore's), its hint
+    naming the settings as ``hints`` does."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code == "NoSuchBucket":
             return SnapshotNotFoundError(
-                f"{url}: the bucket does not exist ({exc}); check the URL and storage_options"
+                f"{url}: the bucket does not exist ({exc}); check the URL and {hints.endpoint}"
             )
         if code in ("NoSuchKey", "404", "NotFound"):  # a FileNotFoundError, as for local files
             return SnapshotNotFoundError(f"{url}: no such object ({exc})")
         if code in _CREDENTIAL_CODES:
             return ConfigError(
-                f"{url}: the object store refused the credentials ({exc}); check "
-                "storage_options (aws_access_key_id, aws_secret_access_key, aws_session_token)"
+                f"{url}: the object store refused the credentials ({exc}); check {hints.credentials}"
             )
         return StorageUnavailableError(f"{url}: the object store failed the request ({exc})")
     if isinstance(exc, NoCredentialsError):
-        return ConfigError(f"{url}: no credentials ({exc}); pass them in storage_options")
+        return ConfigError(f"{url}: no credentials ({exc}); pass them in {hints.credentials}")
     if isinstance(exc, BotoCoreError):
         return StorageUnavailableError(
             f"{url}: the object store could not be reached ({type(exc).__name__}: {exc}), after "
-            "retries; check endpoint_url and the network"
+            f"retries; check {hints.endpoint} and the network"
         )
     return None
 
 
 @contextlib.contextmanager
-def s3_errors(url: str) -> Any:
+def s3_errors(url: str, hints: S3Hints = STORAGE_OPTIONS_HINTS) -> Any:
     """Raise botocore's exceptions as the plugin's (``s3_error``), naming ``url``."""
     try:
         yield
     except SnapshotError:
         raise
     except Exception as exc:
-        mapped = s3_error(url, exc)
+        mapped = s3_error(url, exc, hints)
         if mapped is None:
             raise
         raise mapped from exc
@@ -190,7 +253,7 @@ def translated(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with s3_errors(self.url):
+        with s3_errors(self.url, self.hints):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -396,6 +459,8 @@ class S3Store(RangedReads, Store):
         if not self.bucket:
             raise ConfigError(f"dirpath {url!r} names no bucket; expected s3://BUCKET/PREFIX")
         self.storage_options = storage_options
+        #: how this store's errors name the S3 settings (those of its builder: :func:`hints_for`)
+        self.hints = current_hints()
         self.client = s3_client(storage_options, timeout_s)
 
     def _key(self, name: str, rel: str = "") -> str:
@@ -406,7 +471,8 @@ class S3Store(RangedReads, Store):
         return f"{self.url}/{name}"
 
     def nested(self, name: str) -> Store:
-        return S3Store(self.child(name), self.storage_options, self.timeout_s)
+        with hints_for(self.hints):
+            return S3Store(self.child(name), self.storage_options, self.timeout_s)
 
 
     @translated
@@ -460,7 +526,7 @@ class S3Store(RangedReads, Store):
             for view in views:
                 feed(view)
         total = sum(v.nbytes for v in views)
-        with s3_errors(f"s3://{self.bucket}/{key}"):
+        with s3_errors(f"s3://{self.bucket}/{key}", self.hints):
             if total <= self.multipart_bytes:
                 self.client.put_object(Bucket=self.bucket, Key=key, Body=b"".join(views))
                 return
@@ -499,7 +565,7 @@ class S3Store(RangedReads, Store):
         """Bytes ``start:end`` of file ``rel`` of child ``name`` (fewer if the object ends first)."""
         key = self._key(name, rel)
         try:
-            with s3_errors(f"s3://{self.bucket}/{key}"):
+            with s3_errors(f"s3://{self.bucket}/{key}", self.hints):
                 body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
                 try:
                     return body.read()  # type: ignore[no-any-return]
@@ -555,5 +621,6 @@ def open_s3(
     return S3Store(url, storage_options, timeout_s)
 
 
-__all__ = ["FETCH_CHUNK_BYTES", "FETCH_WORKERS", "LEASE_S", "S3Lease", "S3Store", "S3_OPTION_KEYS",
-           "fetch_ranges", "open_s3", "request_limits", "s3_client", "s3_error", "s3_errors", "translated"]
+__all__ = ["FETCH_CHUNK_BYTES", "FETCH_WORKERS", "LEASE_S", "STORAGE_OPTIONS_HINTS", "S3Hints", "S3Lease", "S3Store",
+           "S3_OPTION_KEYS", "current_hints", "fetch_ranges", "hints_for", "open_s3", "request_limits", "s3_client",
+           "s3_error", "s3_errors", "translated"]
