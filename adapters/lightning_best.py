@@ -98,7 +98,7 @@ class BestSnapshots(ModelCheckpoint):
 
         if filepath is None:
             if self.dirpath is None or not isinstance(
-                open_store(self.dirpath, self._config.storage_options), LocalStore
+                open_store(str(self.dirpath), self._config.storage_options), LocalStore
             ):
                 raise ConfigError(
                     f"to_yaml() writes into a local dirpath only (dirpath is {self.dirpath!r}); "
@@ -116,11 +116,11 @@ class BestSnapshots(ModelCheckpoint):
     def _ranked(self) -> list[tuple[str, float]]:
         """(path, value) of the best ``save_top_k`` snapshots in ``dirpath``, best first."""
         best = self._config.best
-        if best is None or self._engine is None:
+        if best is None or self._engine is None or self.dirpath is None:
             return []
         from tnt_snapshot_plugin import retention
 
-        store = open_store(self.dirpath, self._config.storage_options)
+        store = open_store(str(self.dirpath), self._config.storage_options)
         ranked = retention.ranked(store.listed(), best.metric, best.mode)
         if best.k is not None:
             ranked = ranked[: best.k]
