@@ -28,7 +28,8 @@ How ``fit(ckpt_path=...)`` reaches a snapshot:
   Only when another callback is an ``OnExceptionCheckpoint`` does Lightning turn ``None`` into
   ``"last"``; the saver then warns, in one line, which snapshot the run resumes from.
 * ``ckpt_path="best"`` (``fit``, ``validate``, ``test``): Lightning reads the saver's
-  ``best_model_path``, the best complete snapshot by ``monitor`` found in ``dirpath``.
+  ``best_model_path``, the best complete snapshot by ``monitor`` found in ``dirpath`` (without
+  ``monitor``, the newest, as ``ModelCheckpoint``'s is then its newest checkpoint).
 * In ``setup()`` the saver wraps the strategy's ``CheckpointIO`` in a :class:`SnapshotCheckpointIO`,
   which reads a snapshot directory into Lightning's checkpoint dict (and sets the RNG state) and
   hands every other path to the ``CheckpointIO`` it wraps, so ``ModelCheckpoint`` works as before.

@@ -49,10 +49,14 @@ class BestSnapshots(ModelCheckpoint):
 
     @property
     def best_model_path(self) -> str:  # type: ignore[override]
-        """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it, or no
-        ``monitor`` is set): what Lightning loads for ``ckpt_path="best"``
-        (``fit``/``validate``/``test``/``predict``). Read from the directory (the snapshots' names
-        and indexes), so it is true in a new process and after a resume too."""
+        """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it);
+        without ``monitor``, the newest complete snapshot ("" if none), as ``ModelCheckpoint``
+        without ``monitor`` names the newest checkpoint it saved. What Lightning loads for
+        ``ckpt_path="best"`` (``fit``/``validate``/``test``/``predict``). Read from the directory
+        (the snapshots' names and indexes), so it is true in a new process and after a resume
+        too."""
+        if self.monitor is None:
+            return self._newest()
         found = self._best()
         return found[0] if found is not None else ""
 
@@ -78,9 +82,13 @@ class BestSnapshots(ModelCheckpoint):
 
     @property
     def kth_best_model_path(self) -> str:  # type: ignore[override]
-        """The worst of :attr:`best_k_models` ("" if none)."""
+        """The worst of :attr:`best_k_models` ("" if none); of several equally worst, the one
+        committed first, as ``ModelCheckpoint`` picks the first of them it saved."""
         ranked = self._ranked()
-        return ranked[-1][0] if ranked else ""
+        if not ranked:
+            return ""
+        worst = self._score(ranked[-1][1])
+        return next(path for path, value in ranked if bool(self._score(value) == worst))
 
     @override
     def to_yaml(self, filepath: Optional[Any] = None) -> None:
@@ -90,7 +98,7 @@ class BestSnapshots(ModelCheckpoint):
 
         if filepath is None:
             if self.dirpath is None or not isinstance(
-                open_store(self.dirpath, self._config.storage_options), LocalStore
+                open_store(str(self.dirpath), self._config.storage_options), LocalStore
             ):
                 raise ConfigError(
                     f"to_yaml() writes into a local dirpath only (dirpath is {self.dirpath!r}); "
@@ -108,11 +116,11 @@ class BestSnapshots(ModelCheckpoint):
     def _ranked(self) -> list[tuple[str, float]]:
         """(path, value) of the best ``save_top_k`` snapshots in ``dirpath``, best first."""
         best = self._config.best
-        if best is None or self._engine is None:
+        if best is None or self._engine is None or self.dirpath is None:
             return []
         from tnt_snapshot_plugin import retention
 
-        store = open_store(self.dirpath, self._config.storage_options)
+        store = open_store(str(self.dirpath), self._config.storage_options)
         ranked = retention.ranked(store.listed(), best.metric, best.mode)
         if best.k is not None:
             ranked = ranked[: best.k]
@@ -122,6 +130,17 @@ class BestSnapshots(ModelCheckpoint):
             assert value is not None
             found.append((store.child(record.text), value))
         return found
+
+    def _newest(self) -> str:
+        """The newest complete snapshot in ``dirpath`` whose index reads, in commit order ("" if
+        none)."""
+        if self._engine is None or self.dirpath is None:
+            return ""
+        store = open_store(str(self.dirpath), self._config.storage_options)
+        for record in reversed(store.listed()):
+            if record.problem is None:
+                return store.child(record.text)
+        return ""
 
     def _best(self) -> Optional[tuple[str, float]]:
         ranked = self._ranked()

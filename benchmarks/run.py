@@ -4,6 +4,7 @@ torch.distributed.checkpoint and Lightning, with the machine's own floors.
 
     python benchmarks/run.py                 # 64 MiB, 1 GiB and 10,000 x 4 KiB states
     python benchmarks/run.py --quick         # small states, one pass (< 1 minute)
+    python benchmarks/run.py --smoke         # every part, on the least work (figures meaningless)
     python benchmarks/run.py --out results.json --sizes 64MiB --reps 5
     python benchmarks/run.py --sizes 10k --skip hooks loop first-stall   # one state only
 
@@ -69,6 +70,33 @@ QUICK = [
     StateSpec("8 MiB (8 x 1 MiB)", 8, (512, 512), reps=2, checksums=True),
     StateSpec("500 x 4 KiB", 500, (1024,), reps=2, profile="small", checksums=True),
 ]
+#: --smoke: the least work that still runs every part of the run (tests/test_benchmark_smoke.py)
+SMOKE = [
+    StateSpec("2 MiB (2 x 1 MiB)", 2, (512, 512), reps=1, checksums=True),
+    StateSpec("50 x 4 KiB", 50, (1024,), reps=1, profile="small", checksums=True),
+]
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much the parts besides the per-size tables measure: the hook cost (calls per sample,
+    samples), the real loops (steps and rounds, MiB of work and ms of sleep per step), the loop
+    on 2 ranks (steps, rounds), the first stall (MiB, runs) and the disk floor (bytes at least)."""
+
+    hook_calls: int
+    hook_repeats: int
+    loop: tuple[int, int, int, float]
+    loop_distributed: tuple[int, int, int, float]
+    two_ranks: tuple[int, int]
+    first_stall: tuple[int, int]
+    floor_bytes: int
+
+
+EFFORT = {
+    "full": Effort(200_000, 9, (100, 5, 8, 20.0), (100, 3, 8, 20.0), (100, 3), (128, 3), 64 * MiB),
+    "quick": Effort(20_000, 5, (40, 2, 8, 0.0), (40, 2, 8, 0.0), (20, 1), (32, 1), 64 * MiB),
+    "smoke": Effort(2_000, 3, (10, 1, 1, 0.0), (10, 1, 1, 0.0), (5, 1), (4, 1), 4 * MiB),
+}
 #: Parts of the run besides the per-size method tables (--skip leaves them out).
 EXTRAS = ("hooks", "loop", "checksums", "first-stall")
 
@@ -183,14 +211,15 @@ def _check_restore(model: torch.nn.Module, target: torch.nn.Module, first_value:
 
 
 def run_size(
-    spec: StateSpec, methods: list[Method], workdir: str, reps: int, log: Any, checksums: bool = True
+    spec: StateSpec, methods: list[Method], workdir: str, reps: int, log: Any, checksums: bool = True,
+    floor_bytes: int = 64 * MiB,
 ) -> dict[str, Any]:
     model = make_model(spec, seed=0)
     target = make_model(spec, seed=1)
     nbytes = spec.nbytes
     print(f"\n## {spec.label}: floors", file=log, flush=True)
     floor_copy = measure.copy_floor(tensors_of(model), reps=max(3, reps))
-    floor_disk = measure.disk_floor(workdir, max(nbytes, 64 * MiB), reps=max(2, min(reps, 3)))
+    floor_disk = measure.disk_floor(workdir, max(nbytes, floor_bytes), reps=max(2, min(reps, 3)))
     floors = {
         "copy_s": floor_copy["tensors_s"],
         "copy_flat_s": floor_copy["flat_s"],
@@ -263,6 +292,11 @@ def run_size(
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small states, 2 reps (< 1 minute)")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="every part on the least work (tiny states, 1 rep): checks that the run works; its "
+        "figures mean nothing",
+    )
     parser.add_argument("--out", default="bench-results/results.json", help="where to write the JSON")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp)")
@@ -288,7 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.disable(logging.WARNING)
     torch.set_num_threads(args.threads)
 
-    specs = QUICK if args.quick else FULL
+    level = "smoke" if args.smoke else "quick" if args.quick else "full"
+    effort = EFFORT[level]
+    specs = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[level]
     if args.sizes:
         def squash(text: str) -> str:
             return text.lower().replace(" ", "").replace(",", "")
@@ -303,7 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     workdir = tempfile.mkdtemp(prefix="tnt_bench_", dir=args.dir)
     results: dict[str, Any] = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "quick": args.quick,
+        "quick": level != "full",
+        "smoke": args.smoke,
         "machine": {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
@@ -322,9 +359,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             from hooks import hook_costs
 
             t = time.perf_counter()
-            n = args.hook_calls or (20_000 if args.quick else 200_000)
+            n = args.hook_calls or effort.hook_calls
             print("## hook cost on a non-saving step", file=log, flush=True)
-            results["hooks"] = hook_costs(n=n, repeats=5 if args.quick else 9)
+            results["hooks"] = hook_costs(n=n, repeats=effort.hook_repeats)
             timings["hooks"] = time.perf_counter() - t
         if "loop" not in args.skip:
             from agreement import agreement_costs
@@ -341,14 +378,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             results["loop"] = loops(
                 "hook cost on a non-saving step in real torchtnt loops", "loop",
-                lambda: loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
-                else loop_costs(steps=100, rounds=5, work_mib=8, sleep_ms=20.0),
+                lambda: loop_costs(*effort.loop),
             )
             try:
                 results["loop_2ranks"] = loops(
                     "the same on 2 gloo ranks (torch.distributed, subprocesses)", "loop (2 ranks)",
-                    lambda: agreement_costs(steps=20, rounds=1) if args.quick
-                    else agreement_costs(steps=100, rounds=3),
+                    lambda: agreement_costs(*effort.two_ranks),
                 )
             except Exception as exc:
                 results["loop_2ranks_error"] = f"{type(exc).__name__}: {exc}"
@@ -362,21 +397,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "loop" not in args.skip:
             results["loop_distributed"] = loops(
                 "the same, under torch.distributed (a 1-rank gloo group)", "loop (torch.distributed)",
-                lambda: loop_costs(steps=40, rounds=2, work_mib=8, sleep_ms=0.0) if args.quick
-                else loop_costs(steps=100, rounds=3, work_mib=8, sleep_ms=20.0),
+                lambda: loop_costs(*effort.loop_distributed),
             )
         for spec in specs:
             t = time.perf_counter()
             reps = args.reps or spec.reps
             results["sizes"].append(
-                run_size(spec, select(args.methods), workdir, reps, log, checksums="checksums" not in args.skip)
+                run_size(
+                    spec, select(args.methods), workdir, reps, log,
+                    checksums="checksums" not in args.skip, floor_bytes=effort.floor_bytes,
+                )
             )
             timings[spec.label] = time.perf_counter() - t
         if "first-stall" not in args.skip:
             from first_stall import first_stall
 
             t = time.perf_counter()
-            mib, runs = (32, 1) if args.quick else (128, 3)
+            mib, runs = effort.first_stall
             print(f"## first snapshot stall ({mib} MiB, {runs} run(s) each way, fresh processes)", file=log, flush=True)
             try:
                 results["first_stall"] = first_stall(mib, runs, args.dir, log)

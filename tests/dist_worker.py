@@ -28,6 +28,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotError, SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
 from tnt_snapshot_plugin.stores import LocalStore
 from tnt_snapshot_plugin.testing import FaultyStore, register
 from toy import StatefulLoader, ToyUnit, make_data, seed_everything, weights
@@ -369,6 +370,22 @@ def scenario_failure(rank: int, out: str, record: dict[str, Any]) -> None:
     dist.barrier()
     if rank == 0:
         record["raise"]["dir"] = sorted(os.listdir(raise_dir))
+
+    # 2b. Rank 1 fails and rank 0 fails only as a consequence (a collective that lost its
+    #     peer): every rank reports rank 1's error, not rank 0's.
+    coll = Collectives.create(None, 30)
+    try:
+        mine: BaseException = (
+            OSError(28, "No space left on device (injected on rank 1)")
+            if rank == 1
+            else coll.failed("gather", RuntimeError("Connection closed by peer"))
+        )
+        raise_if_any_failed(coll, mine, "writing snapshot epoch_0_step_4")
+        record["verdict"] = {"error": None}
+    except Exception as exc:
+        record["verdict"] = {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        coll.close()
 
     # 3. Rank 1 fails outside the write (its state_dict raises) and leaves training while rank 0
     #    goes on: rank 0 must fail within the collective timeout, with a typed error.

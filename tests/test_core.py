@@ -234,9 +234,10 @@ class _Peers:
 
 def _report(error: Exception) -> object:
     """What a rank that failed with ``error`` contributes to raise_if_any_failed's all_gather."""
+    from tnt_snapshot_plugin.distributed import is_consequence
     from tnt_snapshot_plugin.errors import SnapshotCorruptError
 
-    return (isinstance(error, SnapshotCorruptError), f"{type(error).__name__}: {error}")
+    return (isinstance(error, SnapshotCorruptError), f"{type(error).__name__}: {error}", is_consequence(error))
 
 
 def test_damage_on_any_rank_is_raised_as_damage_on_every_rank_together():

@@ -267,6 +267,19 @@ def test_write_error_on_one_rank_raises_on_every_rank(failure):
     assert failure[0]["raise"]["dir"] == ["epoch_0_step_2"]
 
 
+def test_every_rank_reports_the_rank_where_a_failure_began(failure):
+    """Rank 1's own error against rank 0's that only follows from it (a collective that lost
+    its peer): both ranks report rank 1's, and rank 0's never."""
+    rank0, rank1 = failure[0]["verdict"], failure[1]["verdict"]
+    assert rank1["error"] == "OSError"  # its own, as it was raised
+    assert rank0["error"] == "DistributedError"
+    assert "rank 1: OSError: [Errno 28] No space left on device (injected on rank 1)" in rank0["message"]
+    for verdict in (rank0, rank1):
+        assert "No space left on device (injected on rank 1)" in verdict["message"]
+        assert "Another rank has probably stopped" not in verdict["message"]
+        assert "rank 0" not in verdict["message"]
+
+
 def test_rank_that_leaves_training_does_not_hang_the_others(failure):
     """Rank 1's state_dict raises at a snapshot and it leaves training while staying alive; rank 0
     stops with a typed DistributedError after collective_timeout_s instead of waiting forever."""

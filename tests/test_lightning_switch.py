@@ -280,7 +280,9 @@ def test_save_top_k_without_monitor_keeps_the_latest_or_all(tmp_path, save_top_k
     mc, saver = both(tmp_path, every_n_train_steps=2, save_top_k=save_top_k)
     assert kept(tmp_path / "mc") == steps
     assert kept(tmp_path / "snaps") == steps
-    assert saver.best_model_path == "" and saver.best_model_score is None
+    # without monitor, ModelCheckpoint's best_model_path is the newest checkpoint it saved
+    assert step_of(saver.best_model_path) == step_of(mc.best_model_path) == steps[-1]
+    assert saver.best_model_score is None and mc.best_model_score is None
 
 
 def test_save_top_k_without_monitor_defaults_to_keeping_every_snapshot(tmp_path):

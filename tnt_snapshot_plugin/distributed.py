@@ -208,7 +208,9 @@ class Collectives:
             cls = getattr(errors, kind, None)
             if not (isinstance(cls, type) and issubclass(cls, SnapshotError)):
                 cls = DistributedError
-            raise cls(f"rank 0 failed in a checkpoint step: {message}")
+            relayed = cls(f"rank 0 failed in a checkpoint step: {message}")
+            relayed.consequence = True  # type: ignore[attr-defined]  # rank 0's is the cause
+            raise relayed
         return cast(T, value)
 
 
@@ -299,30 +301,46 @@ class AgreedFlag:
                 pass  # cleanup after training: never raise over the error that ended it
 
 
+def is_consequence(error: BaseException) -> bool:
+    """Whether ``error`` only follows from a failure elsewhere (a collective that lost a peer,
+    another rank's error relayed, a write refused after an earlier one failed): never the cause
+    to report when the cause itself is known."""
+    return isinstance(error, DistributedError) or bool(getattr(error, "consequence", False))
+
+
 def raise_if_any_failed(
     coll: Collectives, error: Optional[BaseException], what: str, *, together: Optional[type[SnapshotError]] = None
 ) -> None:
     """Tell every rank whether any rank failed ``what``; raise the same error kind everywhere.
 
+    Every rank reports the failures that caused it: a rank's error that only follows from
+    another's (:func:`is_consequence`) is left out while a cause is known, so the rank where the
+    failure began is the one named on every rank, however the ranks' timing fell.
+
     ``together``: an error class that, when every rank that failed raised one, is raised on every
     rank (those that did not fail too) marked ``all_ranks``: the ranks may then go on together
     (restore_from_latest falls back from a snapshot any rank found damaged)."""
     together_kind = together is not None and isinstance(error, together)
-    reports = coll.all_gather(None if error is None else (together_kind, f"{type(error).__name__}: {error}"))
-    failed = [(rank, report[1]) for rank, report in enumerate(reports) if report is not None]
+    consequence = error is not None and is_consequence(error)
+    reports = coll.all_gather(
+        None if error is None else (together_kind, f"{type(error).__name__}: {error}", consequence)
+    )
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if not failed:
         return
-    one_verdict = len(failed) == 1 or len({msg for _rank, msg in failed}) == 1
-    detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
-    if together is not None and all(report[0] for report in reports if report is not None):
-        if error is not None and one_verdict:
+    causes = [(rank, report) for rank, report in failed if not report[2]] or failed
+    own_cause = error is not None and (not consequence or len(causes) == len(failed))
+    one_verdict = len({report[1] for _rank, report in causes}) == 1
+    detail = "; ".join(f"rank {rank}: {report[1]}" for rank, report in causes)
+    if together is not None and all(report[0] for _rank, report in causes):
+        if error is not None and own_cause and one_verdict:
             error.all_ranks = True  # type: ignore[attr-defined]
             raise error
         shared = together(f"{what} failed: {detail}")
         shared.all_ranks = True  # type: ignore[attr-defined]
         raise shared from error
-    if error is not None and one_verdict:
+    if error is not None and own_cause and one_verdict:
         raise error  # this rank's own, or the same verdict on every rank that failed
-    if isinstance(error, SnapshotError):
+    if isinstance(error, SnapshotError) and own_cause:
         raise type(error)(f"{what} failed: {detail}") from error
     raise DistributedError(f"{what} failed: {detail}") from error

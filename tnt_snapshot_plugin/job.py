@@ -49,6 +49,9 @@ class Job:
     bytes_written: int = 0
     #: the staged state dicts' source tensors, let go of on the writer thread (Stager.take_sources)
     sources: Any = None
+    #: set while a write is tried again after older snapshots were deleted early to make room
+    #: (retaining.FreedEarly.failed): its failure says so, instead of "Older snapshots are intact"
+    freed_early: Optional[str] = None
 
     @property
     def done(self) -> bool:
@@ -145,11 +148,12 @@ def _run(job: Job, write: Callable[[Job], None]) -> None:
         job.durable_s = time.perf_counter() - job.started
 
 
-def failure_message(path: str, name: SnapshotName, exc: BaseException) -> str:
-    """What a failed snapshot is reported as (raised or warned, as ``on_save_error`` says)."""
+def failure_message(path: str, name: SnapshotName, exc: BaseException, freed_early: Optional[str] = None) -> str:
+    """What a failed snapshot is reported as (raised or warned, as ``on_save_error`` says);
+    ``freed_early``: what became of the older snapshots deleted to make room for it (Job)."""
     return (
         f"snapshot {path} (epoch {name.epoch}, step {name.step}) failed and was not committed: "
-        f"{type(exc).__name__}: {exc}. Older snapshots are intact."
+        f"{type(exc).__name__}: {exc}. {freed_early or 'Older snapshots are intact.'}"
     )
 
 
@@ -329,7 +333,9 @@ class JobTracking(SaverParts):
             self._last_name = None
             raise error
         if error is not None:
-            self._report_failure(failure_message(job.path, job.name, error), error, stacklevel=4)
+            self._report_failure(
+                failure_message(job.path, job.name, error, job.freed_early), error, stacklevel=4
+            )
             return
         self._failure = None
         self._blocked_s = 0.0  # the storage answers: a new budget of waits

@@ -1,6 +1,7 @@
 """Retention around a commit: what the preservation policies (policies.py) let go once a snapshot
 is committed (and at train start, caught up after a run killed before its retention), and, when the storage ran out of space, what they would let go deleted early, before
-the commit, so the write can be tried again. Rank 0 deletes; retention.py says what may ever be
+the commit, so the write can be tried again (and, if that fails too, said in its failure: those
+snapshots are gone). Rank 0 deletes; retention.py says what may ever be
 deleted. Functions of a :class:`~tnt_snapshot_plugin.writer_job.SnapshotWriter`."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from . import retention
@@ -15,20 +17,56 @@ from . import retention
 logger = logging.getLogger("tnt_snapshot_plugin.writer_job")
 
 
-def free_space_for(writer: Any, job: Any, exc: BaseException) -> bool:
-    """After the failed write of ``job`` (failed on every rank): whether it ran out of space
-    on some rank, and rank 0 deleted snapshots retention would delete once ``job`` commits
-    (collective); the write may then be tried again."""
+@dataclass(frozen=True)
+class FreedEarly:
+    """Snapshots deleted before a commit to make room for it (:func:`free_early`): ``names``,
+    from ``url``, where ``newest``, the newest committed snapshot, was spared."""
+
+    url: str
+    names: tuple[str, ...]
+    newest: str
+
+    def _them(self) -> tuple[str, str]:
+        """(the names, as a phrase; the pronoun for them)."""
+        return ", ".join(self.names), ("it" if len(self.names) == 1 else "them")
+
+    def written(self, snapshot: Any) -> str:
+        """What happened, once the write tried again has committed ``snapshot``."""
+        names, them = self._them()
+        return (
+            f"{self.url} ran out of space writing snapshot {snapshot}; deleted {names} before "
+            f"its commit (retention deletes {them} once it is committed) and wrote it again"
+        )
+
+    def failed(self) -> str:
+        """What happened, for the failure of the write tried again (instead of "older snapshots
+        are intact": these are not)."""
+        names, them = self._them()
+        return (
+            f"The storage ran out of space, so {names} {'was' if len(self.names) == 1 else 'were'} "
+            f"deleted before this snapshot's commit to make room for it (retention deletes {them} "
+            "once this snapshot is committed) and the write was tried again, which failed too: "
+            f"{names} {'is' if len(self.names) == 1 else 'are'} gone and this snapshot, which "
+            f"replaces {them}, is not committed. The newest committed snapshot, {self.newest}, and "
+            "the other older snapshots are intact. Give dirpath room for one snapshot more than "
+            "it keeps."
+        )
+
+
+def free_space_for(writer: Any, job: Any, exc: BaseException) -> Optional[FreedEarly]:
+    """After the failed write of ``job`` (failed on every rank): if it ran out of space on some
+    rank, rank 0 deletes the snapshots retention would delete once ``job`` commits (collective);
+    what it deleted, on every rank (the write may then be tried again), or None."""
     coll = writer.coll
     if writer.preservation is None:
-        return False
+        return None
     no_space = is_no_space(exc)
     if coll.world_size > 1:
         no_space = any(coll.all_gather(no_space))
     if not no_space:
-        return False
+        return None
 
-    def free() -> bool:
+    def free() -> Optional[FreedEarly]:
         try:
             return free_early(writer, job)
         except Exception as error:  # the write's own failure is the one reported
@@ -36,18 +74,18 @@ def free_space_for(writer: Any, job: Any, exc: BaseException) -> bool:
                 f"could not make room for snapshot {job.name} in {writer.store.url}: "
                 f"{type(error).__name__}: {error}"
             )
-            return False
+            return None
 
     return coll.on_rank0(free)
 
 
-def free_early(writer: Any, job: Any) -> bool:
+def free_early(writer: Any, job: Any) -> Optional[FreedEarly]:
     """Rank 0: delete what retention would delete once ``job`` commits, sparing the newest
-    committed snapshot; whether anything was deleted."""
+    committed snapshot; what was deleted (None: nothing)."""
     store = writer.store
     listed = [r for r in store.listed() if r.text != job.name.text]
     if not listed:
-        return False
+        return None
     newest = listed[-1]  # commit order: never freed, whatever retention would say
     this = retention.Listed(
         job.name,
@@ -63,26 +101,29 @@ def free_early(writer: Any, job: Any) -> bool:
     assert writer.preservation is not None
     doomed = writer.preservation.to_delete(listed + [this], protect=[job.name.text, newest.text, *writer.protected])
     if not doomed:
-        return False
+        return None
     problems = retention.apply(store, doomed)
     freed = [r.text for r in doomed if r.text not in store.list_names()]
     job.warnings.extend(problems)
     if not freed:
-        return False
-    message = (
-        f"{store.url} ran out of space writing snapshot {job.name}; deleted "
-        f"{', '.join(freed)} before its commit (retention deletes them once it is committed) "
-        "and wrote it again"
-    )
+        return None
+    return FreedEarly(store.url, tuple(freed), newest.text)
+
+
+def note_written_again(writer: Any, job: Any, freed: FreedEarly) -> None:
+    """Rank 0, once ``job`` written again after :func:`free_early` has committed: a warning the
+    first time in a run, then a line at INFO."""
+    if writer.coll.rank != 0:
+        return
+    message = freed.written(job.name)
     if writer._space_warned:
         logger.info("%s", message)
-    else:
-        writer._space_warned = True
-        job.warnings.append(
-            message + ". Later snapshots of this run do the same, logged at INFO; give "
-            "dirpath room for one snapshot more than it keeps to write them only once"
-        )
-    return True
+        return
+    writer._space_warned = True
+    job.warnings.append(
+        message + ". Later snapshots of this run do the same, logged at INFO; give "
+        "dirpath room for one snapshot more than it keeps to write them only once"
+    )
 
 
 def retain_after_commit(writer: Any, job: Any, listed: list[retention.Listed]) -> None:

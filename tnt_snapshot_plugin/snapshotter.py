@@ -239,9 +239,15 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
     # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
-        """Take the final snapshot unless this state is already saved, and wait for it."""
+        """Take the final snapshot unless this state is already saved, and wait for it.
+
+        Already saved: the last snapshot taken has this (epoch, step), whether or not it was
+        taken after an eval epoch (``..._eval_V``: an eval epoch takes no optimizer step), as
+        torchtnt's saver finds its final snapshot's name taken under ``fit()``."""
         try:
-            if self.config.save_on_train_end:
+            last = SnapshotName.parse(self._last_name) if self._last_name is not None else None
+            saved = last is not None and (last.epoch, last.step) == (epoch, step)
+            if self.config.save_on_train_end and not saved:
                 self.save(epoch, step, functools.partial(collect, False), event="train_end")
             self.wait()
         finally:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, TypeVar
@@ -45,7 +46,7 @@ from .format import writer as fmt
 from .format.common import METADATA_FNAME
 from .index import seal as seal_index
 from .loading import LoadCheck
-from .retaining import chain, free_space_for, retain_after_commit
+from .retaining import chain, free_space_for, note_written_again, retain_after_commit
 from .stores import DirLock, Store
 from .stores.ownership import writer_identity
 
@@ -116,14 +117,19 @@ class SnapshotWriter:
         A write that fails for lack of space (ENOSPC, EDQUOT on any rank), with retention set,
         is written once more after the snapshots retention would delete once this one commits
         are deleted (never the newest committed one): room for exactly ``keep_last_n_snapshots``
-        snapshots is then enough.
+        snapshots is then enough. If that write fails too, ``job.freed_early`` says which
+        snapshots are gone (its failure message reports it).
         """
         try:
             self._write_once(job, run_id, locked=locked)
         except Exception as exc:
-            if not free_space_for(self, job, exc):
+            freed = free_space_for(self, job, exc)
+            if freed is None:
                 raise
+            job.freed_early = freed.failed()
             self._write_once(job, run_id, locked=locked)
+            job.freed_early = None
+            note_written_again(self, job, freed)
 
     def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
         coll, store = self.coll, self.store
@@ -216,9 +222,11 @@ class SnapshotWriter:
                 pack_buffer=self._pack_buffer if gather else None,
             ).entries
         except Exception as exc:
-            # A failure of the storage comes out of writes.submit (it remembers it); any
-            # other is the format's, encoding the state.
-            error = write_error(job, exc) if exc is writes.failed else unencodable(job, exc, leaves)
+            # A failure of the storage comes out of writes.submit, and writes.finish raises the
+            # write that failed first (not a write refused after it); any other is the
+            # format's, encoding the state.
+            if exc is not writes.failed:
+                error = unencodable(job, exc, leaves)
         try:  # every write submitted is waited for, even after a failure (then discarded)
             sizes, sums = writes.finish()
         except Exception as exc:
@@ -363,7 +371,11 @@ class SnapshotWriter:
 
 class _Writes:
     """The payload files of one snapshot on this rank, each written as soon as it is submitted:
-    on the writer's I/O threads (several files at once), or at once on the calling thread."""
+    on the writer's I/O threads (several files at once), or at once on the calling thread.
+
+    The first write that fails, by the time it fails, is the snapshot's failure: the writes not
+    started by then are refused (:class:`_NotWritten`), and those refusals are never the error
+    reported, whatever order the writes were submitted in."""
 
     def __init__(self, writer: SnapshotWriter, staging: str) -> None:
         self._writer = writer
@@ -376,19 +388,29 @@ class _Writes:
         #: the first write that failed: the writes not started yet are not made (a storage that
         #: stopped answering then costs the writes in flight, not every file of the snapshot)
         self._broken: Optional[BaseException] = None
+        self._lock = threading.Lock()
 
     def submit(self, payload: fmt.Payload) -> None:
         try:
             self._check_broken()
             self._submit(payload)
         except BaseException as exc:
+            self._note(exc)
             self.failed = exc
             raise
+
+    def _note(self, exc: BaseException) -> None:
+        """Keep ``exc`` as the failure of this snapshot's writes unless one failed before it."""
+        if isinstance(exc, _NotWritten):
+            return
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
 
     def _check_broken(self) -> None:
         broken = self._broken
         if broken is not None:
-            raise SnapshotWriteError(
+            raise _NotWritten(
                 f"not written: an earlier write of this snapshot failed ({type(broken).__name__})"
             ) from broken
 
@@ -402,8 +424,7 @@ class _Writes:
             try:
                 return fn(*args)
             except BaseException as exc:
-                if self._broken is None:
-                    self._broken = exc
+                self._note(exc)
                 raise
 
         assert self.pool is not None
@@ -433,17 +454,26 @@ class _Writes:
             self._pending.append(self._on_pool(writer._write_payload, staging, payload))
 
     def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
-        """Wait for every write; the files' sizes and checksum records. Raises the first
-        failure, once all writes have ended."""
+        """Wait for every write; the files' sizes and checksum records. Raises the first write
+        that failed (by the time it failed), once all writes have ended."""
         wait(self._pending)
+        if self._broken is not None:
+            raise self._broken
         for future in self._pending:
-            self._done.append(future.result())  # the first failure raises
+            self._done.append(future.result())
         sizes: dict[str, int] = {}
         sums: dict[str, dict[str, Any]] = {}
         for rel, size, checksum in self._done:
             sizes[rel] = size
             sums[rel] = checksum
         return sizes, sums
+
+
+class _NotWritten(SnapshotWriteError):
+    """A write refused because an earlier write of the same snapshot failed: a consequence,
+    never the failure reported (:meth:`_Writes.finish` raises the earlier one)."""
+
+    consequence = True  # distributed.is_consequence
 
 
 def _write_part(
