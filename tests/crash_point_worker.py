@@ -15,8 +15,9 @@ fsspec store over s3fs), both S3 ones against moto's server:
   ``epoch_0_step_2``, its commit, the retention deleting ``epoch_0_step_1``, train end. The tracer
   sees every operation on the storage: on local disk the system calls that change state (open
   for writing, write, writev, pwrite, ftruncate, fsync, fdatasync, mkdir, rename, unlink, rmdir),
-  on S3 every HTTP request (botocore's ``before-send``), through fsspec every call on the
-  filesystem object; the result lists them in order, ``[kind, target, n, nbytes]`` each (the
+  on S3 every HTTP request (botocore's ``before-send``), through fsspec every call of fsspec's
+  API on the filesystem object. It wraps what the plugin calls (``os``, botocore, the fsspec
+  instance), never the plugin's own functions. The result lists them in order, ``[kind, target, n, nbytes]`` each (the
   n-th of that kind on that target; staging tokens and random ids in paths read ``<token>``,
   ``<id>``). With ``kill`` (``{"key": [kind, target, n], "mid": bool}``) the run SIGKILLs
   itself right before that operation, or (``mid``) after writing the first half of that
@@ -40,6 +41,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import random
@@ -57,6 +59,7 @@ from typing import Any, Callable, Optional
 warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
 
 import boto3  # noqa: E402, F401  (imported before the fork, not in every child)
+import botocore.session  # noqa: E402
 import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import s3fs  # noqa: E402, F401
@@ -66,7 +69,6 @@ from torchtnt.framework.callback import Callback  # noqa: E402
 from torchtnt.framework.train import train  # noqa: E402
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
-from tnt_snapshot_plugin.stores import fsspec as fsspec_store  # noqa: E402
 from tnt_snapshot_plugin.stores import open_store  # noqa: E402
 from tnt_snapshot_plugin.stores import s3 as s3_store  # noqa: E402
 from toy import StatefulLoader, ToyUnit, make_data, seed_everything  # noqa: E402
@@ -170,15 +172,17 @@ def run_setup(request: dict[str, Any]) -> dict[str, Any]:
 
 def run_save(request: dict[str, Any]) -> dict[str, Any]:
     dirpath, options = request["dirpath"], request["options"]
+    points = Points(request.get("kill"))
+    # in place before the restore (whose S3 client the saver shares), counting after it
+    TRACERS[request["backend"]](points, dirpath, options)
     unit, loader = fresh()
     if not restore(dirpath, options, unit, loader):
         raise AssertionError(f"the previous snapshot is missing from {dirpath}")
-    points = Points(request.get("kill"))
-    TRACERS[request["backend"]](points, dirpath)
     record = Record(loader)
+    points.armed = True
     train(unit, loader, max_steps=unit.train_progress.num_steps_completed + 1,
           callbacks=[saver(dirpath, options), record])
-    points.disarm()
+    points.armed = False
     return {"ops": points.ops, "steps": record.steps}
 
 
@@ -267,7 +271,8 @@ class Points:
         self._counts: dict[tuple[str, str], int] = {}
         self.ops: list[list[Any]] = []
         self.kill = kill
-        self.armed = True
+        #: whether operations are counted now (and the kill can happen)
+        self.armed = False
 
     def hit(self, kind: str, target: str, nbytes: int = 0, *, count: bool = True) -> bool:
         """An operation is about to run; kill this process here if it is the n-th of its kind on
@@ -295,12 +300,8 @@ class Points:
         n = self._counts[(kind, target)] = self._counts.get((kind, target), 0) + 1
         self.ops.append([kind, target, n, nbytes])
 
-    def disarm(self) -> None:
-        with self._lock:
-            self.armed = False
 
-
-def trace_local(points: Points, dirpath: str) -> None:
+def trace_local(points: Points, dirpath: str, options: Optional[dict[str, Any]]) -> None:
     """Wrap the os functions that change files, and builtins.open for writing, process-wide; the
     calls on dirpath and below are operations, counted once they have run without an error (an
     open that finds its directory missing, a mkdir that finds it made by another thread change
@@ -412,92 +413,74 @@ def trace_local(points: Points, dirpath: str) -> None:
     builtins.open = open_file
 
 
-def trace_s3(points: Points, dirpath: str) -> None:
-    """Every HTTP request of the plugin's S3 clients (botocore's before-send event)."""
+def trace_s3(points: Points, dirpath: str, options: Optional[dict[str, Any]]) -> None:
+    """Every HTTP request of the S3 clients made from now on (botocore's before-send event)."""
     bucket, _, prefix = dirpath[len("s3://"):].partition("/")
-    real_client = s3_store.s3_client
-    hooked: set[int] = set()
+    real_create_client = botocore.session.Session.create_client
 
     def rel(key: str) -> str:
-        key = urllib.parse.unquote(key)
-        if key == prefix or key == prefix + "/":
+        key = urllib.parse.unquote(key).rstrip("/")
+        if key == prefix:
             return "."
         return normalized(key[len(prefix) + 1:] if key.startswith(prefix + "/") else "/" + key)
 
     def before_send(request: Any, **kwargs: Any) -> None:
         url = urllib.parse.urlsplit(request.url)
         path = urllib.parse.unquote(url.path).lstrip("/")
-        key = path[len(bucket) + 1:] if path.startswith(bucket + "/") else ""
         query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
-        method = request.method
         if "list-type" in query:
-            kind, target = "LIST", rel(query.get("prefix", [""])[0].rstrip("/"))
+            kind, target = "LIST", rel(query.get("prefix", [""])[0])
             if query.get("delimiter"):
                 target += " (one level)"
-        elif "delete" in query:
-            body = request.body if isinstance(request.body, bytes) else (request.body or b"")
-            if not isinstance(body, bytes):
-                body = body.read() if hasattr(body, "read") else bytes(body)
-                request.body = body
-            keys = sorted(rel(k) for k in re.findall(r"<Key>(.*?)</Key>", body.decode()))
-            kind, target = "DELETE-OBJECTS", ", ".join(keys)
+        elif "delete" in query:  # DeleteObjects: the keys are in the body
+            body = request.body if isinstance(request.body, bytes) else b""
+            kind = "DELETE-OBJECTS"
+            target = ", ".join(sorted(rel(k) for k in re.findall(r"<Key>(.*?)</Key>", body.decode())))
         else:
-            kind, target = method, rel(key) if key else "(bucket)"
+            key = path[len(bucket) + 1:] if path.startswith(bucket + "/") else ""
+            kind, target = request.method, rel(key) if key else "(bucket)"
         points.hit(kind, target)
 
-    def s3_client(*args: Any, **kwargs: Any) -> Any:
-        client = real_client(*args, **kwargs)
-        if id(client) not in hooked:
-            hooked.add(id(client))
+    def create_client(self: Any, service_name: str, *args: Any, **kwargs: Any) -> Any:
+        client = real_create_client(self, service_name, *args, **kwargs)
+        if service_name == "s3":
             client.meta.events.register("before-send.s3", before_send)
         return client
 
-    s3_store.s3_client = s3_client
+    botocore.session.Session.create_client = create_client  # type: ignore[method-assign]
 
 
-class TracedFilesystem:
-    """An fsspec filesystem whose every public call (but cache bookkeeping) is counted."""
+def trace_fsspec(points: Points, dirpath: str, options: Optional[dict[str, Any]]) -> None:
+    """Every call on dirpath's fsspec filesystem object (the instance fsspec hands every store
+    opened with these options) but its cache bookkeeping."""
+    fs, root = fsspec.core.url_to_fs(dirpath, **(options or {}))
+    root = root.rstrip("/")
 
-    UNCOUNTED = frozenset({"invalidate_cache", "unstrip_protocol"})
-
-    def __init__(self, fs: Any, root: str, points: Points) -> None:
-        self._fs, self._root, self._points = fs, root.rstrip("/"), points
-
-    def _rel(self, path: Any) -> str:
+    def rel(path: Any) -> str:
         if isinstance(path, (list, tuple)):
-            return ", ".join(sorted(self._rel(p) for p in path))
+            return ", ".join(sorted(rel(p) for p in path))
         path = str(path).rstrip("/")
-        if path == self._root:
+        if path == root:
             return "."
-        if path.startswith(self._root + "/"):
-            return normalized(path[len(self._root) + 1:])
-        return "/" + path
+        return normalized(path[len(root) + 1:] if path.startswith(root + "/") else "/" + path)
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._fs, name)
-        if name.startswith("_") or name in self.UNCOUNTED or not callable(value):
-            return value
-
+    def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self._points.hit(name, self._rel(args[0]) if args else "")
-            return value(*args, **kwargs)
+            points.hit(name, rel(args[0]) if args else "")
+            return method(*args, **kwargs)
 
         return call
 
-
-def trace_fsspec(points: Points, dirpath: str) -> None:
-    """Every call of the fsspec store on its filesystem object."""
-    real = fsspec_store._filesystem
-
-    def _filesystem(url: str, storage_options: Optional[dict[str, Any]]) -> tuple[Any, str]:
-        fs, path = real(url, storage_options)
-        root = real(dirpath, storage_options)[1]
-        return TracedFilesystem(fs, root, points), path
-
-    fsspec_store._filesystem = _filesystem
+    for name in dir(fsspec.AbstractFileSystem):  # fsspec's API, not the implementation's helpers
+        if (name.startswith("_") or name in ("invalidate_cache", "unstrip_protocol")
+                or isinstance(inspect.getattr_static(fsspec.AbstractFileSystem, name), property)):
+            continue
+        method = getattr(fs, name)
+        if callable(method):
+            setattr(fs, name, counted(name, method))
 
 
-TRACERS: dict[str, Callable[[Points, str], None]] = {"local": trace_local, "s3": trace_s3, "fsspec": trace_fsspec}
+TRACERS: dict[str, Callable[[Points, str, Optional[dict[str, Any]]], None]] = {"local": trace_local, "s3": trace_s3, "fsspec": trace_fsspec}
 RUNS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "reference": run_reference, "setup": run_setup, "save": run_save, "check": run_check,
 }
