@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import stat
+import tempfile
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
@@ -208,10 +209,10 @@ class LocalStore(Store):
             raise ConfigError(f"dirpath {self.url!r} exists and is not a directory; pass a directory")
         try:
             os.makedirs(self.root, exist_ok=True)
-            probe = os.path.join(self.root, f".tnt_write_probe.{uuid.uuid4().hex}")
-            with open(probe, "wb"):
+            # A file without a name (O_TMPFILE, where the filesystem has it): a process killed
+            # meanwhile leaves nothing in dirpath.
+            with tempfile.TemporaryFile(dir=self.root):
                 pass
-            os.remove(probe)
         except OSError as exc:
             raise ConfigError(
                 f"dirpath {self.url!r} cannot be written ({exc.strerror or exc}); "
