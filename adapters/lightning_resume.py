@@ -90,7 +90,7 @@ class ResumeFromSnapshots(ModelCheckpoint):
             found = found_in(store)
             if found.empty:  # a first run: what ckpt_path="last" is for
                 rank_zero_info(
-                    f'TorchSnapshotSaver: ckpt_path="last": {self.dirpath} {found.text}, no snapshot '
+                    f'TorchSnapshotSaver: ckpt_path="last": no complete snapshot in {self.dirpath} '
                     "yet; training starts from the beginning."
                 )
             elif trainer.is_global_zero:

@@ -89,8 +89,9 @@ class TorchSnapshotSaver(Callback):
             ``enable_storage_optimization`` is ignored, as torchtnt 0.2.4 ignores it (a no-op
             reserved for future use there).
         save_on_train_end: take a final snapshot when training ends (unless already saved).
-        on_save_error: ``"warn"`` (default: training goes on, every hook warns until a snapshot
-            succeeds) or ``"raise"`` (the next hook raises SnapshotWriteError).
+        on_save_error: ``"warn"`` (default: training goes on; a failure warns once per cause until
+            a snapshot succeeds, later ones are logged at INFO) or ``"raise"`` (the next hook
+            raises SnapshotWriteError).
         preemption_signals: on these signals, finish the step, snapshot, then exit as the signal
             asks (default ``[SIGTERM]``; ``[]`` disables).
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.

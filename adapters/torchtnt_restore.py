@@ -58,8 +58,8 @@ def restore(
 
     A ``unit`` that is not a torchtnt unit raises ConfigError (restore modules with
     :func:`tnt_snapshot_plugin.restore` and a dict). A mid-epoch snapshot restored without the
-    loader's position (a ``train_dataloader`` without ``state_dict``/``load_state_dict``, or none
-    passed) gives a DataLoaderReplayWarning saying how many batches the resumed epoch runs again.
+    loader's position (a ``train_dataloader`` without ``state_dict``/``load_state_dict``) gives a
+    DataLoaderReplayWarning saying how many batches the resumed epoch runs again.
     Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError
     if the unit does not fit it, SnapshotCorruptError if its files cannot be read; an error
     raised by the unit's own ``load_state_dict`` propagates as it is.
@@ -218,25 +218,21 @@ class Options:
 
     def warn_replay(self, unit: Any, train_dataloader: Optional[Any], path: str, rank: int) -> None:
         """After restoring snapshot ``path`` (its train progress loaded): on rank 0, a
-        DataLoaderReplayWarning when the snapshot was taken mid-epoch and the loader's position
-        was not restored (a loader without state_dict/load_state_dict, or none passed), saying
-        how many batches the resumed epoch runs again."""
+        DataLoaderReplayWarning when the snapshot was taken mid-epoch and ``train_dataloader``
+        has no state_dict/load_state_dict (its position is not restored), saying how many batches
+        the resumed epoch runs again."""
         progress = getattr(unit, "train_progress", None)
         replayed = getattr(progress, "num_steps_completed_in_epoch", 0)
         if rank != 0 or not self.restore_train_progress or not replayed:
             return
-        if train_dataloader is None:
-            why = "no train_dataloader was passed to restore"
-            advice = "pass train_dataloader= (a loader with state_dict/load_state_dict) to resume at the next batch"
-        elif not is_stateful(train_dataloader):
-            why = "train_dataloader has no state_dict/load_state_dict"
-            advice = "a loader with state_dict/load_state_dict (torchdata's StatefulDataLoader) resumes at the next batch"
-        else:
+        if train_dataloader is None or is_stateful(train_dataloader):
             return
         warnings.warn(
-            f"snapshot {path} was taken {replayed} batches into an epoch, and the train dataloader's "
-            f"position is not restored ({why}): the resumed epoch starts again at the loader's first "
-            f"batch and runs {replayed} batches more than an uninterrupted run; {advice}",
+            f"snapshot {path} was taken {replayed} batches into an epoch, and train_dataloader has "
+            "no state_dict/load_state_dict, so its position is not restored: the resumed epoch "
+            f"starts again at the loader's first batch and runs {replayed} batches more than an "
+            "uninterrupted run; a loader with state_dict/load_state_dict (torchdata's "
+            "StatefulDataLoader) resumes at the next batch",
             DataLoaderReplayWarning,
             stacklevel=3,
         )

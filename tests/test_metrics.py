@@ -45,12 +45,13 @@ def index_bytes(path) -> int:
 @pytest.fixture
 def slow_disk(faulty_local):
     """``slow_disk(path) -> dirpath``: the real disk at ``path``, where each snapshot's packed file
-    takes 0.3 s longer to write (a FaultyStore hook): longer than a toy training step, so every
-    snapshot due at a step end finds the previous one still being written."""
+    takes 0.6 s longer to write (a FaultyStore hook): longer than a toy training step, so every
+    snapshot due at a step end finds the previous one still being written, and the waits add up
+    to more than SnapshotBusyWarning's threshold (job.BUSY_WARNING_S)."""
 
     def make(path) -> str:
         faulty, dirpath = faulty_local(path)
-        faulty.hook("write_payload", before=lambda name, rel: time.sleep(0.3), match=lambda name, rel: rel.startswith("batched/"))
+        faulty.hook("write_payload", before=lambda name, rel: time.sleep(0.6), match=lambda name, rel: rel.startswith("batched/"))
         return dirpath
 
     return make

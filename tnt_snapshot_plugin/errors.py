@@ -100,8 +100,8 @@ class InterruptedCommitWarning(SnapshotFallbackWarning):
 
 class DataLoaderReplayWarning(UserWarning):
     """A mid-epoch snapshot was restored, but the train dataloader's position was not (the loader
-    has no ``state_dict``/``load_state_dict``, or none was passed): the resumed epoch runs its
-    first batches again; the message says how many."""
+    passed has no ``state_dict``/``load_state_dict``): the resumed epoch starts again at its first
+    batch; the message says how many batches that adds. Issued after the snapshot is chosen."""
 
 
 class ProgressOnlyWarning(UserWarning):

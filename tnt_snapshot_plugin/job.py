@@ -220,16 +220,18 @@ STORAGE_CAUSE = "storage"
 
 def failure_cause(exc: BaseException) -> str:
     """What a failed snapshot is warned about once per (until a snapshot commits again): the
-    storage (a full disk, an endpoint down or not answering: an OSError in the exception's
-    chain), or else the error's type."""
+    storage (a full disk, an endpoint down or not answering: an OSError anywhere in the
+    exception's chain), or else the type of the chain's first error."""
     seen: set[int] = set()
     current: Optional[BaseException] = exc
+    root = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError):
             return STORAGE_CAUSE
         seen.add(id(current))
+        root = current
         current = current.__cause__ or current.__context__
-    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return f"{type(root).__module__}.{type(root).__qualname__}"
 
 
 class JobTracking(SaverParts):
