@@ -70,7 +70,8 @@ class SnapshotSkippedWarning(SnapshotFailedWarning):
 class SnapshotBusyWarning(UserWarning):
     """Training has waited for snapshots still being written (snapshots are due more often than
     the storage writes them) more than a user notices: in all more than ``job.BUSY_WARNING_S``
-    (1 s) and more than ``job.BUSY_WARNING_SHARE`` (10 %) of the run's time since train start.
+    (1 s) and more than ``job.BUSY_WARNING_SHARE`` (10 %) of the run's time since train start
+    (waits for writes that failed, or while the storage is failing, are the failure's).
     Issued at most once per run; every wait is counted (``snapshot/busy_waits``,
     ``snapshot/waited_s`` in the metrics) and logged at DEBUG."""
 

@@ -362,13 +362,17 @@ class JobTracking(SaverParts):
 
     def _note_busy_wait(self, job: Job, waited: float) -> None:
         """Training waited for a snapshot still being written: count it every time; warn once per
-        run when the run's waits add up to more than BUSY_WARNING_S and BUSY_WARNING_SHARE."""
+        run when the run's waits add up to more than BUSY_WARNING_S and BUSY_WARNING_SHARE. A wait
+        for a write that failed, or while the storage is failing (warned since the last commit),
+        is the failure's to report, not added up here."""
         self.stats.busy_waits += 1
         self.stats.busy_wait_s += waited
         self._waited_s = waited  # recorded with the snapshot about to be taken
+        logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
+        if job.error is not None or STORAGE_CAUSE in self._warned_causes:
+            return
         self._run_busy_s += waited
         elapsed = time.perf_counter() - self._run_started
-        logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
         if (
             self._busy_warned
             or self._run_busy_s <= BUSY_WARNING_S

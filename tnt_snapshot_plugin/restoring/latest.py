@@ -340,16 +340,13 @@ _ADVICE = re.compile(r"[.;] Restore an older snapshot \(restore_from_latest fall
 
 def one_line(problem: Optional[str], path: str) -> str:
     """``problem`` (a verdict, or an error's text, about snapshot ``path``) as one line for a
-    fallback warning: without the snapshot's path, the wrapping error names ("could not load
-    snapshot ...: key: SnapshotCorruptError: ...") and the advice to restore an older snapshot,
-    which the warning says itself."""
+    fallback warning: without what the warning says itself (the snapshot's name before the
+    problem, "could not load snapshot ...", the error's class name, the advice to restore an
+    older snapshot); the files it names keep their full paths."""
     text = " ".join(str(problem).split())
     text = _ADVICE.sub("", text)
-    for prefix in (f"could not load snapshot {path}: ", f"restoring {path}: ", f"snapshot {path} ", f"{path}: "):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    text = re.sub(r"^([\w./-]+: )?SnapshotCorruptError: ", r"\1", text)
-    return text.replace(f"{path}/", "")
+    text = re.sub(rf"^(could not load snapshot|restoring|snapshot) {re.escape(path)}( on ranks? [\d, rank]+)?:? ", "", text)
+    return text.replace("SnapshotCorruptError: ", "")
 
 
 def _skip(path: str, problem: Optional[str], fallback: bool, damaged: list[str]) -> None:
