@@ -280,7 +280,7 @@ def _kind(store: Store, name: str, is_dir: bool) -> str:
             return "other tools' checkpoint files"
         return "other files"
     if is_staging_name(name):
-        return "interrupted snapshot writes (never restored)"
+        return "interrupted snapshot writes, never restored"
     if SnapshotName.parse(name) is not None:
         if store.is_complete(name):
             return "damaged snapshots"
@@ -318,8 +318,8 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     )
     if store.protocol.renames:
         warnings.warn(
-            f"skipping damaged snapshot {path}: it holds the plugin's index but its "
-            f"{METADATA_FNAME} was removed after its commit; {instead}",
+            f"skipping damaged snapshot {path}: it holds the plugin's index but no {METADATA_FNAME}, "
+            f"so it was damaged after its commit (a file removed, or an incomplete copy); {instead}",
             SnapshotFallbackWarning,
             stacklevel=5,
         )
