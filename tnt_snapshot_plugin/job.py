@@ -240,9 +240,9 @@ class JobTracking(SaverParts):
     ``snapshot_committed`` hook, or the failure, raised or warned as ``on_save_error`` says). A
     part of :class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`.
 
-    Warnings, once per cause: a failure or skip warns once per cause until a snapshot commits
-    again (later ones are counted and logged at INFO); waiting for a snapshot still being written
-    warns once per run, and only past ``BUSY_WARNING_S`` and ``BUSY_WARNING_SHARE``."""
+    Warnings: a failure or skip warns once per cause until a snapshot commits again (later ones
+    are counted and logged at INFO); waiting for snapshots still being written warns at most once
+    per run, past ``BUSY_WARNING_S`` and ``BUSY_WARNING_SHARE``."""
 
     def _init_jobs(self) -> None:
         """No snapshot in flight yet; figures from zero."""

@@ -309,7 +309,8 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     """Warn that snapshot ``name`` (the plugin's index, no metadata) is not restored. On an object
     store a commit writes the index, then the metadata, under the final name: an interrupted
     commit, which loses nothing committed. On local disk a final name only ever appears by
-    renaming a complete snapshot into place: its metadata was removed after the commit."""
+    renaming a complete snapshot into place: its metadata was removed after the commit. On an
+    object store with no complete snapshot before it, the fresh start's warning names it."""
     path = store.child(name)
     instead = (
         f"the newest complete snapshot before it, {store.child(before)}, is restored"
@@ -324,6 +325,8 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
             stacklevel=5,
         )
         return
+    if before is None:
+        return  # NothingToRestoreWarning names it among what the dirpath holds
     gone = writer_gone(store.read_writer(name))
     writer = f"the writer is gone: {gone}" if gone is not None else "or one still in progress: the writer is not known to be gone"
     warnings.warn(
@@ -345,7 +348,7 @@ def one_line(problem: Optional[str], path: str) -> str:
     older snapshot); the files it names keep their full paths."""
     text = " ".join(str(problem).split())
     text = _ADVICE.sub("", text)
-    text = re.sub(rf"^(could not load snapshot|restoring|snapshot) {re.escape(path)}( on ranks? [\d, rank]+)?:? ", "", text)
+    text = re.sub(rf"^(could not load snapshot|restoring|snapshot) {re.escape(path)}( on rank \d+(, rank \d+)*)?:? ", "", text)
     return text.replace("SnapshotCorruptError: ", "")
 
 
