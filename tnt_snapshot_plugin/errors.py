@@ -55,9 +55,9 @@ class DistributedError(SnapshotError, RuntimeError):
 class SnapshotFailedWarning(UserWarning):
     """A snapshot failed and was not committed (``on_save_error="warn"``); training goes on and
     older snapshots are intact. Issued once per cause until a snapshot commits again (the storage
-    failing - a full disk, an endpoint down or not answering - is one cause; any other error is
-    a cause by its type); every later failure is counted (``SnapshotStats.failures``) and logged at
-    INFO."""
+    failing - a full disk, an endpoint down or not answering - is one cause; any other error is a
+    cause by the type of the error that started it); every later failure is counted
+    (``SnapshotStats.failures``) and logged at INFO."""
 
 
 class SnapshotSkippedWarning(SnapshotFailedWarning):
