@@ -154,7 +154,7 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
         async_snapshot: write in the background; training waits only for an in-memory copy.
         save_on_train_end: take a final snapshot when training ends, unless the last optimizer
             step is already saved.
-        on_save_error: ``"warn"`` (training goes on, every hook warns until a snapshot succeeds)
+        on_save_error: ``"warn"`` (training goes on; a failure warns once per cause until a snapshot succeeds)
             or ``"raise"`` (the next hook raises SnapshotWriteError).
         preemption_signals: on these signals, finish the batch (with gradient accumulation: up
             to the next optimizer step; under DDP: at the ranks' next agreements, within about

@@ -58,9 +58,9 @@ def restore_from_latest(
 ) -> bool:
     """:meth:`restore` the newest complete snapshot in ``dirpath``.
 
-    Returns True if one was restored, False if ``dirpath`` is missing (with a warning naming it),
-    empty or holds no complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-    one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``,
+    Returns True if one was restored; False, with a NothingToRestoreWarning naming ``dirpath`` and
+    what it holds, where it holds no complete snapshot. A damaged newest snapshot is skipped with
+    a SnapshotFallbackWarning and the previous one restored (``fallback=False`` raises SnapshotCorruptError instead). ``weights_only``,
     ``collective_timeout_s``: as :meth:`restore`.
     """
     request = module_request(module, optimizers, lr_schedulers, storage_options, plugin_manager, strict, weights_only)

@@ -18,7 +18,8 @@ from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives
-from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.errors import ConfigError, NothingToRestoreWarning
+from tnt_snapshot_plugin.restoring.latest import found_in
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore, open_store, split_snapshot_path
 
@@ -73,20 +74,32 @@ class ResumeFromSnapshots(ModelCheckpoint):
         self._resolve_dirpath(trainer)
         store = open_store(self.dirpath, self._config.storage_options)
         if not isinstance(store, LocalStore):
-            warnings.warn(
-                f'ckpt_path="last" cannot find snapshots in {self.dirpath}: Lightning only looks at '
-                "local files for it; pass ckpt_path=<the snapshot's URL> to resume from one",
-                stacklevel=2,
-            )
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f'ckpt_path="last" cannot find snapshots in {self.dirpath}: Lightning only looks '
+                    "at local files for it, so training starts from the beginning; pass "
+                    "ckpt_path=<the snapshot's URL> to resume from one",
+                    NothingToRestoreWarning,
+                    stacklevel=2,
+                )
             self._resolved_last = None
             return set()
         path = self.ckpt_path
         self._resolved_last = path
         if path is None:
-            rank_zero_info(
-                f'TorchSnapshotSaver: ckpt_path="last": no complete snapshot in {self.dirpath} '
-                "yet; training starts from the beginning."
-            )
+            found = found_in(store)
+            if found.empty:  # a first run: what ckpt_path="last" is for
+                rank_zero_info(
+                    f'TorchSnapshotSaver: ckpt_path="last": no complete snapshot in {self.dirpath} '
+                    "yet; training starts from the beginning."
+                )
+            elif trainer.is_global_zero:
+                warnings.warn(
+                    f'ckpt_path="last": dirpath {self.dirpath} {found.text}: nothing was restored '
+                    f"and training starts from the beginning; {found.advice}",
+                    NothingToRestoreWarning,
+                    stacklevel=2,
+                )
             # Lightning's own message for this case advises ModelCheckpoint(save_last=True),
             # which does not apply to snapshots; silenced until setup(), which comes next.
             warnings.filterwarnings("ignore", message=_LAST_HINT)

@@ -29,7 +29,14 @@ from tnt_snapshot_plugin.snapshotter import Snapshotter
 from . import torchtnt_restore
 from .torchtnt_options import saver_config
 from .torchtnt_restore import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, restored_rng
-from .torchtnt_state import collector, not_started, unit_metric, unit_metric_logger, unit_state
+from .torchtnt_state import (
+    collector,
+    not_started,
+    unit_metric,
+    unit_metric_logger,
+    unit_state,
+    warn_progress_only,
+)
 
 __all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "TorchSnapshotSaver"]
 
@@ -82,8 +89,9 @@ class TorchSnapshotSaver(Callback):
             ``enable_storage_optimization`` is ignored, as torchtnt 0.2.4 ignores it (a no-op
             reserved for future use there).
         save_on_train_end: take a final snapshot when training ends (unless already saved).
-        on_save_error: ``"warn"`` (default: training goes on, every hook warns until a snapshot
-            succeeds) or ``"raise"`` (the next hook raises SnapshotWriteError).
+        on_save_error: ``"warn"`` (default: training goes on; a failure warns once per cause until
+            a snapshot succeeds, later ones are logged at INFO) or ``"raise"`` (the next hook
+            raises SnapshotWriteError).
         preemption_signals: on these signals, finish the step, snapshot, then exit as the signal
             asks (default ``[SIGTERM]``; ``[]`` disables).
         collective_timeout_s: how long a checkpoint collective waits for a failed rank.
@@ -173,6 +181,7 @@ class TorchSnapshotSaver(Callback):
         self._train_progress: Any = None
         self._collect: Callable[[bool], dict[str, Any]] = not_started
         self._rng_after_first_fetch: Optional[dict[str, Any]] = None
+        self._warned_progress_only = False
 
     @property
     def dirpath(self) -> str:
@@ -208,9 +217,10 @@ class TorchSnapshotSaver(Callback):
         self._train_progress = unit.train_progress
         self._collect = collector(state, unit)
         progress = unit.train_progress
-        self._snapshotter.train_start(
-            unit_state(unit).keys(), progress.num_epochs_completed, progress.num_steps_completed
-        )
+        keys = unit_state(unit).keys()
+        self._snapshotter.train_start(keys, progress.num_epochs_completed, progress.num_steps_completed)
+        if not self._warned_progress_only:
+            self._warned_progress_only = warn_progress_only(unit, keys, self._snapshotter)
         # the staging buffers of asynchronous snapshots, allocated and touched before training
         self._snapshotter.prepare(lambda: unit_state(unit))
         metric_logger = self._metric_logger if self._metric_logger is not None else unit_metric_logger(unit)

@@ -16,7 +16,7 @@ from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, RNGState, check_collisions, is_stateful
 from tnt_snapshot_plugin.config import Knobs
 from tnt_snapshot_plugin.distributed import require_process_group
-from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.errors import ConfigError, DataLoaderReplayWarning, NothingToRestoreWarning
 from tnt_snapshot_plugin.restoring import RestoreRequest
 
 from .torchtnt_state import unit_state
@@ -56,6 +56,10 @@ def restore(
     ``restore_options`` raises ConfigError). An entry not restored keeps the unit's value.
     Under torch.distributed rank 0's ``path`` is used (the others may pass ``""``).
 
+    A ``unit`` that is not a torchtnt unit raises ConfigError (restore modules with
+    :func:`tnt_snapshot_plugin.restore` and a dict). A mid-epoch snapshot restored without the
+    loader's position (a ``train_dataloader`` without ``state_dict``/``load_state_dict``) gives a
+    DataLoaderReplayWarning saying how many batches the resumed epoch runs again.
     Raises SnapshotNotFoundError if ``path`` is not a complete snapshot, StateMismatchError
     if the unit does not fit it, SnapshotCorruptError if its files cannot be read; an error
     raised by the unit's own ``load_state_dict`` propagates as it is.
@@ -70,7 +74,9 @@ def restore(
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
         request.restore(path)
+        rank = request.collectives.rank if request.collectives is not None else 0
     options.hand_rng_to_saver(unit)
+    options.warn_replay(unit, train_dataloader, path, rank)
 
 
 def restore_from_latest(
@@ -94,10 +100,10 @@ def restore_from_latest(
 ) -> bool:
     """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
 
-    Returns True if one was restored, False if ``dirpath`` is missing (with a warning naming
-    it: a misspelt path would otherwise start training from scratch), empty or holds no
-    complete snapshot. A damaged newest snapshot is skipped with a warning and the previous
-    one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
+    Returns True if one was restored; False, with a NothingToRestoreWarning naming ``dirpath``
+    and what it holds (no such directory, nothing, other tools' checkpoints, snapshots never
+    committed), where it holds no complete snapshot. A damaged newest snapshot is skipped with a
+    SnapshotFallbackWarning naming it and the problem, and the previous one restored (``fallback=False`` raises SnapshotCorruptError instead); if snapshots exist
     but none can be read, SnapshotCorruptError is raised rather than returning False. A
     snapshot that does not fit the unit, or an error from the unit's own code, is raised at
     once, with no fallback. Under torch.distributed rank 0's ``dirpath`` is used and rank 0
@@ -111,8 +117,10 @@ def restore_from_latest(
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
         restored = request.restore_from_latest(dirpath, fallback=fallback)
+        rank = request.collectives.rank if request.collectives is not None else 0
     if restored is not None:
         options.hand_rng_to_saver(unit)
+        options.warn_replay(unit, train_dataloader, restored, rank)
     return restored is not None
 
 
@@ -142,7 +150,7 @@ def restore_from_best(
     ``mode="min"`` picks the lowest value, ``"max"`` the highest (NaN ranks worst; of equal
     values, the one committed first). Snapshots carry the metric in their names
     (``..._<metric>=<value>``, as ``best_checkpoint_config`` writes them, and torchtnt's own
-    saver too). Returns False, with a warning, when no complete snapshot carries it. Under
+    saver too). Returns False, with a NothingToRestoreWarning, when no complete snapshot carries it. Under
     torch.distributed rank 0 picks the snapshot.
     """
     request, options = unit_request(
@@ -156,13 +164,19 @@ def restore_from_best(
         )
         if path is not None:
             request.restore(path)
+        rank = request.collectives.rank if request.collectives is not None else 0
     if path is None:
-        warnings.warn(
-            f"no complete snapshot in {dirpath} carries the metric {metric_name!r}; nothing was restored",
-            stacklevel=2,
-        )
+        if rank == 0:
+            warnings.warn(
+                f"restore_from_best: no complete snapshot in {dirpath} carries the metric "
+                f"{metric_name!r}: nothing was restored; snapshots carry it in their names when "
+                "the saver has best_checkpoint_config",
+                NothingToRestoreWarning,
+                stacklevel=2,
+            )
         return False
     options.hand_rng_to_saver(unit)
+    options.warn_replay(unit, train_dataloader, path, rank)
     return True
 
 
@@ -202,6 +216,27 @@ class Options:
             values[name] = value
         return cls(**values)
 
+    def warn_replay(self, unit: Any, train_dataloader: Optional[Any], path: str, rank: int) -> None:
+        """After restoring snapshot ``path`` (its train progress loaded): on rank 0, a
+        DataLoaderReplayWarning when the snapshot was taken mid-epoch and ``train_dataloader``
+        has no state_dict/load_state_dict (its position is not restored), saying how many batches
+        the resumed epoch runs again."""
+        progress = getattr(unit, "train_progress", None)
+        replayed = getattr(progress, "num_steps_completed_in_epoch", 0)
+        if rank != 0 or not self.restore_train_progress or not replayed:
+            return
+        if train_dataloader is None or is_stateful(train_dataloader):
+            return
+        warnings.warn(
+            f"snapshot {path} was taken {replayed} batches into an epoch, and train_dataloader has "
+            "no state_dict/load_state_dict, so its position is not restored: the resumed epoch "
+            f"starts again at the loader's first batch and runs {replayed} batches more than an "
+            "uninterrupted run; a loader with state_dict/load_state_dict (torchdata's "
+            "StatefulDataLoader) resumes at the next batch",
+            DataLoaderReplayWarning,
+            stacklevel=3,
+        )
+
     def hand_rng_to_saver(self, unit: Any) -> None:
         """After a restore that loaded the train progress: the RNG state it set, kept for the
         saver of the run that follows (set again after the first batch of a mid-epoch resume)."""
@@ -222,6 +257,14 @@ def unit_request(
     """The request that restores ``unit`` (and ``train_dataloader``) as torchtnt's arguments
     say, with the options it was built from. ``flags``: ``strict`` and the ``restore_*``
     switches given as keyword arguments."""
+    if not isinstance(unit, AppStateMixin):
+        kind = f"{type(unit).__module__}.{type(unit).__qualname__}"
+        raise ConfigError(
+            f"unit must be a torchtnt unit (a TrainUnit, EvalUnit or other AppStateMixin), got a "
+            f"{kind}; to restore modules or other objects with state_dict/load_state_dict, pass "
+            "them in a dict: tnt_snapshot_plugin.restore(path, {'model': module}) (or "
+            "restore_from_latest(dirpath, {...}))"
+        )
     require_process_group("restoring")
     options = Options.merge(restore_options, **flags)
     knobs = Knobs.of("knob_options", knob_options)
@@ -282,17 +325,9 @@ def restore_state(
     for key in skipped:  # not loaded: the unit keeps its own value
         app_state.pop(key, None)
     optional: tuple[str, ...] = (EVAL_PROGRESS_KEY,)
-    if train_dataloader is not None:
-        if is_stateful(train_dataloader):
-            app_state[TRAIN_DATALOADER_KEY] = train_dataloader
-            optional += (TRAIN_DATALOADER_KEY,)
-        else:
-            warnings.warn(
-                "train_dataloader was passed to restore but has no state_dict/load_state_dict; "
-                "its position cannot be restored. Harmless when resuming from an epoch-end snapshot "
-                "(the next epoch starts at its first batch anyway); from a mid-epoch snapshot the "
-                "epoch is replayed from its first batch. A loader with state_dict/load_state_dict "
-                "(torchdata's StatefulDataLoader) resumes mid-epoch",
-                stacklevel=4,
-            )
+    # A loader without state_dict/load_state_dict is not restored; once the snapshot is chosen,
+    # Options.warn_replay says whether that replays batches (only from a mid-epoch snapshot).
+    if train_dataloader is not None and is_stateful(train_dataloader):
+        app_state[TRAIN_DATALOADER_KEY] = train_dataloader
+        optional += (TRAIN_DATALOADER_KEY,)
     return app_state, optional

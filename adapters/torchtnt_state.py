@@ -4,13 +4,14 @@ wrapped as torchtnt's saver wraps them), the train loader's state, the metric th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Iterable, Optional
 
 from torchtnt.framework.state import State
 from torchtnt.framework.unit import AppStateMixin
 
 from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, is_stateful
-from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.errors import ConfigError, ProgressOnlyWarning
 from tnt_snapshot_plugin.fsdp import wrap_fsdp_optimizers
 
 
@@ -20,6 +21,30 @@ def unit_state(unit: AppStateMixin) -> dict[str, Any]:
     app_state = dict(unit.app_state())
     app_state.update(wrap_fsdp_optimizers(unit.tracked_modules(), unit.tracked_optimizers()))
     return app_state
+
+
+#: The unit's progress entries: a snapshot holding nothing else cannot resume training.
+PROGRESS_KEYS = frozenset({"train_progress", "eval_progress", "predict_progress"})
+
+
+def warn_progress_only(unit: Any, keys: Iterable[str], snapshotter: Any) -> bool:
+    """At train start: a ProgressOnlyWarning if ``unit``'s app state (``keys``) holds nothing but
+    its progress and no plugin adds state to the snapshots (``snapshotter``'s plugins); whether
+    it warned."""
+    if not set(keys) <= PROGRESS_KEYS or snapshotter.plugin_manager.hook.tnt_snapshot_plugin_extra_state.get_hookimpls():
+        return False
+    if snapshotter.collectives.rank != 0:
+        return True  # warned on rank 0
+    warnings.warn(
+        f"the unit {type(unit).__name__} tracks no modules, optimizers, LR schedulers or other "
+        f"stateful attributes: its snapshots hold only its progress and the RNG state, and cannot "
+        "resume its training; assign them as attributes of the unit (self.model = ..., "
+        "self.optimizer = ...), which torchtnt tracks, or add state with a plugin "
+        "(tnt_snapshot_plugin_extra_state)",
+        ProgressOnlyWarning,
+        stacklevel=5,
+    )
+    return True
 
 
 def collector(state: State, unit: AppStateMixin) -> Callable[[bool], dict[str, Any]]:

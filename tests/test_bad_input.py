@@ -19,6 +19,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import (
     ConfigError,
+    NothingToRestoreWarning,
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
@@ -341,10 +342,11 @@ def test_bad_restore_is_refused_before_anything_is_loaded(snapshots, case):
 
 
 def test_restore_from_latest_of_a_missing_or_empty_dirpath_is_not_an_error(tmp_path):
-    """A first run: nothing to restore is the normal case, not a bad input (a dirpath that does
-    not exist at all is warned about: it may be misspelt)."""
+    """A first run: nothing to restore is not a bad input; it is said, naming the dirpath (which
+    may be misspelt), and training starts from the beginning."""
     unit = ToyUnit()
-    with pytest.warns(UserWarning, match="missing does not exist"):
+    with pytest.warns(NothingToRestoreWarning, match="missing does not exist"):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
+    with pytest.warns(NothingToRestoreWarning, match="is empty"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
     assert not (tmp_path / "missing").exists()

@@ -172,7 +172,7 @@ def test_ls_shows_every_entry_and_what_restore_from_latest_would_restore(written
         assert TorchSnapshotSaver.restore_from_latest(str(run), fresh)
     messages = [str(w.message) for w in caught]
     assert any("skipping damaged snapshot" in m and "epoch_2_step_10" in m for m in messages), messages
-    assert any("skipping snapshot" in m and "epoch_3_step_12" in m and "no .snapshot_metadata" in m for m in messages)
+    assert any("skipping damaged snapshot" in m and "epoch_3_step_12" in m and "no .snapshot_metadata" in m for m in messages)
     assert fresh.train_progress.num_steps_completed == 8
 
     code, out, err = run_cli("ls", str(run))

@@ -12,7 +12,7 @@ import pytest
 
 from tnt_snapshot_plugin import demo
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.errors import SnapshotBusyWarning
+from tnt_snapshot_plugin.errors import NothingToRestoreWarning, SnapshotBusyWarning
 from tnt_snapshot_plugin.plugins import adapters
 
 
@@ -75,7 +75,7 @@ def test_the_demo_refuses_a_directory_that_holds_anything_but_its_own_snapshots(
 def test_the_demos_cadence_never_makes_training_wait_for_its_own_snapshot(tmp_path, framework):
     run = adapters()[framework].load_demo()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", SnapshotBusyWarning)  # setup.cfg ignores it elsewhere
+        warnings.simplefilter("error", SnapshotBusyWarning)
         report = run(str(tmp_path), epochs=3, steps_per_epoch=12, interrupt_at=19)
     assert report["busy_waits"] == 0
     assert len(report["saved"]) >= 3 and report["bitwise_identical"]
@@ -183,14 +183,14 @@ def test_restore_from_latest_on_a_dirpath_that_does_not_exist_warns_naming_it(tm
     from toy import ToyUnit
 
     misspelt = str(tmp_path / "ck" / "run_1")
-    with pytest.warns(UserWarning, match=r"restore_from_latest: dirpath .*ck/run_1 does not exist") as seen:
+    with pytest.warns(NothingToRestoreWarning, match=r"restore_from_latest: dirpath .*ck/run_1 does not exist") as seen:
         assert TorchSnapshotSaver.restore_from_latest(misspelt, ToyUnit()) is False
     assert len([w for w in seen if "does not exist" in str(w.message)]) == 1
-    # An existing, empty dirpath (a first run after the saver made it) is the normal case: quiet.
+    # An existing, empty dirpath (the saver's constructor made it, misspelt or not): said too.
     (tmp_path / "ck" / "run_0").mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(NothingToRestoreWarning, match=r"dirpath .*ck/run_0 is empty: nothing was restored") as seen:
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "ck" / "run_0"), ToyUnit()) is False
+    assert len(seen) == 1
 
 
 @pytest.mark.frameworks
@@ -209,18 +209,18 @@ def test_a_snapshot_that_does_not_exist_is_named_with_those_that_do(run_dir):
 
 
 @pytest.mark.frameworks
-def test_resuming_with_a_plain_dataloader_says_when_that_is_harmless(run_dir):
+def test_resuming_from_an_epoch_end_snapshot_with_a_plain_dataloader_is_quiet(run_dir):
+    # Nothing replays: the next epoch starts at its first batch anyway. (A mid-epoch snapshot
+    # says how many batches replay: tests/test_silent_start.py.)
     from torch.utils.data import DataLoader, TensorDataset
 
     from tnt_snapshot_plugin.demo_data import make_data
     from toy import ToyUnit
 
     plain = DataLoader(TensorDataset(*make_data(8)), batch_size=4, shuffle=True)
-    with pytest.warns(UserWarning, match="has no state_dict/load_state_dict") as seen:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert TorchSnapshotSaver.restore_from_latest("run1", ToyUnit(), train_dataloader=plain)
-    message = next(str(w.message) for w in seen if "state_dict" in str(w.message))
-    assert "Harmless when resuming from an epoch-end snapshot" in message
-    assert "StatefulDataLoader" in message
 
 
 @pytest.mark.frameworks

@@ -21,6 +21,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from tnt_snapshot_plugin import (
     KeyCollisionError,
+    NothingToRestoreWarning,
     SnapshotNotFoundError,
     StateMismatchError,
     hookimpl,
@@ -318,7 +319,8 @@ def test_restore_outside_fit(tmp_path):
     assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), module)
     assert_bitwise_equal(weights(module), weights(trainer.lightning_module))  # epoch_1_step_5, the final one
     (tmp_path / "empty").mkdir()
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), module) is False
+    with pytest.warns(NothingToRestoreWarning, match="is empty"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), module) is False
 
     with pytest.raises(StateMismatchError, match="holds 1 optimizer states, 2 were given"):
         TorchSnapshotSaver.restore(

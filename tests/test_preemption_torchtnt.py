@@ -124,9 +124,9 @@ def test_signal_finishes_the_step_drains_snapshots_saves_and_exits_by_the_signal
         assert last == 3, out
     assert sorted(ends) == begins, out
 
-    # Training waited for the snapshots still being written: said once per run (the rest are
-    # counted and logged at DEBUG); the final one was taken of the step the signal came in.
-    assert err.count("was still being written when the next one was due; training waited") == 1, err
+    # The final snapshot was taken of the step the signal came in. (Training waited for the
+    # snapshots still being written: counted, and warned only past SnapshotBusyWarning's
+    # threshold, which tests/test_quiet_warnings.py covers.)
     assert f"preemption signal received; snapshotting step {last}" in err, err
     names = [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
     assert names == [f"epoch_0_step_{k}" for k in range(1, last + 1)]

@@ -30,6 +30,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import (
     ConfigError,
+    NothingToRestoreWarning,
     SnapshotCorruptError,
     SnapshotFailedWarning,
     SnapshotNotFoundError,
@@ -313,7 +314,8 @@ def test_deleting_an_s3_snapshot_unpublishes_it_first(options, run_url, monkeypa
 
 
 def test_restore_from_latest_on_empty_s3_prefix_is_false(options, run_url):
-    assert TorchSnapshotSaver.restore_from_latest(run_url, ToyUnit(), storage_options=options) is False
+    with pytest.warns(NothingToRestoreWarning, match=f"dirpath {run_url} holds no snapshot directories"):
+        assert TorchSnapshotSaver.restore_from_latest(run_url, ToyUnit(), storage_options=options) is False
 
 
 class _FailingPuts:

@@ -9,7 +9,12 @@ import torch
 from torchtnt.framework.fit import fit
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import KeyCollisionError, SnapshotNotFoundError, StateMismatchError
+from tnt_snapshot_plugin import (
+    KeyCollisionError,
+    NothingToRestoreWarning,
+    SnapshotNotFoundError,
+    StateMismatchError,
+)
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
@@ -141,12 +146,14 @@ def test_restore_progress_flags(tmp_path):
 
 def test_restore_from_latest_false_for_missing_or_empty_dirpath(tmp_path):
     unit = ToyUnit()
-    with pytest.warns(UserWarning, match="missing does not exist"):  # a misspelt path is not quiet
+    with pytest.warns(NothingToRestoreWarning, match="missing does not exist"):  # a misspelt path is not quiet
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "missing"), unit) is False
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
+    with pytest.warns(NothingToRestoreWarning, match="is empty"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
     # a directory that looks like a snapshot but was never committed is not picked
     (tmp_path / "epoch_3_step_30").mkdir()
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
+    with pytest.warns(NothingToRestoreWarning, match=r"snapshots never committed, without \.snapshot_metadata \(epoch_3_step_30\)"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
 
 
 @pytest.mark.parametrize("reserved", ["rng_state", "train_dataloader"])
@@ -199,7 +206,8 @@ def test_optimizer_state_is_created_only_to_be_loaded_and_leaves_the_weights(tmp
     unit = adamw_unit(0)
     before = weights(unit)
     (tmp_path / "empty").mkdir()
-    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), unit) is False
+    with pytest.warns(NothingToRestoreWarning, match="is empty"):
+        assert TorchSnapshotSaver.restore_from_latest(str(tmp_path / "empty"), unit) is False
     assert unit.optimizer.state_dict()["state"] == {}
     assert_bitwise_equal(weights(unit), before)
 

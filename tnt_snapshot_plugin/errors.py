@@ -53,22 +53,58 @@ class DistributedError(SnapshotError, RuntimeError):
 
 
 class SnapshotFailedWarning(UserWarning):
-    """Issued at every hook after a failed snapshot until a snapshot succeeds again."""
+    """A snapshot failed and was not committed (``on_save_error="warn"``); training goes on and
+    older snapshots are intact. Issued once per cause until a snapshot commits again (the storage
+    failing - a full disk, an endpoint down or not answering - is one cause; any other error is a
+    cause by the type of the error that started it); every later failure is counted
+    (``SnapshotStats.failures``) and logged at INFO."""
 
 
 class SnapshotSkippedWarning(SnapshotFailedWarning):
     """A due snapshot was not taken: the previous one was still being written after training had
-    waited ``storage_timeout_s`` for it (the storage answers slowly or not at all). Issued once
-    per stuck write; every snapshot skipped is counted (``snapshot/skipped`` in the metrics)."""
+    waited ``storage_timeout_s`` for it (the storage answers slowly or not at all). The storage is
+    the cause: one warning, for a skip or a failure, until a snapshot commits again; every
+    snapshot skipped is counted (``snapshot/skipped`` in the metrics) and logged at INFO."""
 
 
 class SnapshotBusyWarning(UserWarning):
-    """A snapshot was due while the previous one was still being written, and training waited
-    for it: snapshots are due more often than the storage writes them. Issued once per saver and
-    run; later waits are counted (``snapshot/busy_waits`` in the metrics) and logged at DEBUG.
-    Filter it like any warning: ``warnings.filterwarnings("ignore", category=SnapshotBusyWarning)``."""
+    """Training has waited for snapshots still being written (snapshots are due more often than
+    the storage writes them) more than a user notices: in all more than ``job.BUSY_WARNING_S``
+    (1 s) and more than ``job.BUSY_WARNING_SHARE`` (10 %) of the run's time since train start
+    (waits for writes that failed, or while the storage is failing, are the failure's).
+    Issued at most once per run; every wait is counted (``snapshot/busy_waits``,
+    ``snapshot/waited_s`` in the metrics) and logged at DEBUG."""
 
 
 class SnapshotsAheadWarning(UserWarning):
     """A run starts in a dirpath holding snapshots ahead of its own progress (another, longer
     run's); this run's snapshots are ordered after them by commit. Issued once per saver."""
+
+
+class NothingToRestoreWarning(UserWarning):
+    """A restore of the latest (or best) snapshot found none to restore, so training starts from
+    the beginning; the message names the dirpath and what it holds (nothing, no such directory,
+    other tools' checkpoints, incomplete snapshots). Issued once per restore, on rank 0."""
+
+
+class SnapshotFallbackWarning(UserWarning):
+    """restore_from_latest skipped the newest snapshot (damaged: the file and the problem named)
+    and restored an older one; or, after such a fallback, put back an optional entry the older
+    snapshot lacks. One line per snapshot skipped."""
+
+
+class InterruptedCommitWarning(SnapshotFallbackWarning):
+    """On an object store, the newest snapshot's commit was interrupted (its index was written,
+    its ``.snapshot_metadata`` never was): nothing committed is lost, and the newest complete
+    snapshot before it is restored. Local disk leaves nothing visible at the same point."""
+
+
+class DataLoaderReplayWarning(UserWarning):
+    """A mid-epoch snapshot was restored, but the train dataloader's position was not (the loader
+    passed has no ``state_dict``/``load_state_dict``): the resumed epoch starts again at its first
+    batch; the message says how many batches that adds. Issued after the snapshot is chosen."""
+
+
+class ProgressOnlyWarning(UserWarning):
+    """The unit tracks nothing but its progress (no modules, optimizers, LR schedulers or other
+    stateful attributes), so its snapshots cannot resume its training. Issued once per saver."""

@@ -59,7 +59,7 @@ class SaverEvents(SaverParts):
         #: (progress rolled back mid-run by a restore) always reaches step_end().
         self.last_step = -1
         self.__dict__.update(
-            _pending=None, _failure=None, _prepare_again=None, _wall=None, _preemption=None
+            _pending=None, _prepare_again=None, _wall=None, _preemption=None
         )
         self._on_preempted = on_preempted
         # The wall-clock cadence (cadence.py, _wall), made at train start; its votes ride on the
@@ -108,7 +108,6 @@ class SaverEvents(SaverParts):
         if (
             last < 0
             or self._pending is not None
-            or self._failure is not None
             or self._prepare_again is not None
             or self._ask_should
             or (preemption is not None and preemption.received is not None)
@@ -146,8 +145,8 @@ class SaverEvents(SaverParts):
     def _step_end(self, epoch: int, step: int, collect: Collect) -> bool:
         """The step end's work; whether it was quiet: only the wall clock read, and no step
         cadence due (nothing the gates depend on changed)."""
-        if self._pending is not None or self._failure is not None:
-            self._reap_or_warn(step)
+        if self._pending is not None:
+            self._reap_if_done()
         preemption, wall = self._preemption, self._wall
         agreed = GO_ON
         # In one process every step polls (the vote is the answer); under torch.distributed
@@ -172,7 +171,7 @@ class SaverEvents(SaverParts):
         return False
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
-        self._reap_or_warn(step)
+        self._reap_if_done()
         self._save_if_due(Moment("epoch", epoch, step), collect, False)
 
     def eval_epoch_end(
@@ -181,7 +180,7 @@ class SaverEvents(SaverParts):
         """An eval epoch ended while training (``eval_epoch`` eval epochs and ``eval_step`` eval
         steps completed): snapshot if the eval cadence (or a plugin) says so. The snapshot is named
         ``epoch_E_step_S_eval_V``: after the train snapshot of the same step, never the same name."""
-        self._reap_or_warn(step)
+        self._reap_if_done()
         moment = Moment("eval_epoch", epoch, step, eval_epoch=eval_epoch)
         due = self.decisions.should_save(moment)
         if self._ask_should:

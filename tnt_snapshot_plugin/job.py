@@ -213,47 +213,98 @@ def is_ddp(obj: Any) -> bool:
     return isinstance(obj, DistributedDataParallel)
 
 
+#: SnapshotBusyWarning's threshold: training's waits for snapshots still being written, added up
+#: over the run, are more than this many seconds ...
+BUSY_WARNING_S = 1.0
+#: ... and more than this share of the run's time since train start (a wait a user notices).
+BUSY_WARNING_SHARE = 0.1
+#: The cause of a skip, and of a failure whose error (or its cause) is an OSError: the storage.
+STORAGE_CAUSE = "storage"
+
+
+def failure_cause(exc: BaseException) -> str:
+    """What a failed snapshot is warned about once per (until a snapshot commits again): the
+    storage (a full disk, an endpoint down or not answering: an OSError anywhere in the
+    exception's chain), or else the type of the chain's first error."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    root = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return STORAGE_CAUSE
+        seen.add(id(current))
+        root = current
+        current = current.__cause__ or current.__context__
+    return f"{type(root).__module__}.{type(root).__qualname__}"
+
+
 class JobTracking(SaverParts):
     """The saver's one snapshot in flight: waiting for it (bounded by ``storage_timeout_s`` for
     the cadences' snapshots), skipping a due one while it is stuck, reaping its outcome (the
     ``snapshot_committed`` hook, or the failure, raised or warned as ``on_save_error`` says). A
-    part of :class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`."""
+    part of :class:`~tnt_snapshot_plugin.snapshotter.Snapshotter`.
+
+    Warnings: a failure or skip warns once per cause until a snapshot commits again (later ones
+    are counted and logged at INFO); waiting for snapshots still being written warns at most once
+    per run, past ``BUSY_WARNING_S`` and ``BUSY_WARNING_SHARE``."""
 
     def _init_jobs(self) -> None:
         """No snapshot in flight yet; figures from zero."""
         #: the one thread that writes asynchronous snapshots
         self._worker = Worker()
         self.stats = SnapshotStats()
-        self._busy_warned = False
         self._waited_s = 0.0
+        self._start_run_jobs()
+
+    def _start_run_jobs(self) -> None:
+        """A run starts (train start): its waits, warnings and storage budget from zero."""
+        self._run_started = time.perf_counter()
+        #: training's waits for snapshots still being written in this run, in seconds
+        self._run_busy_s = 0.0
+        self._busy_warned = False
         #: how long training has waited for writes at due snapshots since the last commit: at
         #: most ``storage_timeout_s`` (then due snapshots are skipped while a write is pending)
         self._blocked_s = 0.0
-        #: whether a skip was warned about since the last commit (one warning per outage)
-        self._skip_warned = False
+        self._since_commit_reset()
+
+    def _since_commit_reset(self) -> None:
+        """A snapshot committed (or a run starts): failures and skips warn again."""
+        #: the causes warned about since the last commit (failure_cause; a skip's is the storage)
+        self._warned_causes: set[str] = set()
+        self._failed_since_commit = 0
+        self._skipped_since_commit = 0
+
+    def _since_commit(self) -> str:
+        return (
+            f"{self._failed_since_commit} failed and {self._skipped_since_commit} skipped since "
+            "the last commit"
+        )
 
     def _skip(self, name: SnapshotName) -> None:
         """The due snapshot ``name`` is not taken: a write is still pending, and training has
-        waited ``storage_timeout_s`` for writes since the last commit. One warning until a
-        snapshot commits again; every skip is counted (``stats.skipped``, ``snapshot/skipped``
-        in the metrics)."""
+        waited ``storage_timeout_s`` for writes since the last commit. The storage is the cause:
+        one warning (skip or failure) until a snapshot commits again; every skip is counted
+        (``stats.skipped``, ``snapshot/skipped`` in the metrics) and logged at INFO."""
         job = self._pending
         assert job is not None
         self.stats.skipped += 1
+        self._skipped_since_commit += 1
         path = self._store.child(name.text)
-        if self._skip_warned:
-            logger.info("snapshot %s skipped: snapshot %s is still being written", path, job.path)
+        if STORAGE_CAUSE in self._warned_causes:
+            logger.info(
+                "snapshot %s skipped: snapshot %s is still being written (%s)", path, job.path, self._since_commit()
+            )
             return
-        self._skip_warned = True
+        self._warned_causes.add(STORAGE_CAUSE)
         warnings.warn(
             f"snapshot {path} (epoch {name.epoch}, step {name.step}) was skipped: snapshot "
             f"{job.path} is still being written ({time.perf_counter() - job.started:.1f}s so far) "
             f"and training has waited {self._blocked_s:.1f}s for the storage since the last "
             f"commit, the most storage_timeout_s={self.config.storage_timeout_s:g} allows; the "
             "storage is slow or not answering. Training goes on: until a snapshot commits again, "
-            "a snapshot due while a write is pending is skipped without waiting (each counted "
-            "as snapshot/skipped in the snapshot metrics, logged at INFO). Older snapshots are "
-            "intact",
+            "a snapshot due while a write is pending is skipped without waiting, and skips and "
+            "storage failures are counted (snapshot/skipped in the snapshot metrics) and logged "
+            "at INFO, not warned. Older snapshots are intact",
             SnapshotSkippedWarning,
             stacklevel=4,
         )
@@ -263,12 +314,23 @@ class JobTracking(SaverParts):
         self._report_failure(failure_message(path, name, exc), exc, stacklevel=6)  # via save()
 
     def _report_failure(self, message: str, exc: BaseException, stacklevel: int) -> None:
-        """Count a failed snapshot; raise it or keep warning about it, as ``on_save_error`` says."""
+        """Count a failed snapshot; raise it, or warn once per cause until a snapshot commits
+        again (INFO after that), as ``on_save_error`` says."""
         self.stats.failures += 1
         if self.config.on_save_error == "raise":
             raise SnapshotWriteError(message) from exc
-        self._failure = message
-        warnings.warn(message, SnapshotFailedWarning, stacklevel=stacklevel)
+        self._failed_since_commit += 1
+        cause = failure_cause(exc)
+        if cause in self._warned_causes:
+            logger.info("%s (%s)", message, self._since_commit())
+            return
+        self._warned_causes.add(cause)
+        warnings.warn(
+            f"{message} Until a snapshot commits again, further failures of this cause are "
+            "counted and logged at INFO, not warned.",
+            SnapshotFailedWarning,
+            stacklevel=stacklevel,
+        )
 
     def wait(
         self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None
@@ -303,18 +365,31 @@ class JobTracking(SaverParts):
         return True
 
     def _note_busy_wait(self, job: Job, waited: float) -> None:
-        """Training waited for a snapshot still being written: warn once per run, count every time."""
+        """Training waited for a snapshot still being written: count it every time; warn once per
+        run when the run's waits add up to more than BUSY_WARNING_S and BUSY_WARNING_SHARE. A wait
+        for a write that failed, or while the storage is failing (warned since the last commit),
+        is the failure's to report, not added up here."""
         self.stats.busy_waits += 1
         self.stats.busy_wait_s += waited
         self._waited_s = waited  # recorded with the snapshot about to be taken
-        if self._busy_warned:
-            logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
+        logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
+        if job.error is not None or STORAGE_CAUSE in self._warned_causes:
+            return
+        self._run_busy_s += waited
+        elapsed = time.perf_counter() - self._run_started
+        if (
+            self._busy_warned
+            or self._run_busy_s <= BUSY_WARNING_S
+            or self._run_busy_s <= BUSY_WARNING_SHARE * elapsed
+        ):
             return
         self._busy_warned = True
         warnings.warn(
-            f"snapshot {job.name} was still being written when the next one was due; training "
-            f"waited {waited:.3f}s for it (consider snapshotting less often). Further waits in this "
-            "run are counted in the snapshot metrics and logged at DEBUG",
+            f"training has waited {self._run_busy_s:.1f}s for snapshots still being written "
+            f"({self._run_busy_s / max(elapsed, 1e-9):.0%} of the {elapsed:.1f}s since train "
+            f"start; the latest wait, for {job.name}, {waited:.2f}s): snapshots are due more often "
+            "than the storage writes them; snapshot less often. Every wait is counted in the "
+            "snapshot metrics (snapshot/busy_waits, snapshot/waited_s) and logged at DEBUG",
             SnapshotBusyWarning,
             stacklevel=4,
         )
@@ -337,9 +412,10 @@ class JobTracking(SaverParts):
                 failure_message(job.path, job.name, error, job.freed_early), error, stacklevel=4
             )
             return
-        self._failure = None
+        if self._warned_causes:
+            logger.info("snapshot %s committed: snapshots succeed again (%s)", job.path, self._since_commit())
         self._blocked_s = 0.0  # the storage answers: a new budget of waits
-        self._skip_warned = False
+        self._since_commit_reset()
         record = SnapshotRecord(
             job.path,
             job.name.epoch,
@@ -359,16 +435,7 @@ class JobTracking(SaverParts):
             path=job.path, epoch=job.name.epoch, step=job.name.step, record=record
         )
 
-    def _reap_or_warn(self, step: int) -> None:
-        """Reap a finished snapshot, or keep warning about the last failure."""
+    def _reap_if_done(self) -> None:
+        """Reap the pending snapshot if its write is over (its outcome reported as above)."""
         if self._pending is not None and self._pending.done:
-            self._reap()  # a failure just reaped has warned already
-        elif self._failure is not None:
-            self._warn_failure(step)
-
-    def _warn_failure(self, step: int) -> None:
-        warnings.warn(
-            f"{self._failure} No snapshot has succeeded since; training is at step {step}.",
-            SnapshotFailedWarning,
-            stacklevel=3,
-        )
+            self._reap()

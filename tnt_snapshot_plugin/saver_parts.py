@@ -44,10 +44,9 @@ class SaverParts:
     """The state the parts of a saver share (see the module docstring)."""
 
     # What makes a step end more than a cadence check (see step_gate): the snapshot being
-    # written and the last failure (reaped or reported at the next hook), prepare()'s second pass
+    # written (reaped at the next hook), prepare()'s second pass
     # (at the run's first step that does not snapshot), the wall-clock cadence, the signal handler.
     _pending: _GateInput[Optional[Job]] = _GateInput()
-    _failure: _GateInput[Optional[str]] = _GateInput()
     _prepare_again: _GateInput[Optional[Callable[[], Mapping[str, Any]]]] = _GateInput()
     _wall: _GateInput[Optional[WallClock]] = _GateInput()
     _preemption: _GateInput[Optional[PreemptionHandler]] = _GateInput()
@@ -82,6 +81,6 @@ class SaverParts:
 
         def _plugins_changed(self) -> None: ...
 
-        def _reap_or_warn(self, step: int) -> None: ...
+        def _reap_if_done(self) -> None: ...
 
         def _stage_for_prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None: ...

@@ -71,7 +71,7 @@ from .errors import (
     SnapshotFailedWarning,
 )
 from .events import Collect, SaverEvents
-from .job import Job, JobTracking, is_ddp, uncopyable
+from .job import STORAGE_CAUSE, Job, JobTracking, is_ddp, uncopyable
 from .loading import LoadCheck
 from .naming import SnapshotName
 from .plugins import new_plugin_manager
@@ -187,8 +187,7 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         from .format import writer  # noqa: F401  (imported now, not during the first snapshot's stall)
 
         check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
-        self._busy_warned = False  # the busy-wait warning is given once per run
-        self._blocked_s, self._skip_warned = 0.0, False  # a new budget of waits for the storage
+        self._start_run_jobs()  # waits, warnings and the storage's budget of this run from zero
         self.last_step = -1  # the run's first step end tells its step count (step_gate)
         self._regate()
         if self._lock is None:
@@ -200,10 +199,11 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         except OSError as exc:  # the storage is unreachable now (StorageUnavailableError is one)
             if self.config.on_save_error == "raise":
                 raise
+            self._warned_causes.add(STORAGE_CAUSE)  # one warning until a snapshot commits
             warnings.warn(
                 f"could not prepare {self.dirpath} for snapshots (its lock, the leftovers of "
-                f"interrupted snapshots): {type(exc).__name__}: {exc}; the snapshots will say "
-                "whether the storage comes back",
+                f"interrupted snapshots): {type(exc).__name__}: {exc}; snapshots are still attempted "
+                "when due, and until one commits their storage failures are logged at INFO",
                 SnapshotFailedWarning,
                 stacklevel=3,
             )

@@ -1,6 +1,6 @@
 """Which snapshot to restore: the latest complete one (falling back from damaged ones with a
-warning naming each), or the best by a metric; and :func:`restore`, the one-call form of a
-:class:`RestoreRequest`."""
+warning naming each), or the best by a metric; what a dirpath holds when there is none to
+restore (:func:`found_in`); and :func:`restore`, the one-call form of a :class:`RestoreRequest`."""
 
 from __future__ import annotations
 
@@ -8,16 +8,25 @@ import copy
 import functools
 import logging
 import os
+import re
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 import pluggy
 
 from .. import retention, verify
 from ..distributed import Collectives
-from ..errors import ConfigError, SnapshotCorruptError
-from ..naming import SnapshotName
+from ..errors import (
+    ConfigError,
+    InterruptedCommitWarning,
+    NothingToRestoreWarning,
+    SnapshotCorruptError,
+    SnapshotFallbackWarning,
+)
+from ..naming import SnapshotName, is_staging_name
 from ..stores import INDEX_FNAME, LocalStore, Store, open_store
+from ..stores.base import LEASE_FNAME, LOCK_FNAME, METADATA_FNAME
+from ..stores.ownership import writer_gone
 from .files import not_a_directory
 from .request import RestoreRequest
 
@@ -33,7 +42,8 @@ def latest_snapshot(
 ) -> Optional[str]:
     """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None.
 
-    ``verified``: skip, with a warning, snapshots whose files are missing or truncated.
+    ``verified``: skip, with a SnapshotFallbackWarning, snapshots whose files are missing or
+    truncated.
     """
     coll = collectives or Collectives(None)
     store = open_store(dirpath, storage_options)
@@ -43,8 +53,11 @@ def latest_snapshot(
             problem = verify.check(store, found.text).problem if verified else None
             if problem is None:
                 return store.child(found.text)
+            path = store.child(found.text)
             warnings.warn(
-                f"skipping damaged snapshot {store.child(found.text)}: {problem}", stacklevel=4
+                f"skipping damaged snapshot {path}: {one_line(problem, path)}",
+                SnapshotFallbackWarning,
+                stacklevel=4,
             )
         return None
 
@@ -151,14 +164,16 @@ def restore_from_latest(
             f"every snapshot in {dirpath} is damaged: {'; '.join(fallbacks.damaged)}. Nothing was "
             "restored; restore a snapshot by path, or move the directory aside to start from scratch"
         )
-    if coll.on_rank0(lambda: _missing_directory(store)):
-        # A misspelt dirpath would otherwise start training from scratch with one INFO line.
+    # Never start from scratch silently: a misspelt dirpath, another tool's checkpoints or
+    # snapshots never committed are named, once (rank 0).
+    found = coll.on_rank0(lambda: found_in(store))
+    if coll.rank == 0:
         warnings.warn(
-            f"restore_from_latest: dirpath {dirpath} does not exist; nothing was restored and "
-            "training starts from the beginning. Check the path if a run was expected there",
+            f"restore_from_latest: dirpath {dirpath} {found.text}: nothing was restored and "
+            f"training starts from the beginning; {found.advice}",
+            NothingToRestoreWarning,
             stacklevel=2,
         )
-    logger.info("restore_from_latest(%s): no complete snapshot; nothing restored", dirpath)
     return None
 
 
@@ -198,10 +213,81 @@ class _Fallbacks:
         return None
 
 
-def _missing_directory(store: Store) -> bool:
-    """Whether a local ``dirpath`` does not exist at all (an object-store prefix has no such
-    thing: a first run's prefix holds no objects yet)."""
-    return isinstance(store, LocalStore) and not os.path.lexists(store.root)
+class Found(NamedTuple):
+    """What a dirpath without a snapshot to restore holds (:func:`found_in`)."""
+
+    #: completes "dirpath X ...": "does not exist", "is empty", "holds no snapshot, only ..."
+    text: str
+    #: what to do about it
+    advice: str
+    #: whether it holds nothing at all (missing, or only the plugin's lock or lease): a first run
+    empty: bool
+
+
+#: How many names of each kind a message names.
+_NAMED = 3
+#: How many entries of an object-store dirpath are looked into (one request or two each).
+_LOOKED_INTO = 50
+#: Names of files other tools write as checkpoints, by their endings.
+_CHECKPOINT_FILES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".distcp", ".pkl")
+_CHECK_THE_PATH = "check the path if a run was expected there"
+
+
+def found_in(store: Store) -> Found:
+    """What ``store``'s dirpath holds, said where it holds no snapshot to restore: nothing (or no
+    such directory), or the other things it holds by kind, a few named: damaged snapshots,
+    snapshots never committed (no ``.snapshot_metadata``), interrupted writes, torch.distributed.checkpoint
+    checkpoints (a ``.metadata`` file), other tools' checkpoint files (``last.ckpt``, ``*.pt``),
+    other files and directories."""
+    entries: list[tuple[str, bool]]  # (name, is a directory)
+    if isinstance(store, LocalStore):
+        if not os.path.lexists(store.root):
+            return Found("does not exist", _CHECK_THE_PATH, True)
+        with os.scandir(store.root) as scan:
+            entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in scan)
+    else:  # an object store lists the "directories" under the prefix only
+        entries = [(name, True) for name in sorted(store.list_names())]
+    entries = [(n, d) for n, d in entries if n not in (LOCK_FNAME, LEASE_FNAME) and not n.startswith(".tnt_write_probe.")]
+    if not entries and isinstance(store, LocalStore):
+        return Found(
+            "is empty",
+            f"{_CHECK_THE_PATH} (the saver's constructor creates its dirpath: a misspelt one exists, empty)",
+            True,
+        )
+    if not entries:
+        return Found("holds no snapshot directories", _CHECK_THE_PATH, True)
+    kinds: dict[str, list[str]] = {}
+    for name, is_dir in entries[:_LOOKED_INTO]:
+        kinds.setdefault(_kind(store, name, is_dir), []).append(name)
+    if len(entries) > _LOOKED_INTO:
+        kinds.setdefault("other entries", []).append(f"{len(entries) - _LOOKED_INTO} more")
+    held = "; ".join(
+        f"{kind} ({', '.join(names[:_NAMED])}{f' and {len(names) - _NAMED} more' if len(names) > _NAMED else ''})"
+        for kind, names in kinds.items()
+    )
+    return Found(
+        f"holds no snapshot to restore, only {held}",
+        f"restore reads snapshots in torchsnapshot's format (directories holding {METADATA_FNAME}) "
+        "only; pass the dirpath the saver wrote to",
+        False,
+    )
+
+
+def _kind(store: Store, name: str, is_dir: bool) -> str:
+    """What kind of thing child ``name`` of a dirpath without a snapshot to restore is."""
+    if not is_dir:
+        if name.endswith(_CHECKPOINT_FILES):
+            return "other tools' checkpoint files"
+        return "other files"
+    if is_staging_name(name):
+        return "interrupted snapshot writes, never restored"
+    if SnapshotName.parse(name) is not None:
+        if store.is_complete(name):
+            return "damaged snapshots"
+        return f"snapshots never committed, without {METADATA_FNAME}"
+    if store.has_file(name, ".metadata"):
+        return "torch.distributed.checkpoint checkpoints"
+    return "other directories"
 
 
 def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[str]) -> list[str]:
@@ -213,19 +299,62 @@ def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[
     candidates: list[str] = coll.on_rank0(lambda: [s.text for s in reversed(store.complete_snapshots())])
     if coll.rank == 0 and newest is None:
         for name in _uncommitted_after(store, candidates[0] if candidates else None):
-            warnings.warn(
-                f"skipping snapshot {store.child(name)}: it holds the plugin's index but no "
-                f".snapshot_metadata, so it was damaged after its commit or its commit was "
-                "interrupted; the newest complete snapshot before it is restored instead",
-                stacklevel=4,
-            )
+            _warn_uncommitted(store, name, candidates[0] if candidates else None)
     if newest is not None and newest in candidates:
         candidates = candidates[candidates.index(newest):]
     return candidates
 
 
+def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
+    """Warn that snapshot ``name`` (the plugin's index, no metadata) is not restored. On an object
+    store a commit writes the index, then the metadata, under the final name: an interrupted
+    commit, which loses nothing committed. On local disk a final name only ever appears by
+    renaming a complete snapshot into place: its metadata was removed after the commit. On an
+    object store with no complete snapshot before it, the fresh start's warning names it."""
+    path = store.child(name)
+    instead = (
+        f"the newest complete snapshot before it, {store.child(before)}, is restored"
+        if before is not None
+        else "no complete snapshot precedes it"
+    )
+    if store.protocol.renames:
+        warnings.warn(
+            f"skipping damaged snapshot {path}: it holds the plugin's index but no {METADATA_FNAME}, "
+            f"so it was damaged after its commit (a file removed, or an incomplete copy); {instead}",
+            SnapshotFallbackWarning,
+            stacklevel=5,
+        )
+        return
+    if before is None:
+        return  # NothingToRestoreWarning names it among what the dirpath holds
+    gone = writer_gone(store.read_writer(name))
+    writer = f"the writer is gone: {gone}" if gone is not None else "or one still in progress: the writer is not known to be gone"
+    warnings.warn(
+        f"snapshot {path} is an interrupted commit ({writer}; its index was written, its "
+        f"{METADATA_FNAME} never was): nothing committed is lost, and {instead}",
+        InterruptedCommitWarning,
+        stacklevel=5,
+    )
+
+
+#: Advice that errors about one snapshot carry, which a fallback warning does not repeat.
+_ADVICE = re.compile(r"[.;] Restore an older snapshot \(restore_from_latest falls back to one by itself\)")
+
+
+def one_line(problem: Optional[str], path: str) -> str:
+    """``problem`` (a verdict, or an error's text, about snapshot ``path``) as one line for a
+    fallback warning: without what the warning says itself (the snapshot's name before the
+    problem, "could not load snapshot ...", the error's class name, the advice to restore an
+    older snapshot); the files it names keep their full paths."""
+    text = " ".join(str(problem).split())
+    text = _ADVICE.sub("", text)
+    text = re.sub(rf"^(could not load snapshot|restoring|snapshot) {re.escape(path)}( on rank \d+(, rank \d+)*)?:? ", "", text)
+    return text.replace("SnapshotCorruptError: ", "")
+
+
 def _skip(path: str, problem: Optional[str], fallback: bool, damaged: list[str]) -> None:
     """Record that ``path`` is damaged, with a warning; or raise where there is no fallback."""
+    problem = one_line(problem, path)
     if not fallback:
         raise SnapshotCorruptError(
             f"the newest snapshot {path} is damaged: {problem}; pass fallback=True to restore "
@@ -234,6 +363,7 @@ def _skip(path: str, problem: Optional[str], fallback: bool, damaged: list[str])
     damaged.append(f"{path} ({problem})")
     warnings.warn(
         f"skipping damaged snapshot {path}: {problem}; falling back to the previous snapshot",
+        SnapshotFallbackWarning,
         stacklevel=5,
     )
 
@@ -286,6 +416,7 @@ def _reset_unloaded(app_state: Mapping[str, Any], before: Mapping[str, Any], loa
                     f"{key} is not in {path}, the snapshot restored after falling back: it was "
                     "put back as it was before the restore (a damaged snapshot may have been "
                     "partly loaded into it)",
+                    SnapshotFallbackWarning,
                     stacklevel=3,
                 )
                 continue
@@ -295,5 +426,6 @@ def _reset_unloaded(app_state: Mapping[str, Any], before: Mapping[str, Any], loa
             f"{key} is not in {path}, the snapshot restored after falling back, and could not be "
             "put back as it was before the restore: it may hold values of the damaged snapshot; "
             "reset it yourself",
+            SnapshotFallbackWarning,
             stacklevel=3,
         )
