@@ -398,9 +398,10 @@ def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(
     assert_bitwise_equal(weights(fresh), record.weights[2])
 
 
-def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local):
+def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local, caplog):
     """Someone deletes dirpath while step 3's files are being written: step 3 must not commit,
-    and the run, which no longer holds dirpath (its lock went with it), commits nothing more."""
+    and the run, which no longer holds dirpath (its lock went with it), commits nothing more:
+    the first failure is warned, each later one logged (one warning per cause)."""
     dirpath = tmp_path / "snapshots"
     faulty, hooked_dirpath = faulty_local(dirpath)
     removed = []
@@ -416,11 +417,13 @@ def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local
 
     # after a payload file of step 3 was written (its writer marker is written by begin)
     faulty.hook("write_payload", after=remove_dirpath, match=lambda staging, rel: "epoch_0_step_3." in staging)
+    caplog.set_level(logging.INFO, logger="tnt_snapshot_plugin")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         unit, record = run(hooked_dirpath, 5, save_on_train_end=False)
     assert removed and unit.train_progress.num_steps_completed == 5  # training went on
-    messages = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+    warned = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+    messages = warned + [r.getMessage() for r in caplog.records if "failed and was not committed" in r.getMessage()]
     others = [w for w in caught if not issubclass(w.category, (SnapshotFailedWarning, SnapshotBusyWarning))]
     assert not others, [str(w.message) for w in others]
     # Step 3 fails at its commit (the run's lock is gone with dirpath) or, when another I/O
@@ -431,6 +434,7 @@ def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local
         r"epoch_0_step_3 \(epoch 0, step 3\) failed.*(" + lost + r"|writing \S+ of \S+epoch_0_step_3\S+ failed: FileNotFoundError)",
         messages[0],
     ), messages
+    assert len(warned) == 1, warned
     for step in (4, 5):
         assert any(re.search(rf"epoch_0_step_{step} \(epoch 0, step {step}\) failed.*" + lost, m) for m in messages), messages
     assert not dirpath.exists() or (complete(dirpath) == [] and staging_dirs(dirpath) == [])
