@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import re
 import shutil
@@ -369,9 +370,10 @@ def test_the_lock_notices_its_dirpath_or_lock_file_gone_and_stays_lost(tmp_path,
         assert json.loads((dirpath / LOCK_FNAME).read_text()) == other
 
 
-def test_a_lock_file_removed_during_a_write_fails_its_commit_and_every_later_snapshot(tmp_path, faulty_local):
+def test_a_lock_file_removed_during_a_write_fails_its_commit_and_every_later_snapshot(tmp_path, faulty_local, caplog):
     """The lock file is removed while step 2's files are written (after the snapshot started,
-    so the check before it passed): its commit refuses, and so does every later snapshot."""
+    so the check before it passed): its commit refuses, and so does every later snapshot (the
+    first failure warned, the later ones of the same cause logged)."""
     dirpath = tmp_path / "run"
     faulty, hooked = faulty_local(dirpath)
     removed: list[str] = []
@@ -384,12 +386,15 @@ def test_a_lock_file_removed_during_a_write_fails_its_commit_and_every_later_sna
     faulty.hook("write_payload", after=remove_lock, match=lambda staging, rel: "epoch_0_step_2." in staging)
     saver = TorchSnapshotSaver(hooked, save_every_n_train_steps=1, preemption_signals=[])
     unit = ToyUnit()
+    caplog.set_level(logging.INFO, logger="tnt_snapshot_plugin")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(unit, StatefulLoader(make_data(4 * 4)), max_epochs=1, callbacks=[saver])
     # step 2 had started (its files were being written) when the lock file went: its commit refused
     assert removed and unit.train_progress.num_steps_completed == 4
-    failures = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+    warned = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
+    assert len(warned) == 1, warned
+    failures = warned + _logged_failures(caplog)
     assert all(issubclass(w.category, (SnapshotFailedWarning, SnapshotBusyWarning)) for w in caught)
     lost = r"the lock file \S+ of this run was removed from dirpath .*commits no more snapshots into it"
     for step in (2, 3, 4):
@@ -419,7 +424,7 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -
 
 
 @pytest.mark.slow
-def test_a_dirpath_removed_under_a_live_run_is_never_shared_with_the_job_that_takes_it(tmp_path):
+def test_a_dirpath_removed_under_a_live_run_is_never_shared_with_the_job_that_takes_it(tmp_path, caplog):
     """Job 1 trains into dirpath; at step 3 dirpath is removed and job 2 (a real process) starts
     on it, commits steps 1 and 2 and, live, writes step 3. Job 1 goes on training: each of its
     snapshots from step 3 on fails, saying dirpath was removed and naming job 2 as the lock's
@@ -449,6 +454,7 @@ def test_a_dirpath_removed_under_a_live_run_is_never_shared_with_the_job_that_ta
         preemption_signals=[], plugin_manager=pm,
     )
     unit = ToyUnit()
+    caplog.set_level(logging.INFO, logger="tnt_snapshot_plugin")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -459,6 +465,8 @@ def test_a_dirpath_removed_under_a_live_run_is_never_shared_with_the_job_that_ta
         assert commits.steps == [1, 2]  # nothing after the removal
         failures = [str(w.message) for w in caught]
         assert all(issubclass(w.category, SnapshotFailedWarning) for w in caught), failures
+        assert len(failures) == 1, failures  # one warning per cause, the later failures logged
+        failures += _logged_failures(caplog)
         said = (
             rf"dirpath '{re.escape(str(dirpath))}' was removed during this run and created again; its "
             rf"lock file now names host .* pid {job.pid} run .*commits no more snapshots into it"
@@ -479,3 +487,8 @@ def test_a_dirpath_removed_under_a_live_run_is_never_shared_with_the_job_that_ta
         for job in second:
             job.send_signal(signal.SIGKILL)
             job.communicate()
+
+
+def _logged_failures(caplog) -> list[str]:
+    """The failed snapshots logged at INFO (after the first of their cause was warned)."""
+    return [r.getMessage() for r in caplog.records if "failed and was not committed" in r.getMessage()]
