@@ -269,7 +269,7 @@ def _check_locations(
 def _whole_file_end(entry: dict) -> int:
     """The bytes a record without a byte range reads from the start of its file: a raw tensor's
     (its dtype and shape say how many); 0 for a ``torch.save`` payload (read whole, any length)."""
-    if entry["type"] == "Tensor" and entry.get("serializer") == RAW:
+    if entry.get("type", "Tensor") == "Tensor" and entry.get("serializer") == RAW:
         return volume(entry["shape"]) * DTYPE_SIZES[entry["dtype"]]
     return 0
 

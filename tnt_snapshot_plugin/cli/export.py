@@ -10,6 +10,7 @@ from rich.filesize import decimal as human_size
 
 from ..errors import ConfigError
 from ..stores import Store
+from ..verify import require_intact
 from .app import UsageProblem, cli, json_flag, s3_flags, s3_options, split_target
 from .entries import flatten_tensors, load_entry, require_metadata, weight_keys
 from .output import console, emit_json, say
@@ -29,7 +30,8 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
     """Write SNAPSHOT's model weights to OUT, for inference without the trainer.
 
     As a torch.save'd state dict (load with torch.load(OUT) and module.load_state_dict) or as
-    safetensors. KEY may name a sub-entry: 'state_dict' or 'model/0.weight'.
+    safetensors. KEY may name a sub-entry: 'state_dict' or 'model/0.weight'. A snapshot that the
+    check restore makes finds damaged is refused (exit status 2), as verify reports it.
     """
     opts = s3_options(endpoint_url, region)
     store, name = split_target(snapshot, opts)
@@ -42,6 +44,7 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
             raise ConfigError("--format safetensors needs safetensors: pip install 'tnt-snapshot-plugin[cli]'") from None
     if os.path.exists(out_path) and not force:
         raise UsageProblem(f"{out_path} exists; pass --force to overwrite it")
+    require_intact(store, name)  # a damaged snapshot is refused, as restore refuses it
     key, value = _entry_value(store, name, key, opts)
     import torch
 

@@ -78,6 +78,9 @@ MAX_PATH_DEPTH = 200
 MAX_WORLD_SIZE = 1 << 20
 #: dimensions of a tensor
 MAX_NDIM = 64
+#: element counts up to which no dimension and no byte count can overflow int64 (16: the
+#: largest element size)
+_NUMEL_CHECKED = MAX_INT64 // 16
 
 _INT_TEXT = re.compile(r"[+-]?[0-9]{1,4300}\Z")
 
@@ -234,6 +237,8 @@ class _Validator:
                 check(path, entry, kind)
 
     def entry(self, path: str, entry: dict, kind: Any) -> None:
+        if type(kind) is not str:
+            raise self.fail(path, f"unknown entry type {kind!r}")
         if kind in CONTAINER_TYPES:
             if kind != "list":
                 keys = entry.get("keys")
@@ -267,23 +272,28 @@ class _Validator:
             raise self.fail(path, f"unknown entry type {kind!r}")
 
     def tensor(self, path: str, entry: dict) -> None:
-        dtype = self.dtype(path, entry)
+        dtype: Any = entry.get("dtype")
+        itemsize = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
+            raise self.fail(path, f"unknown dtype {dtype!r}")
         shape = entry.get("shape")
         if type(shape) is not list or len(shape) > MAX_NDIM:
             raise self.fail(path, f"its shape is {shape!r}")
         numel = 1
         for n in shape:
-            if type(n) is not int or not 0 <= n <= MAX_INT64:
+            if type(n) is not int or n < 0:
                 raise self.fail(path, f"its shape is {shape!r}")
             numel *= n
-        if numel > MAX_INT64 // 16:  # (16: the largest element size)
-            self.numel(path, shape, dtype)
-        self.location(path, entry)
+        if numel > _NUMEL_CHECKED or (numel == 0 and any(n > MAX_INT64 for n in shape)):
+            self.numel(path, self.shape(path, shape, "shape"), dtype)  # (rare: refused, or huge)
+        rel = entry.get("location")
+        if type(rel) is not str or rel not in self.inside:
+            self.location(path, entry)
         serializer = entry.get("serializer")
         if serializer == RAW:
             if dtype not in RAW_DTYPE_NAMES:
                 raise self.fail(path, f"a {dtype} tensor cannot be stored as raw bytes")
-            self.byte_range(path, entry, numel * DTYPE_SIZES[dtype])
+            self.byte_range(path, entry, numel * itemsize)
         elif serializer == TORCH_SAVE:
             self.byte_range(path, entry, None)
         else:
@@ -298,9 +308,9 @@ class _Validator:
 
     def dtype(self, path: str, entry: dict) -> str:
         dtype = entry.get("dtype")
-        if dtype not in DTYPE_SIZES:
+        if type(dtype) is not str or dtype not in DTYPE_SIZES:
             raise self.fail(path, f"unknown dtype {dtype!r}")
-        return dtype  # type: ignore[return-value]
+        return dtype
 
     def shape(self, path: str, value: Any, what: str) -> list:
         if (
@@ -323,23 +333,20 @@ class _Validator:
         """Check the entry's byte range against ``nbytes`` (its dtype and shape's; None: not
         known) and note the bytes it reads."""
         byte_range = entry.get("byte_range")
-        rel = entry["location"]
         if byte_range is None:
             span: Span = (0, WHOLE_FILE if nbytes is None else nbytes, path, self.piece)
-        elif (
-            type(byte_range) is not list
-            or len(byte_range) != 2
-            or type(byte_range[0]) is not int
-            or type(byte_range[1]) is not int
-            or not 0 <= byte_range[0] <= byte_range[1] <= MAX_INT64
-        ):
-            raise self.fail(path, f"its byte range is {byte_range!r}")
-        elif nbytes is not None and byte_range[1] - byte_range[0] != nbytes:
-            raise self.fail(
-                path, f"its byte range {byte_range} does not hold the {nbytes} bytes its dtype and shape take"
-            )
         else:
-            span = (byte_range[0], byte_range[1], path, self.piece)
+            if type(byte_range) is not list or len(byte_range) != 2:
+                raise self.fail(path, f"its byte range is {byte_range!r}")
+            start, end = byte_range
+            if type(start) is not int or type(end) is not int or not 0 <= start <= end <= MAX_INT64:
+                raise self.fail(path, f"its byte range is {byte_range!r}")
+            if nbytes is not None and end - start != nbytes:
+                raise self.fail(
+                    path, f"its byte range {byte_range} does not hold the {nbytes} bytes its dtype and shape take"
+                )
+            span = (start, end, path, self.piece)
+        rel = entry["location"]
         spans = self.spans.get(rel)
         if spans is None:
             self.spans[rel] = [span]
