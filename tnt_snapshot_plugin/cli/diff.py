@@ -9,7 +9,7 @@ from rich.text import Text
 
 from ..verify import require_intact
 from .app import cli, json_flag, s3_flags, s3_options, split_target
-from .entries import diff_snapshots
+from .entries import diff_snapshots, require_metadata
 from .output import console, emit_json, new_table, print_table, say
 
 
@@ -29,6 +29,7 @@ def diff_command(a: str, b: str, as_json: bool, endpoint_url: Optional[str], reg
     opts = s3_options(endpoint_url, region)
     sides = split_target(a, opts), split_target(b, opts)
     for store, name in sides:  # a damaged snapshot is refused, as restore refuses it
+        require_metadata(store, name)
         require_intact(store, name)
     diffs, compared = diff_snapshots(*sides, opts)
     if as_json:

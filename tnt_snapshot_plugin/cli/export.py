@@ -44,7 +44,6 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
             raise ConfigError("--format safetensors needs safetensors: pip install 'tnt-snapshot-plugin[cli]'") from None
     if os.path.exists(out_path) and not force:
         raise UsageProblem(f"{out_path} exists; pass --force to overwrite it")
-    require_intact(store, name)  # a damaged snapshot is refused, as restore refuses it
     key, value = _entry_value(store, name, key, opts)
     import torch
 
@@ -71,6 +70,7 @@ def _entry_value(store: Store, name: str, key: Optional[str], opts: Optional[dic
     """(the key exported, its value): ``key`` (a top-level entry, or a path below one), or the one
     top-level entry holding only tensors."""
     metadata = require_metadata(store, name)
+    require_intact(store, name)  # a damaged snapshot is refused, as restore refuses it
     top = {p.split("/")[1] for p in metadata.manifest if p.startswith("0/")}
     if key is None:
         found = weight_keys(metadata)
