@@ -210,7 +210,7 @@ class _Validator:
         self.shards: dict[str, _Sharded] = {}
         self.pieces_seen = 0
         self.piece: Any = None  # the identity of the piece being checked (see Span)
-        self._checked: Any = None  # (spans, shards) when finish() last passed
+        self._checked: Any = None  # (spans, pieces, complete) when finish() last passed
 
     def fail(self, path: Any, what: str) -> SnapshotCorruptError:
         return corrupt(self.fname, f"entry {path!r}: {what}")
