@@ -236,7 +236,7 @@ def test_a_flipped_digit_in_the_metadata_is_caught_restoring_by_path(copy):
     metadata = newest / ".snapshot_metadata"
     metadata.write_text(metadata.read_text().replace('"serialized_value": "2"', '"serialized_value": "7"', 1))
     other = Holder(zeros_like(other_state(0)))
-    with pytest.raises(SnapshotCorruptError, match=r"epoch_0_step_2/\.snapshot_metadata: .*checksum"):
+    with pytest.raises(SnapshotCorruptError, match=r"epoch_0_step_2\b.*\.snapshot_metadata.*checksum"):
         restore(str(newest), {"model": Holder(zeros_like(model_state(0))), "other": other})
     assert_identical(other.state, zeros_like(other_state(0)))  # nothing was loaded
 

@@ -16,8 +16,8 @@ from tnt_snapshot_plugin.format.manifest import parse_metadata
 from tnt_snapshot_plugin.format.rank_regions import RankRegions, read_for_rank
 
 
-def shards(row: int) -> list[dict]:
-    tensor = {"type": "Tensor", "location": f"1/t{row}", "serializer": "buffer_protocol", "dtype": "torch.float32",
+def shards(row: int, name: str) -> list[dict]:
+    tensor = {"type": "Tensor", "location": f"{row}/{name}", "serializer": "buffer_protocol", "dtype": "torch.float32",
               "shape": [1, 2], "replicated": False, "byte_range": None}
     return [{"offsets": [row, 0], "sizes": [1, 2], "tensor": tensor}]
 
@@ -26,10 +26,10 @@ def records(rank: int) -> dict[str, str]:
     """Rank ``rank``'s records of three DTensors on a 1-D mesh of 4 and one on a 2 x 2 mesh."""
     builder = writer._Builder(rank, 1 << 20, None)
     for i in range(3):
-        builder.dtensor_record(f"{rank}/m/w{i}", shards(rank), [0, 1, 2, 3], [[0], [-1]], named=True)
-    builder.dtensor_record(f"{rank}/m/h", shards(rank), [[0, 1], [2, 3]], [[1], [-1]], named=True)
+        builder.dtensor_record(f"{rank}/m/w{i}", shards(rank, f"w{i}"), [0, 1, 2, 3], [[0], [-1]], named=True)
+    builder.dtensor_record(f"{rank}/m/h", shards(rank, "h"), [[0, 1], [2, 3]], [[1], [-1]], named=True)
     # a replicated value, recorded alike by every rank that records it
-    builder.dtensor_record("0/m/replicated", shards(0), [0, 1, 2, 3], [[-1], [-1]], named=False)
+    builder.dtensor_record("0/m/replicated", shards(0, "replicated"), [0, 1, 2, 3], [[-1], [-1]], named=False)
     return builder.entries
 
 

@@ -18,6 +18,12 @@ that it stays O(world size) and a restoring rank reads only the parts of the fil
 size and digest and holds only files its rank wrote (``R/...``, ``batched/R-N``: the writer's
 naming). :func:`complete` gives the index with every part's files and checksums merged, as a
 snapshot of one rank has them.
+
+**Names.** Every file name the index or a part lists is checked before anything asks the
+storage about it: a relative path inside the snapshot (``format.manifest.escapes``), and, for
+the files of a snapshot whose ``world_size`` the index records, written by one of its ranks
+(a part: by its own rank). Counts are bounded (``world_size``, ``parts``:
+``format.manifest.MAX_WORLD_SIZE``) and agree with each other.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Any, Callable, Optional
 import xxhash
 
 from .errors import SnapshotCorruptError
+from .format.manifest import MAX_WORLD_SIZE, escapes
+from .format.structure import MAX_INT64
 
 #: The index file of every snapshot the plugin commits.
 INDEX_FNAME = ".tnt_snapshot_index.json"
@@ -77,21 +85,53 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
         fields = {k: v for k, v in doc.items() if k != SEAL_FIELD}
         if doc[SEAL_FIELD] != _digest(fields):
             raise damaged("its content does not match its seal (the file was changed after the commit)")
+    world_size = doc.get("world_size")
+    if world_size is not None and (type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE):
+        raise damaged(f"its world_size is {world_size!r}, not a number of ranks from 1 to {MAX_WORLD_SIZE}")
     files = doc.get("files")
     if not isinstance(files, dict) or not all(
-        isinstance(k, str) and type(v) is int and v >= 0 for k, v in files.items()
+        isinstance(k, str) and type(v) is int and 0 <= v <= MAX_INT64 for k, v in files.items()
     ):
         raise damaged("its 'files' is not a mapping of file to size")
+    stray = _stray(files, world_size)
+    if stray is not None:
+        raise damaged(f"its 'files' names {stray!r}, {_STRAY}")
     checksums = doc.get("checksums")
     if checksums is not None and not isinstance(checksums, dict):
         raise damaged("its 'checksums' is not a mapping of file to record")
+    stray = next((k for k in checksums or () if escapes(k)), None)
+    if stray is not None:
+        raise damaged(f"its 'checksums' names {stray!r}, not a file inside the snapshot")
     parts = doc.get("parts")
     if parts is not None and not (
         isinstance(parts, list)
-        and all(type(p) is list and len(p) == 2 and type(p[0]) is int and p[0] >= 0 and type(p[1]) is str for p in parts)
+        and len(parts) <= MAX_WORLD_SIZE
+        and all(
+            type(p) is list and len(p) == 2 and type(p[0]) is int and 0 <= p[0] <= MAX_INT64 and type(p[1]) is str
+            for p in parts
+        )
     ):
         raise damaged("its 'parts' is not a list of [size, digest]")
+    if parts is not None and world_size is not None and len(parts) != world_size:
+        raise damaged(f"it lists {len(parts)} parts for a world_size of {world_size}")
     return doc
+
+
+_STRAY = "not a file inside the snapshot that one of its ranks wrote"
+
+
+def _stray(files: dict[str, Any], world_size: Any, rank: Optional[int] = None) -> Optional[str]:
+    """A name of ``files`` that is not a relative path inside the snapshot, or, where
+    ``world_size`` is known, not a file a rank below it wrote (``rank``: not one of that rank's);
+    None if every name is."""
+    for rel in files:
+        if escapes(rel):
+            return rel
+        if rank is not None or type(world_size) is int:
+            writer = owner(rel)
+            if writer is None or (writer != rank if rank is not None else writer >= world_size):
+                return rel
+    return None
 
 
 # -- parts ----------------------------------------------------------------------------------------
@@ -154,9 +194,17 @@ def parse_part(data: Optional[bytes], index: dict[str, Any], rank: int, where: s
     files = doc.get("files") if isinstance(doc, dict) else None
     checksums = doc.get("checksums") if isinstance(doc, dict) else None
     if not isinstance(files, dict) or not isinstance(checksums, dict) or not all(
-        type(v) is int and v >= 0 and owner(k) == rank for k, v in files.items()
-    ) or not all(owner(k) == rank for k in checksums):
+        type(v) is int and 0 <= v <= MAX_INT64 for v in files.values()
+    ):
         raise _damaged_part(where, rank, "it is not a mapping of this rank's files to sizes and checksums")
+    stray = _stray(files, None, rank)
+    if stray is None:
+        stray = _stray(checksums, None, rank)
+    if stray is not None:
+        raise _damaged_part(
+            where, rank, f"it is not a mapping of this rank's files to sizes and checksums: it names {stray!r}, not a "
+            f"file inside the snapshot that rank {rank} wrote"
+        )
     return files, checksums
 
 

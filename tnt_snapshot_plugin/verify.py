@@ -4,18 +4,23 @@
 :func:`check` reads a committed snapshot's index (``index.parse``: sealed, so an edited index is
 damage) and its metadata (``format.manifest.parse_metadata``: every entry validated) and finds:
 
-* its index missing (where the writer marker says the plugin wrote it), unreadable or changed;
+* its index missing (where the writer marker says the plugin wrote it), unreadable or changed,
+  or naming a file outside the snapshot or not written by one of its ranks (``index.parse``:
+  refused before the storage is asked about any file);
 * a file the index lists missing, or of another size than was written;
-* the metadata unreadable, invalid, or different from the checksum the index records for it;
+* the metadata unreadable, invalid (its entries, and whether their pieces form their tensors and
+  their byte ranges stay apart: ``format.manifest.parse_metadata``), different from the checksum
+  the index records for it, or of another world size or sharded shapes than the index records;
 * a file the metadata reads missing, or shorter than the byte range it reads;
 * with ``checksums=True``: a payload whose bytes differ from a checksum record of the index, the
   whole file's or one packed tensor's (the records restore verifies as it reads).
 
 restore_from_latest restores the newest snapshot :func:`check` finds intact (without
 ``checksums``: restore verifies every byte it reads against the same records, and falls back from
-a snapshot whose bytes do not match); ``tnt-snapshot ls`` marks the same one, after checking its
-checksums as the restore would; ``tnt-snapshot verify`` checks every snapshot with ``checksums``.
-Nothing here imports torch.
+a snapshot whose bytes do not match); a restore by path refuses a snapshot it finds damaged
+(:func:`damaged`); ``tnt-snapshot ls`` marks the same one, after checking its checksums as the
+restore would; ``tnt-snapshot verify`` checks every snapshot with ``checksums``; ``diff`` and
+``export`` refuse a snapshot it finds damaged. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from typing import Any, Callable, Iterator, Optional
 from .errors import SnapshotCorruptError, SnapshotError
 from .format.manifest import (
     CONTAINER_TYPES,
+    DTYPE_SIZES,
     METADATA_FNAME,
     PRIMITIVE_TYPES,
+    RAW,
     Metadata,
-    locations,
     parse_metadata,
 )
+from .format.structure import volume
 from .index import INDEX_FNAME, part_rel, parts_of
 
 #: Bytes read at once when a payload's checksum is computed.
@@ -72,6 +79,7 @@ def check(
     checksums: bool = False,
     progress: Optional[Callable[[int], None]] = None,
     restoring_ranks: int = 1,
+    metadata_checksum: bool = True,
 ) -> Verdict:
     """The verdict on committed snapshot ``name`` of ``store``.
 
@@ -87,6 +95,9 @@ def check(
     is there with its size: each restoring rank validates the records and checks the parts it
     reads, and reads its files at the sizes listed (a damaged part, or a missing or short file,
     fails the restore on every rank, and restore_from_latest falls back).
+    ``metadata_checksum=False`` leaves that streamed checksum out too (a restore by path, whose
+    ranks each check the digest of every group of records they read): rank 0 then reads none of
+    the metadata.
     """
     verdict = Verdict(name)
 
@@ -107,7 +118,8 @@ def check(
         # the restoring ranks each read the parts of the index they need, checked (index.Parts)
         _check_sizes(verdict, {part_rel(r): p[0] for r, p in enumerate(parts_of(index) or [])}, size_of)
         _check_sizes(verdict, files, size_of)
-        _stream_metadata(store, name, verdict, size_of(METADATA_FNAME))
+        if metadata_checksum:
+            _stream_metadata(store, name, verdict, size_of(METADATA_FNAME))
         return verdict
     _check_sizes(verdict, files, size_of)
     verdict.metadata = _metadata(store, name, verdict)
@@ -116,6 +128,8 @@ def check(
     if not verdict.metadata.manifest:
         verdict.problems.append(f"{METADATA_FNAME}: an empty manifest: it holds no entries")
     _check_locations(verdict, files if index is not None else None, size_of)
+    if index is not None:
+        _check_world(verdict, index)
     if index is None and problem is None:
         verdict.notes.append(f"no {INDEX_FNAME}: not written by this plugin; sizes and checksums not recorded")
     if checksums:
@@ -154,11 +168,31 @@ def _metadata(store: Any, name: str, verdict: Verdict) -> Optional[Metadata]:
         except SnapshotError:
             verdict.problems.append(f"{METADATA_FNAME} differs from the checksum recorded when it was written")
             return None
+    from .format.rank_regions import RankRegions
+
+    regions = RankRegions.from_index(index)
     try:
-        return parse_metadata(data, where)
+        return parse_metadata(data, where, regions.shapes if regions is not None else None)
     except SnapshotError as exc:
         verdict.problems.append(f"{METADATA_FNAME}: {getattr(exc, 'reason', exc)}")
         return None
+
+
+def _check_world(verdict: Verdict, index: dict[str, Any]) -> None:
+    """The metadata's world size is the index's, and the number of ranks whose groups of records
+    the index locates (the shape of each sharded tensor the index records: ``parse_metadata``)."""
+    from .format.rank_regions import RankRegions
+
+    assert verdict.metadata is not None
+    world_size = verdict.metadata.world_size
+    recorded = index.get("world_size")
+    if type(recorded) is int and recorded != world_size:
+        verdict.problems.append(f"{METADATA_FNAME}: world_size is {world_size}, its index records {recorded}")
+    regions = RankRegions.from_index(index)
+    if regions is not None and len(regions.regions) != world_size:
+        verdict.problems.append(
+            f"{METADATA_FNAME}: world_size is {world_size}, its index locates the records of {len(regions.regions)} ranks"
+        )
 
 
 def _streamable(index: Optional[dict[str, Any]], ranks: int) -> bool:
@@ -213,12 +247,14 @@ def _check_locations(
         kind = entry["type"]
         if kind == "Tensor" or kind == "object":  # one location: most entries
             rel, byte_range = entry["location"], entry.get("byte_range")
-            end = byte_range[1] if byte_range is not None else 0
+            end = byte_range[1] if byte_range is not None else _whole_file_end(entry)
             if get(rel, -1) < end:
                 needed[rel] = end
         elif kind not in CONTAINER_TYPES and kind not in PRIMITIVE_TYPES:
-            for rel, byte_range in locations(entry):
-                end = byte_range[1] if byte_range is not None else 0
+            for piece in entry.get("shards") or entry.get("chunks") or ():
+                tensor = piece["tensor"]
+                rel, byte_range = tensor["location"], tensor.get("byte_range")
+                end = byte_range[1] if byte_range is not None else _whole_file_end(tensor)
                 if get(rel, -1) < end:
                     needed[rel] = end
     for rel, end in sorted(needed.items()):
@@ -228,6 +264,14 @@ def _check_locations(
             verdict.problems.append(f"the metadata reads file {rel}, but {what}")
         elif size < end:
             verdict.problems.append(f"file {rel} has {size} bytes, the metadata reads up to byte {end}")
+
+
+def _whole_file_end(entry: dict) -> int:
+    """The bytes a record without a byte range reads from the start of its file: a raw tensor's
+    (its dtype and shape say how many); 0 for a ``torch.save`` payload (read whole, any length)."""
+    if entry.get("type", "Tensor") == "Tensor" and entry.get("serializer") == RAW:
+        return volume(entry["shape"]) * DTYPE_SIZES[entry["dtype"]]
+    return 0
 
 
 def _check_checksums(
@@ -290,6 +334,26 @@ def _chunks(store: Any, name: str, rel: str, size: int) -> Iterator[memoryview]:
         offset += n
 
 
+def damaged(where: str, problem: str) -> SnapshotCorruptError:
+    """The error of a restore by path (or a command reading values) refusing snapshot ``where``,
+    which :func:`check` finds damaged (``problem``: its verdict's)."""
+    error = SnapshotCorruptError(
+        f"snapshot {where} is damaged: {problem}. Restore an older snapshot (restore_from_latest "
+        "falls back to one by itself)"
+    )
+    error.reason = problem  # type: ignore[attr-defined]
+    return error
+
+
+def require_intact(store: Any, name: str) -> Verdict:
+    """:func:`check`'s verdict on snapshot ``name`` of ``store``; :func:`damaged` where it finds
+    a problem."""
+    verdict = check(store, name)
+    if verdict.problem is not None:
+        raise damaged(store.child(name), verdict.problem)
+    return verdict
+
+
 def pick(store: Any, names_newest_first: list[str], *, checksums: bool = False) -> tuple[Optional[str], dict[str, Verdict]]:
     """The snapshot restore_from_latest restores among ``names_newest_first`` (the store's
     complete snapshots, newest first in commit order): the first intact one; and the verdicts
@@ -302,4 +366,4 @@ def pick(store: Any, names_newest_first: list[str], *, checksums: bool = False) 
     return None, verdicts
 
 
-__all__ = ["Verdict", "check", "pick"]
+__all__ = ["Verdict", "check", "damaged", "pick", "require_intact"]

@@ -7,8 +7,9 @@ from typing import Optional
 import click
 from rich.text import Text
 
+from ..verify import require_intact
 from .app import cli, json_flag, s3_flags, s3_options, split_target
-from .entries import diff_snapshots
+from .entries import diff_snapshots, require_metadata
 from .output import console, emit_json, new_table, print_table, say
 
 
@@ -23,10 +24,14 @@ def diff_command(a: str, b: str, as_json: bool, endpoint_url: Optional[str], reg
     Tensors are compared by their bytes, and those that differ by max |a-b|; a sharded tensor
     (ShardedTensor, DTensor) whole, once, under the first rank that records it; opaque state (RNG
     generators, objects) as "differs". Exit status 0 when the snapshots hold the same values, 1
-    when they differ.
+    when they differ, 2 when either is damaged (the check restore makes, as verify reports it).
     """
     opts = s3_options(endpoint_url, region)
-    diffs, compared = diff_snapshots(split_target(a, opts), split_target(b, opts), opts)
+    sides = split_target(a, opts), split_target(b, opts)
+    for store, name in sides:  # a damaged snapshot is refused, as restore refuses it
+        require_metadata(store, name)
+        require_intact(store, name)
+    diffs, compared = diff_snapshots(*sides, opts)
     if as_json:
         emit_json({"a": a, "b": b, "entries_compared": compared, "identical": not diffs, "differences": diffs})
         return 1 if diffs else 0

@@ -12,6 +12,7 @@ from .. import fileio
 from ..errors import ConfigError
 from ..format.manifest import Metadata
 from ..stores import Store
+from ..verify import require_intact
 from .app import UsageProblem, cli, json_flag, path_argument, s3_flags, s3_options, split_target
 from .entries import load_entry, require_metadata, tensor_keys, tensor_leaves, weight_keys
 from .output import console, emit_json, say
@@ -33,7 +34,8 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
     As a torch.save'd state dict (load with torch.load(OUT) and module.load_state_dict) or as
     safetensors. KEY may name a sub-entry: 'state_dict' or 'model/0.weight'. An entry holding
     tensors and other values (an optimizer's state) is written whole with torch.save; an entry
-    holding no tensor is refused. OUT is written whole or not at all.
+    holding no tensor is refused. OUT is written whole or not at all. A snapshot that restore's
+    check finds damaged is refused (exit status 2), as verify reports it.
     """
     opts = s3_options(endpoint_url, region)
     _check_out(out_path, force)
@@ -46,6 +48,7 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
         except ImportError:
             raise ConfigError("--format safetensors needs safetensors: pip install 'tnt-snapshot-plugin[cli]'") from None
     metadata = require_metadata(store, name)
+    require_intact(store, name)  # a damaged snapshot is refused, as restore refuses it
     key, value = _entry_value(store, name, metadata, key, opts)
     import torch
 

@@ -17,6 +17,8 @@ from typing import Any, Iterable, Optional, Sequence
 from . import mesh_aliases
 from .manifest import (
     MAX_ENTRIES,
+    MAX_NDIM,
+    MAX_WORLD_SIZE,
     METADATA_FNAME,
     SHARDED_TYPES,
     Metadata,
@@ -25,6 +27,7 @@ from .manifest import (
     corrupt,
     rank_view,
 )
+from .structure import MAX_INT64
 
 #: The key under which :func:`read_for_rank` puts a sharded entry's whole shape (from the index).
 GLOBAL_SHAPE = "global_shape"
@@ -45,7 +48,7 @@ class RankRegions:
         if not isinstance(ranks, dict):
             return None
         regions, shapes = ranks.get("regions"), ranks.get("shapes")
-        if not isinstance(regions, list) or not isinstance(shapes, dict):
+        if not isinstance(regions, list) or not isinstance(shapes, dict) or not 0 < len(regions) <= MAX_WORLD_SIZE:
             return None
         out = []
         for region in regions:
@@ -54,12 +57,15 @@ class RankRegions:
                 or len(region) != 3
                 or type(region[0]) is not int
                 or type(region[1]) is not int
-                or not 0 <= region[0] <= region[1]
+                or not 0 <= region[0] <= region[1] <= MAX_INT64
                 or type(region[2]) is not str
             ):
                 return None
             out.append((region[0], region[1], region[2]))
-        if not all(type(v) is list and all(type(n) is int and n >= 0 for n in v) for v in shapes.values()):
+        if not all(
+            type(v) is list and len(v) <= MAX_NDIM and all(type(n) is int and 0 <= n <= MAX_INT64 for n in v)
+            for v in shapes.values()
+        ):
             return None
         return cls(out, shapes)
 
@@ -168,6 +174,10 @@ class Groups:
         group = _read_group(self.read_range, self.regions, saved, self.fname)
         if len(self.meta.manifest) + len(group) > MAX_ENTRIES:
             raise corrupt(self.fname, f"it has more than {MAX_ENTRIES} entries")
+        prefix = f"{saved}/"
+        stray = next((path for path in group if type(path) is not str or not path.startswith(prefix)), None)
+        if stray is not None:  # a group holds its own rank's records only (rank 0's: the 0/ ones)
+            raise corrupt(self.fname, f"the records of rank {saved} hold entry {stray!r}, not one of rank {saved}")
         self._validator.run(group)
         self.meta.manifest.update(group)
 
@@ -181,7 +191,11 @@ class Groups:
         """Rank ``rank``'s view of the records read (:func:`rank_view`); each sharded entry
         with its whole shape (``GLOBAL_SHAPE``), which its shards read may not span. A sharded
         entry whose whole shape the index does not record makes every group read: the shape is
-        then the extent of all its shards."""
+        then the extent of all its shards.
+
+        The records read are checked together first (``_Validator.finish``): no two read
+        overlapping bytes, and the shards read lie inside the recorded shapes without
+        overlapping (and tile them, once every group is read). SnapshotCorruptError otherwise."""
         view = rank_view(self.meta, rank)
         sharded = [logical for logical, entry in view.items() if _in_pieces(entry)]
         if any(logical not in self.regions.shapes for logical in sharded) and len(self.loaded) < self.meta.world_size:
@@ -189,6 +203,7 @@ class Groups:
                 self.load(saved)
             view = rank_view(self.meta, rank)
             sharded = [logical for logical, entry in view.items() if _in_pieces(entry)]
+        self._validator.finish(self.regions.shapes, complete=len(self.loaded) == self.meta.world_size)
         for logical in sharded:
             if logical in self.regions.shapes:
                 view[logical][GLOBAL_SHAPE] = self.regions.shapes[logical]

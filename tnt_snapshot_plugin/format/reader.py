@@ -27,7 +27,7 @@ dict read here equals the one torchsnapshot's restore would hand to ``load_state
 from __future__ import annotations
 
 import pickle
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
 
 import torch
@@ -212,14 +212,21 @@ class _Plan(PiecesMixin):
             value = self.unpickle(path, rel, buf)
             if not isinstance(value, torch.Tensor):
                 raise self.corrupt(path, f"the payload holds a {type(value).__name__}, not a tensor", rel)
+            if value.dtype != dtype or list(value.shape) != shape:
+                raise self.corrupt(
+                    path, f"the payload holds a {value.dtype} tensor of shape {list(value.shape)}, its entry says "
+                    f"{dtype} of shape {shape}", rel,
+                )
             box.append(value)
 
         self.after.append(load)
         return lambda: box[0]
 
     def unpickle(self, path: str, rel: str, buf: bytearray) -> Any:
+        """The object ``buf`` holds; SnapshotCorruptError where it does not load, or holds a
+        tensor without data (on the meta device: nothing can be read from it)."""
         try:
-            return load_object(buf, weights_only=self.weights_only)
+            value = load_object(buf, weights_only=self.weights_only)
         except Exception as exc:
             if _is_refusal(exc):
                 raise UnrestorableStateError(
@@ -229,6 +236,9 @@ class _Plan(PiecesMixin):
                     "wrote it), load it with weights_only=False"
                 ) from exc
             raise self.corrupt(path, f"its payload cannot be loaded ({type(exc).__name__}: {exc})", rel) from exc
+        if _holds_meta_tensor(value):
+            raise self.corrupt(path, "its payload holds a tensor on the meta device, which has no data", rel)
+        return value
 
     # -- entries --------------------------------------------------------------------------
 
@@ -345,6 +355,34 @@ class _Plan(PiecesMixin):
             return f"the entries of {self.what!r}"
         more = f" and {len(named) - 3} more" if len(named) > 3 else ""
         return "entry " + ", ".join(repr(n) for n in named[:3]) + more
+
+
+#: How many values of an object :func:`_holds_meta_tensor` looks at, at most.
+_MAX_WALK = 1_000_000
+
+
+def _holds_meta_tensor(value: Any) -> bool:
+    """Whether ``value`` (an unpickled object) is or holds, in its containers and attributes, a
+    tensor on the meta device."""
+    todo, seen = [value], 0
+    while todo and seen < _MAX_WALK:
+        item = todo.pop()
+        seen += 1
+        if isinstance(item, torch.Tensor):
+            if item.is_meta:
+                return True
+            continue
+        kind = type(item)
+        if kind in (str, bytes, int, float, bool, type(None)):
+            continue
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset, deque)):
+            todo.extend(item)
+        elif isinstance(getattr(item, "__dict__", None), dict):
+            todo.extend(vars(item).values())
+    return False
 
 
 class _Mismatch(Exception):

@@ -79,8 +79,10 @@ class RestoreRequest:
             yield self.replace(collectives=collectives)
 
     def restore(self, path: str, checked: Optional[verify.Verdict] = None) -> list[str]:
-        """Load snapshot ``path``; the keys loaded (the RNG state last). ``checked``: this rank's
-        verdict on it, whose parsed metadata is used instead of reading it again."""
+        """Load snapshot ``path``; the keys loaded (the RNG state last). ``checked``: rank 0's
+        verdict on it (``verify.check``), whose parsed metadata is used instead of reading it
+        again; without one, rank 0 makes that check first, and a snapshot it finds damaged is
+        refused on every rank (SnapshotCorruptError) before anything is read into the state."""
         return _Restore(self, path, checked).run()
 
     def restore_from_latest(self, dirpath: str, **kwargs: Any) -> Optional[str]:
@@ -138,15 +140,36 @@ class _Restore:
     # -- resolve ------------------------------------------------------------------------------
 
     def resolve(self) -> tuple[Store, str]:
-        """The snapshot (rank 0's path), complete."""
-        self.path = self.coll.broadcast(self.path)
+        """The snapshot (rank 0's path), complete, and intact as ``verify.check`` finds it."""
+        self.path, checked = self.coll.broadcast((self.path, self.verdict is not None))
         dirpath, name = split_snapshot_path(self.path)
         store = open_store(dirpath, self.request.storage_options)
         require_complete(store, name, self.path, self.coll)
+        if not checked:
+            self.verdict = self.checked(store, name)
         # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
         self.io = reading_io(store, name, self.path, self.request.io_concurrency, checked=self.verdict)
         self.store, self.name = store, name
         return store, name
+
+    def checked(self, store: Store, name: str) -> Optional[verify.Verdict]:
+        """Rank 0's ``verify.check`` of the snapshot, the check restore_from_latest makes before
+        it restores one (the verdict on rank 0, None on the others); a damaged snapshot raises
+        SnapshotCorruptError on every rank. Restored on several ranks from its groups of records,
+        rank 0 leaves the metadata's whole-file checksum out: each rank checks the digest of the
+        groups it reads (``format.rank_regions.Groups``)."""
+        found: list[verify.Verdict] = []
+
+        def check() -> Optional[str]:
+            found.append(verify.check(store, name, restoring_ranks=self.coll.world_size, metadata_checksum=False))
+            return found[-1].problem
+
+        problem = self.coll.on_rank0(check)
+        if problem is not None:
+            error = verify.damaged(self.path, problem)
+            error.all_ranks = True  # type: ignore[attr-defined]
+            raise error
+        return found[0] if found else None
 
     # -- check --------------------------------------------------------------------------------
 
@@ -186,8 +209,10 @@ class _Restore:
     def whole_metadata(self) -> Metadata:
         from ..format.manifest import parse_metadata
 
+        regions = RankRegions.from_index(self.io.snapshot_index)
+        shapes = regions.shapes if regions is not None else None
         try:
-            return parse_metadata(read_metadata(self.store, self.name, self.io.verifier), self.path)
+            return parse_metadata(read_metadata(self.store, self.name, self.io.verifier), self.path, shapes)
         except SnapshotError:
             raise  # damaged metadata, or the storage is unreachable
         except Exception as exc:

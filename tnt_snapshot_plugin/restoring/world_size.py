@@ -81,9 +81,10 @@ class _Comparison:
         self.meta, self.wanted = meta, wanted
         self.read_into, self.file_size, self.verifier = read_into, file_size, verifier
 
-    def per_rank_entries(self) -> dict[str, list[Any]]:
-        """logical path -> each saved rank's entry (None where a rank has none)."""
-        out: dict[str, list[Any]] = {}
+    def per_rank_entries(self) -> dict[str, dict[int, Any]]:
+        """logical path -> saved rank -> its entry (a rank without one left out): as many
+        entries as the manifest holds, whatever its world size says."""
+        out: dict[str, dict[int, Any]] = {}
         replicated: set[str] = set()
         for full, entry in self.meta.manifest.items():
             rank, _, logical = full.partition("/")
@@ -93,7 +94,7 @@ class _Comparison:
             if kind in SHARDED_TYPES or entry.get("replicated"):
                 replicated.add(logical)
                 continue
-            out.setdefault(logical, [None] * self.meta.world_size)[int(rank)] = entry
+            out.setdefault(logical, {})[int(rank)] = entry
         for logical in replicated:
             out.pop(logical, None)
         return out
@@ -113,10 +114,10 @@ class _Comparison:
         differ: list[str] = []
         to_read: list[str] = []
         for logical, by_rank in self.per_rank_entries().items():
-            if any(e is None for e in by_rank):
+            if len(by_rank) < self.meta.world_size:  # a rank without one
                 differ.append(logical)
-            elif all(e.get("type") in _PRIMITIVES for e in by_rank):
-                values = {(e["type"], e.get("serialized_value")) for e in by_rank}
+            elif all(e.get("type") in _PRIMITIVES for e in by_rank.values()):
+                values = {(e["type"], e.get("serialized_value")) for e in by_rank.values()}
                 (same if len(values) == 1 else differ).append(logical)
             else:
                 to_read.append(logical)
