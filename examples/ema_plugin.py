@@ -53,13 +53,12 @@ class Regressor(TrainUnit[Batch]):
 class EMAPlugin(Callback):
     """Keep an exponential moving average of the weights; save it with every snapshot."""
 
-    def __init__(self, model: torch.nn.Module, decay: float = 0.9):
-        self.ema_model = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
-        self.loss = float("nan")
+    def __init__(self, unit: Regressor, decay: float = 0.9):
+        self.unit = unit
+        self.ema_model = AveragedModel(unit.model, multi_avg_fn=get_ema_multi_avg_fn(decay))
 
-    def on_train_step_end(self, state: State, unit: Regressor) -> None:  # torchtnt's hook
-        self.ema_model.update_parameters(unit.model)
-        self.loss = unit.loss
+    def on_train_step_end(self, state: State, unit: TrainUnit[Batch]) -> None:  # torchtnt's hook
+        self.ema_model.update_parameters(self.unit.model)
 
     @hookimpl
     def tnt_snapshot_plugin_extra_state(self, event):
@@ -71,7 +70,7 @@ class EMAPlugin(Callback):
 
     @hookimpl
     def tnt_snapshot_plugin_snapshot_name(self, default):
-        return f"{default}_loss={self.loss:.4f}"  # epoch_1_step_40_loss=0.1234
+        return f"{default}_loss={self.unit.loss:.4f}"  # epoch_1_step_40_loss=0.1234
 
     @hookimpl
     def tnt_snapshot_plugin_snapshot_committed(self, path, epoch, step):
@@ -98,16 +97,16 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     unit = Regressor()
     # --8<-- [start:register]
-    ema = EMAPlugin(unit.model)
+    ema = EMAPlugin(unit)
     saver = TorchSnapshotSaver(dirpath, save_every_n_epochs=1)
     saver.register(ema)  # this saver only; a misspelt hook name raises ConfigError here
-    train(unit, train_dataloader, max_epochs=2, callbacks=[ema, saver])  # ema first: it updates, then the saver saves
+    train(unit, train_dataloader, max_epochs=2, callbacks=[ema, saver])  # ema updates before the saver saves
     # --8<-- [end:register]
 
     torch.manual_seed(1234)  # a new process: other initial weights, another RNG state
     unit = Regressor()
     # --8<-- [start:resume]
-    ema = EMAPlugin(unit.model)
+    ema = EMAPlugin(unit)
     saver = TorchSnapshotSaver(dirpath, save_every_n_epochs=1)
     saver.register(ema)
     # the restore asks the saver's plugins for their state too: the EMA is restored with the unit
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     uninterrupted = Regressor()
-    uninterrupted_ema = EMAPlugin(uninterrupted.model)
+    uninterrupted_ema = EMAPlugin(uninterrupted)
     train(uninterrupted, train_dataloader, max_epochs=4, callbacks=[uninterrupted_ema])
     resumed = [*unit.model.state_dict().values(), *ema.ema_model.state_dict().values()]
     reference = [*uninterrupted.model.state_dict().values(), *uninterrupted_ema.ema_model.state_dict().values()]

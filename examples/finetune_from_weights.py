@@ -35,7 +35,7 @@ class Regressor(TrainUnit[Batch]):
     def __init__(self) -> None:
         super().__init__()
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.optimizer: torch.optim.Optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
 
     def train_step(self, state: State, data: Batch) -> None:
         x, y = data
@@ -44,16 +44,15 @@ class Regressor(TrainUnit[Batch]):
         self.optimizer.zero_grad()
 
 
-def make_dataloader(offset: float) -> DataLoader:
+def make_data(offset: float) -> TensorDataset:
     """The task: y = sum(x) + offset * x[:, 0]."""
     x = torch.randn(160, 4, generator=torch.Generator().manual_seed(0))
-    y = x.sum(dim=1, keepdim=True) + offset * x[:, :1]
-    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) + offset * x[:, :1])
 
 
-def loss_on(unit: Regressor, dataloader: DataLoader) -> float:
+def loss_on(unit: Regressor, data: TensorDataset) -> float:
     with torch.no_grad():
-        x, y = dataloader.dataset.tensors
+        x, y = data.tensors
         return torch.nn.functional.mse_loss(unit.model(x), y).item()
 
 
@@ -65,7 +64,8 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     pretrained = Regressor()
-    train(pretrained, make_dataloader(0.0), max_epochs=3, callbacks=[TorchSnapshotSaver(pretrain_dir)])
+    pretrain_data = DataLoader(make_data(0.0), batch_size=8, shuffle=True)
+    train(pretrained, pretrain_data, max_epochs=3, callbacks=[TorchSnapshotSaver(pretrain_dir)])
     path = latest_snapshot(pretrain_dir)
     print(f"pre-trained {pretrained.train_progress.num_steps_completed} steps; latest snapshot: {path}")
 
@@ -85,10 +85,11 @@ def main(argv=None) -> int:
     fresh = unit.train_progress.num_steps_completed == 0 and not unit.optimizer.state
     print(f"weights loaded: {loaded}; progress and optimizer new: {fresh}")
 
-    finetune_dataloader = make_dataloader(0.5)
-    print(f"loss on the new task before fine-tuning: {loss_on(unit, finetune_dataloader):.4f}")
+    new_task = make_data(0.5)
+    print(f"loss on the new task before fine-tuning: {loss_on(unit, new_task):.4f}")
+    finetune_dataloader = DataLoader(new_task, batch_size=8, shuffle=True)
     train(unit, finetune_dataloader, max_epochs=2, callbacks=[TorchSnapshotSaver(finetune_dir)])
-    print(f"loss on the new task after fine-tuning:  {loss_on(unit, finetune_dataloader):.4f}")
+    print(f"loss on the new task after fine-tuning:  {loss_on(unit, new_task):.4f}")
     print(f"fine-tuned {unit.train_progress.num_steps_completed} steps; snapshots: {sorted(os.listdir(finetune_dir))}")
     return 0 if loaded and fresh else 1
 

@@ -23,10 +23,6 @@ from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 
 # --8<-- [end:imports]
 
-#: Trainer arguments that keep this script's output short.
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-
-
 class Regressor(pl.LightningModule):
     """Learns y = sum(x). Dropout draws from torch's RNG: a bitwise resume restores it too."""
 
@@ -60,9 +56,9 @@ def main(argv=None) -> int:
     saver = TorchSnapshotSaver(
         dirpath,
         every_n_train_steps=35,      # trainer.global_step: optimizer steps; and a final snapshot
-        keep_last_n_snapshots=2,     # older ones are deleted once a newer one is complete
+        keep_last_n_snapshots=2,     # the newest 2 are kept, and the one a run resumed from
     )
-    trainer = Trainer(max_epochs=2, callbacks=[saver], **QUIET)
+    trainer = Trainer(max_epochs=2, callbacks=[saver], logger=False, enable_progress_bar=False)
     trainer.fit(model, train_dataloader, ckpt_path="last")  # a first run starts fresh; a rerun resumes
     # --8<-- [end:quickstart]
     print(f"trained 2 epochs ({trainer.global_step} steps) into {dirpath}")
@@ -70,13 +66,18 @@ def main(argv=None) -> int:
     torch.manual_seed(1234)  # a new process: other initial weights, another RNG state
     model = Regressor()
     saver = TorchSnapshotSaver(dirpath, every_n_train_steps=35, keep_last_n_snapshots=2)
-    trainer = Trainer(max_epochs=4, callbacks=[saver], **QUIET)  # two more epochs
-    trainer.fit(model, train_dataloader, ckpt_path="last")
+    trainer = Trainer(
+        max_epochs=4, callbacks=[saver], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.fit(model, train_dataloader, ckpt_path="last")  # two more epochs
     print(f"resumed and trained on to step {trainer.global_step}")
 
     torch.manual_seed(0)
     uninterrupted = Regressor()
-    Trainer(max_epochs=4, enable_checkpointing=False, **QUIET).fit(uninterrupted, train_dataloader)
+    reference = Trainer(
+        max_epochs=4, enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    reference.fit(uninterrupted, train_dataloader)
     same = all(
         torch.equal(a, b)
         for a, b in zip(model.state_dict().values(), uninterrupted.state_dict().values(), strict=True)

@@ -1,8 +1,9 @@
 """Switch from Lightning's ``ModelCheckpoint`` to ``TorchSnapshotSaver``: the same arguments.
 
-Two identical runs, one with each callback, keep the best snapshots by ``val_loss``; each
+Two identical runs, one with each callback, keep the 2 best checkpoints by ``val_loss``; each
 reports its ``best_model_path`` and validates it again with ``ckpt_path="best"``. The script
-checks that both pick the same step with the same score. It runs on CPU in seconds:
+checks that both pick the same step with the same score. The saver also keeps its newest
+snapshot (what ``ckpt_path="last"`` and a crash resume from). It runs on CPU in seconds:
 
     python examples/switch_from_model_checkpoint.py [--dirpath DIR]
 
@@ -27,10 +28,6 @@ from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 
 # --8<-- [end:imports]
 
-#: Trainer arguments that keep this script's output short.
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-
-
 class Regressor(pl.LightningModule):
     """Learns y = sum(x) and logs ``val_loss`` after every epoch."""
 
@@ -47,7 +44,7 @@ class Regressor(pl.LightningModule):
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.2)
 
 
 def make_dataloader(seed: int, shuffle: bool) -> DataLoader:
@@ -61,13 +58,16 @@ def fit_and_validate_best(checkpoint: ModelCheckpoint, root: str) -> tuple[int, 
     torch.manual_seed(0)  # both runs train identically
     model, train_dataloader, val_dataloader = Regressor(), make_dataloader(0, True), make_dataloader(1, False)
     # --8<-- [start:best]
-    trainer = Trainer(max_epochs=5, callbacks=[checkpoint], default_root_dir=root, **QUIET)
+    trainer = Trainer(
+        max_epochs=5, callbacks=[checkpoint], default_root_dir=root, logger=False, enable_progress_bar=False
+    )
     trainer.fit(model, train_dataloader, val_dataloader)
     print(f"{type(checkpoint).__name__}: best {checkpoint.best_model_path}")
-    # both load the best checkpoint (here: the best complete snapshot) through ckpt_path="best"
+    # ckpt_path="best" loads best_model_path: a checkpoint file, or a snapshot directory
     validated = trainer.validate(model, val_dataloader, ckpt_path="best", verbose=False)
     # --8<-- [end:best]
-    score, again = float(checkpoint.best_model_score), validated[0]["val_loss"]
+    best = checkpoint.best_model_score
+    score, again = float("nan") if best is None else best.item(), validated[0]["val_loss"]
     print(f"  val_loss {score:.6f}; validated again: {again:.6f}")
     kept = sorted(os.listdir(checkpoint.dirpath), key=step_of)
     print(f"  kept in {checkpoint.dirpath}: {', '.join(kept)}")
@@ -76,7 +76,8 @@ def fit_and_validate_best(checkpoint: ModelCheckpoint, root: str) -> tuple[int, 
 
 def step_of(path: str) -> int:
     """The step in a checkpoint's name (``epoch=4-step=60.ckpt``) or a snapshot's (``epoch_5_step_60_...``)."""
-    return int(re.search(r"step[=_](\d+)", os.path.basename(path))[1])
+    match = re.search(r"step[=_](\d+)", os.path.basename(path))
+    return int(match[1]) if match else -1
 
 
 def main(argv=None) -> int:
