@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     pretrained = Regressor()
     pretrain_data = DataLoader(make_data(0.0), batch_size=8, shuffle=True)
+    # no cadence given: one snapshot, when training ends
     train(pretrained, pretrain_data, max_epochs=3, callbacks=[TorchSnapshotSaver(pretrain_dir)])
     path = latest_snapshot(pretrain_dir)
     print(f"pre-trained {pretrained.train_progress.num_steps_completed} steps; latest snapshot: {path}")

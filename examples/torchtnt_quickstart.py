@@ -20,6 +20,7 @@ from torchtnt.framework.train import train
 from torchtnt.framework.unit import TrainUnit
 
 # --8<-- [start:imports]
+from tnt_snapshot_plugin import latest_snapshot
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 
 # --8<-- [end:imports]
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     # --8<-- [start:resume]
     unit = Regressor()
     if TorchSnapshotSaver.restore_from_latest(dirpath, unit):  # False: nothing to resume from
-        print(f"resumed at step {unit.train_progress.num_steps_completed}")
+        print(f"resumed from {latest_snapshot(dirpath)}")
     saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=35, keep_last_n_snapshots=2)
     train(unit, train_dataloader, max_epochs=4, callbacks=[saver])  # two more epochs
     # --8<-- [end:resume]

@@ -137,7 +137,7 @@ def test_torchtnt_quickstart_resumes_bitwise(tmp_path, capsys):
     printed = run("torchtnt_quickstart.py", ["--dirpath", str(tmp_path)], capsys)
     assert printed == [
         f"trained 2 epochs (50 steps) into {tmp_path}",
-        "resumed at step 50",
+        f"resumed from {tmp_path / 'epoch_2_step_50'}",
         "the resumed run equals an uninterrupted one bitwise: True",
     ]
     # a step snapshot at 35 and 70, a final one at the end of each run; the newest 2 kept
@@ -157,7 +157,8 @@ def test_torchtnt_quickstart_runs_as_a_script_as_its_docstring_says(tmp_path):
     first, resumed, verdict = done.stdout.splitlines()
     dirpath = Path(first.rsplit(" into ", 1)[1])
     assert dirpath.parent == tmp_path and dirpath.name.startswith("torchtnt-quickstart-")
-    assert (resumed, verdict) == ("resumed at step 50", "the resumed run equals an uninterrupted one bitwise: True")
+    assert resumed == f"resumed from {dirpath / 'epoch_2_step_50'}"
+    assert verdict == "the resumed run equals an uninterrupted one bitwise: True"
     assert snapshots(dirpath) == ["epoch_2_step_70", "epoch_4_step_100"]
     assert "Traceback" not in done.stderr
     assert not plugin_warnings(done.stderr), done.stderr
