@@ -17,7 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.errors import ConfigError, MonitorNotLoggedWarning
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore, open_store
 
@@ -170,7 +170,7 @@ class BestSnapshots(ModelCheckpoint):
                 warnings.warn(
                     f"{message} (No validation has run yet: snapshots are saved without it until "
                     "it is logged, and are not ranked.)",
-                    stacklevel=2,
+                    category=MonitorNotLoggedWarning, stacklevel=2,
                 )
             return None
         value = metrics[monitor]

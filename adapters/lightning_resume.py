@@ -18,7 +18,7 @@ from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives
-from tnt_snapshot_plugin.errors import ConfigError, NothingToRestoreWarning
+from tnt_snapshot_plugin.errors import ConfigError, ImplicitResumeWarning, NothingToRestoreWarning
 from tnt_snapshot_plugin.restoring.latest import found_in
 from tnt_snapshot_plugin.snapshotter import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore, open_store, split_snapshot_path
@@ -170,7 +170,7 @@ class ResumeFromSnapshots(ModelCheckpoint):
                 f'{self.dirpath} (ckpt_path="last", which Lightning also makes of '
                 f"fit(ckpt_path=None) when an OnExceptionCheckpoint is present: "
                 f"{', '.join(others)}); to start fresh, use a new dirpath or remove that callback",
-                stacklevel=3,
+                category=ImplicitResumeWarning, stacklevel=3,
             )
         else:
             rank_zero_info(f'TorchSnapshotSaver: ckpt_path="last": resuming from snapshot {resolved}')

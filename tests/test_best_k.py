@@ -17,7 +17,7 @@ from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 from torchtnt.utils.checkpoint import BestCheckpointConfig
 
-from tnt_snapshot_plugin import ConfigError, hookimpl, retention
+from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, hookimpl, retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.plugins import get_plugin_manager
@@ -166,7 +166,7 @@ def test_best_checkpoint_config_keeps_the_n_best_by_torchtnts_rules_and_restore_
     fresh = MetricUnit(values, seed=3)
     assert TorchSnapshotSaver.restore_from_best(str(tmp_path), fresh, "val_metric", "max")
     assert fresh.train_progress.num_steps_completed == 10
-    with pytest.warns(UserWarning, match="carries the metric 'accuracy'"):
+    with pytest.warns(NothingToRestoreWarning, match="carries the metric 'accuracy'"):
         assert not TorchSnapshotSaver.restore_from_best(str(tmp_path), fresh, "accuracy", "max")
     with pytest.raises(ConfigError, match="mode"):
         TorchSnapshotSaver.restore_from_best(str(tmp_path), fresh, "val_metric", "lowest")

@@ -18,6 +18,7 @@ import torch
 from tnt_snapshot_plugin import (
     SnapshotConfig,
     SnapshotCorruptError,
+    SnapshotFallbackWarning,
     Snapshotter,
     restore,
     restore_from_latest,
@@ -223,7 +224,7 @@ def test_a_flipped_digit_in_the_metadata_falls_back(copy):
     text = metadata.read_text()
     assert '"serialized_value": "2"' in text
     metadata.write_text(text.replace('"serialized_value": "2"', '"serialized_value": "7"', 1))
-    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: .*snapshot_metadata.*checksum"):
+    with pytest.warns(SnapshotFallbackWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: .*snapshot_metadata.*checksum"):
         result, model, other = restore_fresh(dirpath)
     assert result == str(dirpath / "epoch_0_step_1")
     assert other["step"] == 1
@@ -258,7 +259,7 @@ def test_a_flipped_byte_in_any_entry_falls_back_to_the_previous_snapshot_bitwise
     assert file.stat().st_size == size  # the size index alone cannot see it
 
     rel = str(file.relative_to(newest))
-    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: ") as caught:
+    with pytest.warns(SnapshotFallbackWarning, match=r"skipping damaged snapshot \S*epoch_0_step_2: ") as caught:
         result, model, other = restore_fresh(dirpath)
     damaged = [w for w in caught if "skipping damaged snapshot" in str(w.message)]
     assert len(damaged) == 1 and rel in str(damaged[0].message) and "checksum" in str(damaged[0].message)
@@ -294,7 +295,7 @@ def test_a_flipped_byte_in_a_pack_an_async_snapshot_wrote_as_one_run_falls_back(
     ]
     flip(file, start + 3)
     got = Holder({k: torch.zeros_like(v) for k, v in layer(0).items()})
-    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_3: .*checksum"):
+    with pytest.warns(SnapshotFallbackWarning, match=r"skipping damaged snapshot \S*epoch_0_step_3: .*checksum"):
         assert restore_from_latest(str(tmp_path), {"layer": got}) == str(tmp_path / "epoch_0_step_2")
     assert_identical(got.state, layer(2))
     with pytest.raises(SnapshotCorruptError, match=rf"batched/0-0 \(entry layer/w17\): bytes {start}-{end} "):

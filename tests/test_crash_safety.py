@@ -27,9 +27,11 @@ from torchtnt.framework.callback import Callback
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import (
+    CleanupWarning,
     SnapshotBusyWarning,
     SnapshotCorruptError,
     SnapshotFailedWarning,
+    SnapshotFallbackWarning,
     SnapshotWriteError,
     fileio,
     restore_from_latest,
@@ -147,7 +149,7 @@ def test_damaged_newest_snapshot_falls_back_to_previous_with_warning(snapshots, 
     how, why = DAMAGE[damage]
     how(dirpath / "epoch_0_step_4")
 
-    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_4: .*{why}") as caught:
+    with pytest.warns(SnapshotFallbackWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_4: .*{why}") as caught:
         fresh, restored = restored_weights(dirpath)
     assert restored is True
     assert len(caught) == 1
@@ -183,7 +185,7 @@ def test_every_snapshot_damaged_raises_instead_of_starting_from_scratch(snapshot
     truncate(largest_data_file(dirpath / "epoch_0_step_4"))
     truncate(dirpath / "epoch_0_step_2" / METADATA)
     fresh = ToyUnit(seed=123)
-    with pytest.warns(UserWarning, match="skipping damaged snapshot") as caught:
+    with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot") as caught:
         with pytest.raises(SnapshotCorruptError, match="every snapshot in .* is damaged") as raised:
             TorchSnapshotSaver.restore_from_latest(str(dirpath), fresh)
     assert sorted(str(w.message).split(":")[0] for w in caught) == [
@@ -313,7 +315,7 @@ def test_failed_deletion_warns_and_training_goes_on(tmp_path):
     unit = ToyUnit()
     try:
         with pytest.warns(
-            UserWarning,
+            CleanupWarning,
             match=r"retention could not delete \S*epoch_0_step_1: .*(Operation not permitted|Permission denied)",
         ):
             train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver, refuse])
@@ -681,7 +683,7 @@ def test_a_world_of_one_process_falls_back_and_restores_share_one_group(snapshot
         return real(*args, **kwargs)
 
     monkeypatch.setattr(world_of_one, "new_group", counting)
-    with pytest.warns(UserWarning, match=r"skipping damaged snapshot \S*epoch_0_step_4: file \S+ has \d+ bytes, the metadata reads"):
+    with pytest.warns(SnapshotFallbackWarning, match=r"skipping damaged snapshot \S*epoch_0_step_4: file \S+ has \d+ bytes, the metadata reads"):
         fresh, restored = restored_weights(dirpath)
     assert restored is True and fresh.train_progress.num_steps_completed == 2
     assert_bitwise_equal(weights(fresh), step_weights[2])

@@ -23,6 +23,7 @@ from tnt_snapshot_plugin import (
     KeyCollisionError,
     NothingToRestoreWarning,
     SnapshotNotFoundError,
+    SnapshotsAheadWarning,
     StateMismatchError,
     hookimpl,
 )
@@ -246,7 +247,7 @@ def test_hook_order(tmp_path, pm):
 
     # resuming: Lightning hands the saver its state before training starts
     saver = Recorder(str(tmp_path / "s"), save_every_n_epochs=1, plugin_manager=pm)
-    with pytest.warns(UserWarning, match=r"ahead of this run's progress \(epoch 0, step 2\): epoch_1_step_3"):
+    with pytest.warns(SnapshotsAheadWarning, match=r"ahead of this run's progress \(epoch 0, step 2\): epoch_1_step_3"):
         make_trainer(tmp_path, [saver], max_epochs=1).fit(
             ToyModule(), loader(12), ckpt_path=str(tmp_path / "s" / "epoch_0_step_2")
         )

@@ -50,6 +50,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import (
     ConfigError,
+    LockWarning,
     SnapshotBusyWarning,
     SnapshotConfig,
     SnapshotFailedWarning,
@@ -285,7 +286,7 @@ def test_a_lease_taken_over_or_removed_ends_the_runs_commits(options, run_url, w
         said = "was removed during the run"
     lease = saver._lock
     assert isinstance(lease, s3_mod.S3Lease)
-    with pytest.warns(UserWarning, match=said + ".*commits no more snapshots into it"):
+    with pytest.warns(LockWarning, match=said + ".*commits no more snapshots into it"):
         lease._renew()
     for step in (2, 3):  # for good
         with pytest.raises(SnapshotWriteError, match=rf"epoch_0_step_{step} .*failed.*{said}"):

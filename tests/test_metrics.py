@@ -17,6 +17,7 @@ from pytorch_lightning.loggers import CSVLogger
 from torchtnt.framework.train import train
 from torchtnt.utils.loggers import InMemoryLogger
 
+from tnt_snapshot_plugin import SnapshotFallbackWarning
 from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as LightningSaver
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
@@ -111,7 +112,7 @@ def test_the_units_own_logger_is_used_and_restores_say_what_they_did(tmp_path, c
     victim = newest / max(files, key=files.get)
     victim.write_bytes(victim.read_bytes()[:10])
     caplog.set_level(logging.INFO, logger="tnt_snapshot_plugin")
-    with pytest.warns(UserWarning, match="skipping damaged snapshot"):
+    with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot"):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), ToyUnit(seed=3))
     messages = [r.getMessage() for r in caplog.records]
     restored = [m for m in messages if m.startswith("restored snapshot ")]

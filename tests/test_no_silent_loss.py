@@ -27,7 +27,9 @@ from tnt_snapshot_plugin import (
     ConfigError,
     SnapshotError,
     SnapshotFailedWarning,
+    SnapshotFallbackWarning,
     SnapshotNotFoundError,
+    SnapshotsAheadWarning,
     hookimpl,
     retention,
 )
@@ -138,7 +140,7 @@ def test_a_fine_tune_without_train_progress_is_latest_and_kept_by_retention(tmp_
     tuned = ToyUnit(seed=7)
     assert TorchSnapshotSaver.restore_from_latest(str(dirpath), tuned, restore_train_progress=False)
     assert tuned.train_progress.num_steps_completed == 0
-    with pytest.warns(UserWarning, match=r"ahead of this run's progress \(epoch 0, step 0\).*epoch_0_step_8, epoch_1_step_8") as seen:
+    with pytest.warns(SnapshotsAheadWarning, match=r"ahead of this run's progress \(epoch 0, step 0\).*epoch_0_step_8, epoch_1_step_8") as seen:
         train_toy(dirpath, tuned, 4, save_every_n_train_steps=2, keep_last_n_snapshots=2)
     assert len([w for w in seen if "ahead of this run" in str(w.message)]) == 1  # once
 
@@ -161,7 +163,7 @@ def test_a_new_run_in_a_dirpath_with_later_snapshots_is_latest_and_replaces_its_
     old_run = index_of(dirpath, "epoch_0_step_2")["writer"]["run_id"]
 
     new = ToyUnit(seed=3)
-    with pytest.warns(UserWarning, match="ahead of this run's progress"):
+    with pytest.warns(SnapshotsAheadWarning, match="ahead of this run's progress"):
         train_toy(dirpath, new, 2, save_every_n_train_steps=2, save_on_train_end=False)
     # The new run's step 2 replaced the old run's snapshot of that name, and is the latest.
     assert complete(dirpath)[-1] == "epoch_0_step_2"
@@ -312,7 +314,7 @@ def test_a_newest_snapshot_with_an_empty_manifest_falls_back(tmp_path):
     index = json.loads(index_path.read_text())
     del index["checksums"], index["seal"]  # as indexes written before either existed
     index_path.write_text(json.dumps(index))
-    with pytest.warns(UserWarning, match="skipping damaged snapshot .*epoch_0_step_2: .*empty manifest"):
+    with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot .*epoch_0_step_2: .*empty manifest"):
         path, _ = restored_from_latest(tmp_path)
     assert path.endswith("epoch_0_step_1")
     assert unit.train_progress.num_steps_completed == 2

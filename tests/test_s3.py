@@ -30,9 +30,11 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import (
     ConfigError,
+    LockWarning,
     NothingToRestoreWarning,
     SnapshotCorruptError,
     SnapshotFailedWarning,
+    SnapshotFallbackWarning,
     SnapshotNotFoundError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
@@ -366,7 +368,7 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     saver = TorchSnapshotSaver(  # the same retention (a smaller one would trim at train start)
         run_url, save_every_n_train_steps=2, keep_last_n_snapshots=2, storage_options=options
     )
-    with pytest.warns(UserWarning, match="could not read or write the lease .*injected"):
+    with pytest.warns(LockWarning, match="could not read or write the lease .*injected"):
         with pytest.warns(SnapshotFailedWarning, match="injected"):
             train(unit, loader, max_epochs=2, callbacks=[saver])
     assert unit.train_progress.num_steps_completed == 10  # training went on
@@ -537,7 +539,7 @@ def test_a_renewal_that_finds_the_s3_lease_taken_over_warns_and_lets_it_be(optio
     other = {**writer_identity(new_run_id()), "expires_at": time.time() + 300}
     bucket, _, prefix = run_url[len("s3://"):].partition("/")
     client_for(options).put_object(Bucket=bucket, Key=f"{prefix}/.tnt_snapshot.lease.json", Body=json.dumps(other).encode())
-    with pytest.warns(UserWarning, match=rf"was taken over by another saver \(.*run {other['run_id']!r}"):
+    with pytest.warns(LockWarning, match=rf"was taken over by another saver \(.*run {other['run_id']!r}"):
         lease._renew()
     lease.release()
     assert _lease_of(options, run_url)["run_id"] == other["run_id"]
@@ -575,7 +577,7 @@ def test_an_s3_lease_on_a_store_without_conditional_writes_is_written_plainly_wi
     monkeypatch.setattr(s3_mod, "s3_client", lambda *args: _NoConditionalWrites(real_client(*args)))
     config = SnapshotConfig.build(storage_options=options, preemption_signals=[])
     first, second = Snapshotter(run_url, config), Snapshotter(run_url, config)
-    with pytest.warns(UserWarning, match="refuses conditional writes .*injected.*within the same second"):
+    with pytest.warns(LockWarning, match="refuses conditional writes .*injected.*within the same second"):
         first.train_start(["m"])
     assert ".tnt_snapshot.lease.json" in keys_under(options, run_url)
     with pytest.raises(ConfigError, match="in use by another saver"):
@@ -610,7 +612,7 @@ def test_a_flipped_byte_in_an_s3_object_falls_back_to_the_previous_snapshot(opti
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
 
     got = Holder({k: torch.zeros_like(v) for k, v in state(0).items()})
-    with pytest.warns(UserWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_2: .*{record['location']}.*checksum"):
+    with pytest.warns(SnapshotFallbackWarning, match=rf"skipping damaged snapshot \S*epoch_0_step_2: .*{record['location']}.*checksum"):
         restored = restore_from_latest(run_url, {"h": got}, storage_options=options)
     assert restored == f"{run_url}/epoch_0_step_2".replace("step_2", "step_1")
     for name, value in state(1).items():

@@ -20,7 +20,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tnt_snapshot_plugin import SnapshotConfig, SnapshotCorruptError, Snapshotter, restore, verify
+from tnt_snapshot_plugin import (
+    SnapshotConfig,
+    SnapshotCorruptError,
+    SnapshotFallbackWarning,
+    Snapshotter,
+    restore,
+    verify,
+)
 from tnt_snapshot_plugin.checksums import record_views, record_whole
 from tnt_snapshot_plugin.cli import cli
 from tnt_snapshot_plugin.format.manifest import MAX_NDIM, MAX_WORLD_SIZE, parse_metadata, rank_number
@@ -355,7 +362,7 @@ def test_an_index_name_outside_the_snapshot_is_damage_and_never_asked_about(run)
     with pytest.raises(SnapshotCorruptError, match="damaged.*'../outside'"):
         restore(str(run / NEW), targets())
     restored = targets()
-    with pytest.warns(UserWarning, match=f"skipping damaged snapshot .*{NEW}"):
+    with pytest.warns(SnapshotFallbackWarning, match=f"skipping damaged snapshot .*{NEW}"):
         assert restore_from_latest(str(run), restored).endswith(OLD)
     assert torch.equal(restored["m"].state["a"], state(1)["a"])
     assert invoke("verify", str(run / NEW))[0] == 1

@@ -20,7 +20,13 @@ from torchtnt.framework.fit import fit
 from torchtnt.framework.state import EntryPoint, PhaseState, State
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import ConfigError, SnapshotCorruptError, StateMismatchError
+from tnt_snapshot_plugin import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotFallbackWarning,
+    SnapshotsAheadWarning,
+    StateMismatchError,
+)
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
@@ -294,7 +300,7 @@ def test_hooks_called_without_on_train_start(tmp_path):
     for _ in range(4):
         other.train_progress.increment_step()
     # (its progress, epoch 0 step 4, is behind the first run's epoch_1_step_2: warned once)
-    with pytest.warns(UserWarning, match="ahead of this run's progress"):
+    with pytest.warns(SnapshotsAheadWarning, match="ahead of this run's progress"):
         saver.on_train_step_end(state, other)
     saver.on_train_end(state, other)
     fresh = ToyUnit(seed=7)
@@ -402,6 +408,6 @@ def test_only_damaged_bytes_count_as_corruption(tmp_path):
     victim = tmp_path / "epoch_2_step_4" / "0" / "optimizer" / "param_groups" / "0" / "betas"
     victim.write_bytes(b"\xff" * victim.stat().st_size)
     fresh = ToyUnit(seed=3)
-    with pytest.warns(UserWarning, match="skipping damaged snapshot .*epoch_2_step_4"):
+    with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot .*epoch_2_step_4"):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), fresh)
     assert fresh.train_progress.num_steps_completed == 2

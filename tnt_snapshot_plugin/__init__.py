@@ -11,12 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import (
+    CleanupWarning,
     ConfigError,
     DataLoaderReplayWarning,
     DistributedError,
+    ImplicitResumeWarning,
     InterruptedCommitWarning,
     KeyCollisionError,
+    LockWarning,
+    MetricsWarning,
+    MonitorNotLoggedWarning,
     NothingToRestoreWarning,
+    OutOfSpaceWarning,
+    PartialRestoreWarning,
     ProgressOnlyWarning,
     SnapshotBusyWarning,
     SnapshotCorruptError,
@@ -26,6 +33,7 @@ from .errors import (
     SnapshotNotFoundError,
     SnapshotsAheadWarning,
     SnapshotSkippedWarning,
+    SnapshotWarning,
     SnapshotWriteError,
     StateMismatchError,
     StorageUnavailableError,
@@ -43,6 +51,14 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "CleanupWarning",
+    "ImplicitResumeWarning",
+    "LockWarning",
+    "MetricsWarning",
+    "MonitorNotLoggedWarning",
+    "OutOfSpaceWarning",
+    "PartialRestoreWarning",
+    "SnapshotWarning",
     "PROJECT_NAME",
     "ConfigError",
     "DataLoaderReplayWarning",

@@ -45,14 +45,21 @@ class StorageUnavailableError(SnapshotError, ConnectionError):
 
 
 class SnapshotWriteError(SnapshotError, RuntimeError):
-    """Writing a snapshot failed; the snapshot was not committed and older snapshots are intact."""
+    """Writing a snapshot failed; it was not committed. The message names the first failure and
+    what became of older snapshots: intact, unless a full disk with retention set made the save
+    delete some early (named then)."""
 
 
 class DistributedError(SnapshotError, RuntimeError):
     """Another rank failed in a checkpoint collective; raised on every rank instead of hanging."""
 
 
-class SnapshotFailedWarning(UserWarning):
+class SnapshotWarning(UserWarning):
+    """Base class of every warning tnt_snapshot_plugin issues: filter them all with
+    ``warnings.filterwarnings("ignore", category=SnapshotWarning)``, or each by its own class."""
+
+
+class SnapshotFailedWarning(SnapshotWarning):
     """A snapshot failed and was not committed (``on_save_error="warn"``); training goes on and
     older snapshots are intact. Issued once per cause until a snapshot commits again (the storage
     failing - a full disk, an endpoint down or not answering - is one cause; any other error is a
@@ -67,7 +74,7 @@ class SnapshotSkippedWarning(SnapshotFailedWarning):
     snapshot skipped is counted (``snapshot/skipped`` in the metrics) and logged at INFO."""
 
 
-class SnapshotBusyWarning(UserWarning):
+class SnapshotBusyWarning(SnapshotWarning):
     """Training has waited for snapshots still being written (snapshots are due more often than
     the storage writes them) more than a user notices: in all more than ``job.BUSY_WARNING_S``
     (1 s) and more than ``job.BUSY_WARNING_SHARE`` (10 %) of the run's time since train start
@@ -76,18 +83,18 @@ class SnapshotBusyWarning(UserWarning):
     ``snapshot/waited_s`` in the metrics) and logged at DEBUG."""
 
 
-class SnapshotsAheadWarning(UserWarning):
+class SnapshotsAheadWarning(SnapshotWarning):
     """A run starts in a dirpath holding snapshots ahead of its own progress (another, longer
     run's); this run's snapshots are ordered after them by commit. Issued once per saver."""
 
 
-class NothingToRestoreWarning(UserWarning):
+class NothingToRestoreWarning(SnapshotWarning):
     """A restore of the latest (or best) snapshot found none to restore, so training starts from
     the beginning; the message names the dirpath and what it holds (nothing, no such directory,
     other tools' checkpoints, incomplete snapshots). Issued once per restore, on rank 0."""
 
 
-class SnapshotFallbackWarning(UserWarning):
+class SnapshotFallbackWarning(SnapshotWarning):
     """restore_from_latest skipped the newest snapshot (damaged: the file and the problem named)
     and restored an older one; or, after such a fallback, put back an optional entry the older
     snapshot lacks. One line per snapshot skipped."""
@@ -99,12 +106,52 @@ class InterruptedCommitWarning(SnapshotFallbackWarning):
     snapshot before it is restored. Local disk leaves nothing visible at the same point."""
 
 
-class DataLoaderReplayWarning(UserWarning):
+class DataLoaderReplayWarning(SnapshotWarning):
     """A mid-epoch snapshot was restored, but the train dataloader's position was not (the loader
     passed has no ``state_dict``/``load_state_dict``): the resumed epoch starts again at its first
     batch; the message says how many batches that adds. Issued after the snapshot is chosen."""
 
 
-class ProgressOnlyWarning(UserWarning):
+class ProgressOnlyWarning(SnapshotWarning):
     """The unit tracks nothing but its progress (no modules, optimizers, LR schedulers or other
     stateful attributes), so its snapshots cannot resume its training. Issued once per saver."""
+
+
+class PartialRestoreWarning(SnapshotWarning):
+    """A restore loaded less than it was given: an optional entry the snapshot lacks, an entry
+    left as it is with ``strict=False``, or the per-rank RNG states of a snapshot restored on
+    another world size. The message names what was not restored."""
+
+
+class CleanupWarning(SnapshotWarning):
+    """Something the plugin removes could not be removed, or retention could not list dirpath: a
+    failed write, the leftover of an interrupted one, a snapshot retention deletes. No snapshot
+    restore picks is affected; the next snapshot or run tries again."""
+
+
+class OutOfSpaceWarning(SnapshotWarning):
+    """dirpath ran out of space writing a snapshot: the snapshots retention deletes once it
+    commits were deleted before its commit, and the write was tried again. Issued once per run
+    (later ones logged at INFO)."""
+
+
+class LockWarning(SnapshotWarning):
+    """The run's hold on dirpath could not be kept: its S3 lease was taken over or removed, could
+    not be read or written, or the store refuses the conditional writes a lease needs. The
+    message says what became of the run's snapshots."""
+
+
+class MetricsWarning(SnapshotWarning):
+    """The sink given to report a committed snapshot's figures (a framework's logger) raised;
+    training goes on, the figures of that snapshot are not logged."""
+
+
+class MonitorNotLoggedWarning(SnapshotWarning):
+    """(Lightning) ``monitor`` names a metric not logged yet and no validation has run: snapshots
+    are saved without its value, unranked, until it is logged. Issued once per saver."""
+
+
+class ImplicitResumeWarning(SnapshotWarning):
+    """(Lightning) ``fit`` resumed from the newest snapshot although ``ckpt_path`` was not given:
+    Lightning turns ``ckpt_path=None`` into ``"last"`` when an ``OnExceptionCheckpoint`` callback
+    is present. The message names the snapshot."""

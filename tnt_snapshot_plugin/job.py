@@ -41,7 +41,8 @@ class Job:
     replicated: list[str]
     #: the write's outcome: its exception, or None once it committed
     future: Optional[Future] = None
-    warnings: list[str] = field(default_factory=list)
+    #: what to warn about at the reap, on the training thread: (category, message)
+    warnings: list[tuple[type[Warning], str]] = field(default_factory=list)
     stall_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     durable_s: float = 0.0
@@ -398,8 +399,8 @@ class JobTracking(SaverParts):
         job, self._pending = self._pending, None
         if job is None:
             return
-        for message in job.warnings:
-            warnings.warn(message, stacklevel=3)
+        for category, message in job.warnings:
+            warnings.warn(message, category, stacklevel=3)
         error = job.error
         if isinstance(error, UnrestorableStateError):
             # Not a storage failure that a later snapshot may not meet: every snapshot of this

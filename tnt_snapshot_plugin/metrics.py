@@ -21,6 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+from .errors import MetricsWarning
 from .plugins import hookimpl
 
 Sink = Callable[[dict[str, float], int], None]
@@ -84,4 +85,4 @@ class MetricsReporter:
         try:
             self._sink(snapshot_metrics(record), step)
         except Exception as exc:  # never fail training over a metric
-            warnings.warn(f"could not log the metrics of snapshot {path}: {type(exc).__name__}: {exc}", stacklevel=2)
+            warnings.warn(f"could not log the metrics of snapshot {path}: {type(exc).__name__}: {exc}", category=MetricsWarning, stacklevel=2)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from . import retention
+from .errors import CleanupWarning, OutOfSpaceWarning
 
 logger = logging.getLogger("tnt_snapshot_plugin.writer_job")
 
@@ -70,10 +71,11 @@ def free_space_for(writer: Any, job: Any, exc: BaseException) -> Optional[FreedE
         try:
             return free_early(writer, job)
         except Exception as error:  # the write's own failure is the one reported
-            job.warnings.append(
+            job.warnings.append((
+                CleanupWarning,
                 f"could not make room for snapshot {job.name} in {writer.store.url}: "
-                f"{type(error).__name__}: {error}"
-            )
+                f"{type(error).__name__}: {error}",
+            ))
             return None
 
     return coll.on_rank0(free)
@@ -104,7 +106,7 @@ def free_early(writer: Any, job: Any) -> Optional[FreedEarly]:
         return None
     problems = retention.apply(store, doomed)
     freed = [r.text for r in doomed if r.text not in store.list_names()]
-    job.warnings.extend(problems)
+    job.warnings.extend((CleanupWarning, problem) for problem in problems)
     if not freed:
         return None
     return FreedEarly(store.url, tuple(freed), newest.text)
@@ -120,17 +122,18 @@ def note_written_again(writer: Any, job: Any, freed: FreedEarly) -> None:
         logger.info("%s", message)
         return
     writer._space_warned = True
-    job.warnings.append(
+    job.warnings.append((
+        OutOfSpaceWarning,
         message + ". Later snapshots of this run do the same, logged at INFO; give "
-        "dirpath room for one snapshot more than it keeps to write them only once"
-    )
+        "dirpath room for one snapshot more than it keeps to write them only once",
+    ))
 
 
 def retain_after_commit(writer: Any, job: Any, listed: list[retention.Listed]) -> None:
     if writer.preservation is None:
         return
     doomed = writer.preservation.to_delete(listed, protect=[job.name.text, *writer.protected])
-    job.warnings.extend(retention.apply(writer.store, doomed))
+    job.warnings.extend((CleanupWarning, problem) for problem in retention.apply(writer.store, doomed))
 
 
 def retain_at_start(writer: Any) -> None:

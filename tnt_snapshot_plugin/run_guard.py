@@ -11,7 +11,7 @@ import warnings
 from typing import Optional
 
 from . import retaining, retention
-from .errors import ConfigError, SnapshotError, SnapshotsAheadWarning
+from .errors import CleanupWarning, ConfigError, SnapshotError, SnapshotsAheadWarning
 from .naming import SnapshotName, is_staging_name
 from .saver_parts import SaverParts
 from .stores import DirLock, Store
@@ -61,7 +61,7 @@ def remove_leftovers(store: Store) -> None:
             warnings.warn(
                 f"could not remove {store.child(name)} left by an interrupted snapshot: "
                 f"{exc}; restore ignores it, delete it by hand",
-                stacklevel=5,
+                category=CleanupWarning, stacklevel=5,
             )
 
 

@@ -41,7 +41,13 @@ from .config import SnapshotConfig
 from .coordination import RecordDeltas, grouped_metadata, sharded_shapes
 from .distributed import Collectives, raise_if_any_failed
 from .encoding import agree_replicated, check_loadable, flatten, unencodable, write_error
-from .errors import SnapshotError, SnapshotWriteError, StorageUnavailableError, UnrestorableStateError
+from .errors import (
+    CleanupWarning,
+    SnapshotError,
+    SnapshotWriteError,
+    StorageUnavailableError,
+    UnrestorableStateError,
+)
 from .format import writer as fmt
 from .format.common import METADATA_FNAME
 from .index import seal as seal_index
@@ -161,7 +167,7 @@ class SnapshotWriter:
                 try:
                     store.remove(job.staging)
                 except Exception as exc:  # the failed write stays invisible to restore anyway
-                    job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+                    job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
             raise
 
         # the whole shape of each sharded tensor, for the index's "ranks" (coordination.py)
@@ -288,10 +294,11 @@ class SnapshotWriter:
                 raise  # no sequence number to follow: not committed, rather than misordered
             # Committed all the same (this run holds the lock: the next number is known);
             # retention waits for a listing that works.
-            job.warnings.append(
+            job.warnings.append((
+                CleanupWarning,
                 f"could not list {store.url} ({type(exc).__name__}: {exc}); snapshot "
-                f"{job.name} is committed, and retention is skipped this time"
-            )
+                f"{job.name} is committed, and retention is skipped this time",
+            ))
             return [], False, self.last_seq + 1
 
     def _commit_or_clean_up(self, job: Any, metadata: Any, index: Any) -> None:
@@ -311,7 +318,7 @@ class SnapshotWriter:
                 if not committed and job.staging in store.list_names():
                     store.remove(job.staging)
             except Exception as exc:
-                job.warnings.append(f"could not remove the failed write {job.staging}: {exc}")
+                job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
             raise
 
     def _commit(

@@ -26,7 +26,7 @@ import pluggy
 from .. import verify
 from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
 from ..distributed import Collectives, raise_if_any_failed
-from ..errors import SnapshotCorruptError, SnapshotError, StateMismatchError
+from ..errors import PartialRestoreWarning, SnapshotCorruptError, SnapshotError, StateMismatchError
 from ..format.manifest import Metadata, rank_view, saved_keys
 from ..format.rank_regions import Groups, PartialView, RankRegions
 from ..loading import allowed_globals
@@ -257,7 +257,7 @@ class _Restore:
                 warnings.warn(
                     f"{key} was passed to restore but snapshot {path} holds no {key} state "
                     "(snapshots taken at epoch ends hold none); it was not restored",
-                    stacklevel=5,
+                    category=PartialRestoreWarning, stacklevel=5,
                 )
             else:
                 missing.append(key)
@@ -267,7 +267,7 @@ class _Restore:
                 "restore into the same kind of unit that was saved, or pass strict=False to skip them"
             )
         for key in missing:
-            warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", stacklevel=5)
+            warnings.warn(f"{key} is not in snapshot {path}; left as it is (strict=False)", category=PartialRestoreWarning, stacklevel=5)
         return load
 
     def order(self, checked: _Checked) -> list[str]:

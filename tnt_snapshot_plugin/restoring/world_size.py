@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 from ..app_state import RNG_STATE_KEY
 from ..distributed import Collectives
-from ..errors import SnapshotCorruptError, StateMismatchError
+from ..errors import PartialRestoreWarning, SnapshotCorruptError, StateMismatchError
 from ..format.common import encode
 from ..format.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES, SHARDED_TYPES
 
@@ -58,7 +58,7 @@ def fit_world_size(
         warnings.warn(
             f"snapshot {path} was taken on {_ranks(saved)} and is restored on {_ranks(coll.world_size)}: "
             "its RNG states are per rank, so they are not restored (every other entry is)",
-            stacklevel=4,
+            category=PartialRestoreWarning, stacklevel=4,
         )
         return False, same
     return True, same

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from ..config import DEFAULT_STORAGE_TIMEOUT_S
 from ..errors import (
     ConfigError,
+    LockWarning,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -398,7 +399,7 @@ class S3Lease(DirLock):
         self._stop.set()  # leave it be: no more renewals, and release does not delete it
         import warnings
 
-        warnings.warn(self._lost, stacklevel=2)
+        warnings.warn(self._lost, LockWarning, stacklevel=2)
 
     def _keep(self) -> None:
         while not self._stop.wait(min(60.0, LEASE_S / 5)):
@@ -434,12 +435,14 @@ def _lease_warning(store: S3Store, exc: BaseException, conditional: bool = False
             f"the object store of {store.url} refuses conditional writes ({type(exc).__name__}: "
             f"{exc}); the lease {store.child(LEASE_FNAME)} is written without them: two jobs "
             "starting within the same second could both miss each other's lease",
+            LockWarning,
             stacklevel=6,
         )
         return
     warnings.warn(
         f"could not read or write the lease {store.child(LEASE_FNAME)} ({type(exc).__name__}: "
         f"{exc}); another job writing {store.url} at the same time would not be detected",
+        LockWarning,
         stacklevel=5,
     )
 
