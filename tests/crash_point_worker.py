@@ -247,7 +247,6 @@ def top_level(backend: str, dirpath: str, options: Optional[dict[str, Any]]) -> 
 _TOKENS = [
     (re.compile(r"[0-9a-f]{12}h[0-9a-f]{8}p[0-9]+n[0-9]+"), "<token>"),  # staging_token
     (re.compile(r"del[0-9a-f]{9}"), "del<id>"),  # a deletion's staging directory
-    (re.compile(r"\.tnt_write_probe\.[0-9a-f]{32}"), ".tnt_write_probe.<id>"),
 ]
 
 

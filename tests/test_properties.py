@@ -24,8 +24,9 @@ The families: pieces that do not tile their tensor (a gap, an overlap, a piece o
 without a bound or that contradict each other, file names in the index that leave the snapshot or
 another rank's, tensors torch would reject (a shape whose elements overflow int64, a meta-device
 tensor in a payload), and byte ranges overlapping in one file. The payload family is the one
-``verify`` cannot see without unpickling: there the restore refuses and falls back, and the
-commands that read values refuse with one line.
+the cheap check restore_from_latest makes cannot see without unpickling: there the restore
+refuses and falls back, ``tnt-snapshot verify`` (which reads and unpickles every payload) calls
+the snapshot damaged, and the commands that read values refuse with one line.
 
 The default run takes a few hundred examples in all; ``HYPOTHESIS_PROFILE=long`` takes many more.
 This file is also the two-process writer of the module's runs (``python test_properties.py ...``).
@@ -734,15 +735,19 @@ def judge(c: Copy, what: str, visible: bool) -> None:
         assert_identical(state[key].state, value, f"{what}: latest {key}")
 
     # every command: a documented exit status, no traceback; exit status 2 in one line
+    # ls and verify read every payload (checksums) and unpickle the torch.save'd ones: they call
+    # damaged what restore refuses, the payloads' damage included, and ls names the snapshot
+    # restore_from_latest restores
+    deep = damaged or error is not None
     code, out, _ = cli("ls", str(c.path), "--json")
     assert code == 0
     pick = json.loads(out)["restore"]
-    assert pick == (OLD if damaged else NEW), (what, pick, verdict.problems)
+    assert pick == picked == (OLD if deep else NEW), (what, pick, picked, verdict.problems)
     code, out, _ = cli("verify", str(c.path), "--json")
     statuses = {s["name"]: s["status"] for s in json.loads(out)["snapshots"]}
-    assert code == (1 if damaged else 0) and statuses.get(NEW, "damaged") == ("damaged" if damaged else "complete"), (what, out)
+    assert code == (1 if deep else 0) and statuses.get(NEW, "damaged") == ("damaged" if deep else "complete"), (what, out)
     code, out, _ = cli("verify", str(c.snap))
-    assert code == (1 if damaged else 0), (what, out)
+    assert code == (1 if deep else 0), (what, out)
     code, out, _ = cli("inspect", str(c.snap), "--json")
     assert code in (0, 2), (what, code)
     code, out, _ = cli("diff", str(c.path / OLD), str(c.snap), "--json")

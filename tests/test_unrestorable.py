@@ -110,3 +110,16 @@ def test_picklable_state_still_trains_to_the_end(tmp_path):
     assert set(entries(tmp_path)) == expected
     for name in expected:
         assert (tmp_path / name / ".snapshot_metadata").is_file()
+
+
+@pytest.mark.parametrize("async_snapshot", [True, False], ids=["async", "sync"])
+def test_an_object_holding_a_meta_tensor_stops_training_before_anything_is_written(tmp_path, async_snapshot):
+    """Restore refuses a payload holding a tensor on the meta device (it has no data): the saver
+    refuses to write one, naming the entry, at the first snapshot."""
+    unit, info, caught = run(
+        tmp_path, {"shapes": (torch.empty(3, device="meta"), 2)}, async_snapshot=async_snapshot
+    )
+    assert "extra/shapes" in str(info.value) and "meta device" in str(info.value)
+    assert unit.train_progress.num_steps_completed == EVERY
+    assert entries(tmp_path) == []  # nothing committed, nothing left
+    assert not [w for w in caught if issubclass(w.category, SnapshotFailedWarning)]

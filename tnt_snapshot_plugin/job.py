@@ -194,6 +194,8 @@ def _first_uncopyable(key: str, state: Any) -> Optional[tuple[str, Any, Exceptio
     while stack:
         path, value = stack.pop()
         if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                return path, value, NotImplementedError("a tensor on the meta device has no data to save")
             continue
         if isinstance(value, dict):
             stack.extend((f"{path}/{k}", v) for k, v in value.items())

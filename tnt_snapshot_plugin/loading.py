@@ -23,6 +23,7 @@ import collections
 import contextlib
 import io
 import threading
+from collections import deque
 from typing import Any, Iterator, Mapping, Optional
 
 from .errors import UnrestorableStateError
@@ -180,6 +181,36 @@ def _signature(value: Any) -> Any:
     return frozenset(seen)
 
 
+#: How many values of an object :func:`holds_meta_tensor` looks at, at most.
+_MAX_WALK = 1_000_000
+
+
+def holds_meta_tensor(value: Any) -> bool:
+    """Whether ``value`` (an unpickled object) is or holds, in its containers and attributes, a
+    tensor on the meta device."""
+    import torch
+
+    todo, seen = [value], 0
+    while todo and seen < _MAX_WALK:
+        item = todo.pop()
+        seen += 1
+        if isinstance(item, torch.Tensor):
+            if item.is_meta:
+                return True
+            continue
+        kind = type(item)
+        if kind in (str, bytes, int, float, bool, type(None)):
+            continue
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset, deque)):
+            todo.extend(item)
+        elif isinstance(getattr(item, "__dict__", None), dict):
+            todo.extend(vars(item).values())
+    return False
+
+
 class LoadCheck:
     """Remembers, for one run, which (entry, types) were found loadable; checks the rest."""
 
@@ -224,7 +255,7 @@ class LoadCheck:
         buf = io.BytesIO()
         torch.save(value, buf)
         try:
-            load_object(buf.getbuffer(), weights_only=True)
+            loaded = load_object(buf.getbuffer(), weights_only=True)
         except Exception as exc:
             kind = f"{type(value).__module__}.{type(value).__qualname__}"
             raise UnrestorableStateError(
@@ -234,7 +265,14 @@ class LoadCheck:
                 "and restoring, store it as tensors or plain values, or, for snapshots you trust, "
                 "pass weights_only=False to the saver and to restore"
             ) from exc
+        if holds_meta_tensor(loaded):
+            raise UnrestorableStateError(
+                f"the snapshot entry {path!r} holds a tensor on the meta device, which has no data "
+                "to save: restore refuses such a snapshot. Nothing was written. Materialize the "
+                "tensor (to_empty(), or load real weights) before training, or leave it out of the "
+                "state_dict"
+            )
         self._ok.add(signature)
 
 
-__all__ = ["LoadCheck", "allowed_globals", "load_object", "safe_globals"]
+__all__ = ["LoadCheck", "allowed_globals", "holds_meta_tensor", "load_object", "safe_globals"]

@@ -35,6 +35,7 @@ from .format.manifest import (
     METADATA_FNAME,
     PRIMITIVE_TYPES,
     RAW,
+    TORCH_SAVE,
     Metadata,
     parse_metadata,
 )
@@ -229,10 +230,71 @@ def _stream_metadata(store: Any, name: str, verdict: Verdict, size: Optional[int
 
 def check_payloads(store: Any, verdict: Verdict, progress: Optional[Callable[[int], None]] = None) -> Verdict:
     """Add to ``verdict`` (from :func:`check`) the payloads whose bytes differ from the index's
-    checksum records: what ``check(..., checksums=True)`` does, without reading the rest again."""
+    checksum records, and the ``torch.save``'d payloads restore would refuse once unpickled: what
+    ``check(..., checksums=True)`` does, without reading the rest again."""
     if verdict.index is not None:
         _check_checksums(store, verdict, verdict.index.get("checksums") or {}, verdict.index["files"], progress)
+    if verdict.metadata is not None:
+        _check_pickled(store, verdict)
     return verdict
+
+
+def _pickled(manifest: dict) -> Iterator[tuple[str, dict]]:
+    """(path, entry) of every ``torch.save``'d payload of a manifest: objects, and tensors (whole,
+    or a piece of a chunked or sharded one) stored with torch.save."""
+    for path, entry in manifest.items():
+        kind = entry["type"]
+        if kind == "object" or (kind == "Tensor" and entry.get("serializer") == TORCH_SAVE):
+            yield path, entry
+        elif kind not in CONTAINER_TYPES and kind not in PRIMITIVE_TYPES:
+            for piece in entry.get("shards") or entry.get("chunks") or ():
+                if piece["tensor"].get("serializer") == TORCH_SAVE:
+                    yield path, piece["tensor"]
+
+
+def _check_pickled(store: Any, verdict: Verdict) -> None:
+    """The problems restore would find unpickling the snapshot's ``torch.save``'d payloads: a
+    payload that does not load, holds a tensor on the meta device, or (a tensor entry) holds a
+    tensor of another dtype or shape than its entry. A payload torch's restricted unpickler
+    refuses for its types is a note: whether it loads depends on the restoring process's
+    allow-list."""
+    import torch
+
+    from .format.common import DTYPES_BY_NAME
+    from .loading import allowed_globals, holds_meta_tensor, load_object
+
+    assert verdict.metadata is not None
+    reported = {p.split(" ", 2)[1] for p in verdict.problems if p.startswith("file ")}
+    with allowed_globals():
+        for path, entry in _pickled(verdict.metadata.manifest):
+            rel, byte_range = entry["location"], entry.get("byte_range")
+            if rel in reported:
+                continue
+            try:
+                if byte_range is None:
+                    data = store.read_file(verdict.name, rel)
+                else:
+                    buf = bytearray(byte_range[1] - byte_range[0])
+                    store.read_into(verdict.name, [(rel, byte_range[0], memoryview(buf))])
+                    data = bytes(buf)
+                value = load_object(data, weights_only=True)
+            except SnapshotCorruptError as exc:
+                verdict.problems.append(f"file {rel} cannot be read ({exc})")
+                continue
+            except Exception as exc:
+                if "weights_only" in str(exc).lower().replace(" ", "_"):
+                    verdict.notes.append(f"entry {path}: its payload holds types this process does not allow-list")
+                else:
+                    verdict.problems.append(f"entry {path}: its payload {rel} cannot be loaded ({type(exc).__name__})")
+                continue
+            if holds_meta_tensor(value):
+                verdict.problems.append(f"entry {path}: its payload {rel} holds a tensor on the meta device")
+            elif entry.get("type", "Tensor") == "Tensor" and (
+                not isinstance(value, torch.Tensor)
+                or value.dtype != DTYPES_BY_NAME.get(entry.get("dtype"))
+                or list(value.shape) != entry.get("shape")
+            ):
+                verdict.problems.append(f"entry {path}: its payload {rel} does not hold the tensor its entry describes")
 
 
 def _check_locations(

@@ -27,13 +27,13 @@ dict read here equals the one torchsnapshot's restore would hand to ``load_state
 from __future__ import annotations
 
 import pickle
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
-from ..loading import load_object, refusal
+from ..loading import holds_meta_tensor, load_object, refusal
 from .common import DTYPES_BY_NAME, RAW_DTYPES, decode, encode, flat_bytes
 from .inflate import inflate, note_added, subtree
 from .manifest import (
@@ -236,7 +236,7 @@ class _Plan(PiecesMixin):
                     "wrote it), load it with weights_only=False"
                 ) from exc
             raise self.corrupt(path, f"its payload cannot be loaded ({type(exc).__name__}: {exc})", rel) from exc
-        if _holds_meta_tensor(value):
+        if holds_meta_tensor(value):
             raise self.corrupt(path, "its payload holds a tensor on the meta device, which has no data", rel)
         return value
 
@@ -355,34 +355,6 @@ class _Plan(PiecesMixin):
             return f"the entries of {self.what!r}"
         more = f" and {len(named) - 3} more" if len(named) > 3 else ""
         return "entry " + ", ".join(repr(n) for n in named[:3]) + more
-
-
-#: How many values of an object :func:`_holds_meta_tensor` looks at, at most.
-_MAX_WALK = 1_000_000
-
-
-def _holds_meta_tensor(value: Any) -> bool:
-    """Whether ``value`` (an unpickled object) is or holds, in its containers and attributes, a
-    tensor on the meta device."""
-    todo, seen = [value], 0
-    while todo and seen < _MAX_WALK:
-        item = todo.pop()
-        seen += 1
-        if isinstance(item, torch.Tensor):
-            if item.is_meta:
-                return True
-            continue
-        kind = type(item)
-        if kind in (str, bytes, int, float, bool, type(None)):
-            continue
-        if isinstance(item, dict):
-            todo.extend(item.keys())
-            todo.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset, deque)):
-            todo.extend(item)
-        elif isinstance(getattr(item, "__dict__", None), dict):
-            todo.extend(vars(item).values())
-    return False
 
 
 class _Mismatch(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 import uuid
@@ -37,12 +38,15 @@ from .base import (
     MetadataWrittenLast,
     Store,
 )
-from .ownership import LEASE_S, busy_error, lease_held_by_another
+from .ownership import LEASE_S, busy_error, lease_held_by_another, staging_token, writer_gone, writer_of_token
 from .ranged_reads import RangedReads
 from .registry import FSSPEC_HINT
 
 #: The extra to install for schemes whose fsspec implementation is a separate package.
 EXTRA_OF_SCHEME = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+#: The name of the file ``check_writable`` writes and removes, followed by a staging token.
+PROBE_PREFIX = ".tnt_write_probe."
 
 
 def _import_fsspec(url: str) -> Any:
@@ -173,8 +177,13 @@ class FsspecStore(RangedReads, Store):
         return int(info["size"]) if info.get("type") == "file" else None
 
     def check_writable(self) -> None:
-        probe = f"{self.root}/.tnt_write_probe.{uuid.uuid4().hex}"
+        """Write and remove a probe file in dirpath. Its name carries the writer (host, pid), so
+        a probe left by a process killed in between is removed by the next check once that
+        process is gone (an object store has no file without a name)."""
+        token = staging_token(uuid.uuid4().hex[:12], 0)
+        probe = f"{self.root}/{PROBE_PREFIX}{token}"
         try:
+            self._remove_stale_probes()
             self.fs.pipe_file(probe, b"")
             self.fs.rm_file(probe)
         except Exception as exc:
@@ -182,6 +191,36 @@ class FsspecStore(RangedReads, Store):
                 f"dirpath {self.url!r} cannot be written ({type(exc).__name__}: {exc}); check the "
                 "URL and storage_options"
             ) from exc
+
+    def _modified(self, path: str) -> float:
+        """When ``path`` was last written (seconds since the epoch), as the filesystem reports it;
+        now where it reports nothing usable."""
+        try:
+            info = self.fs.info(path)
+        except Exception:
+            return time.time()
+        for key in ("mtime", "LastModified", "last_modified", "created"):
+            value = info.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if hasattr(value, "timestamp"):
+                return float(value.timestamp())
+        return time.time()
+
+    def _remove_stale_probes(self) -> None:
+        """Remove the write probes of processes that are gone (never this process's own)."""
+        try:
+            names = [str(e).rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            if not name.startswith(PROBE_PREFIX):
+                continue
+            writer = writer_of_token(name[len(PROBE_PREFIX):], self._modified(f"{self.root}/{name}"))
+            if writer is None or writer.get("pid") == os.getpid() or writer_gone({**writer, "run_id": None}) is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{self.root}/{name}")
 
     def write_payload(
         self, name: str, rel: str, data: Sequence[Buffer], feed: Optional[Callable[[memoryview], Any]] = None
