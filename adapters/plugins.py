@@ -1,11 +1,11 @@
 """The built-in adapters as pluggy plugins, published under the ``tnt_snapshot_plugin`` entry-point
 group like any third-party plugin. They name their classes by dotted path, so loading them
-imports no framework; :mod:`tnt_snapshot_plugin.plugins` blocks each one whose framework is missing.
+imports no framework; :mod:`tnt_snapshot_plugin.hooks` blocks each one whose framework is missing.
 """
 
 from __future__ import annotations
 
-from tnt_snapshot_plugin.plugins import AdapterInfo, hookimpl
+from tnt_snapshot_plugin.hooks import AdapterInfo, hookimpl
 
 
 class TorchtntAdapterPlugin:
@@ -15,7 +15,7 @@ class TorchtntAdapterPlugin:
             name="torchtnt",
             framework="torchtnt",
             saver="tnt_snapshot_plugin.adapters.torchtnt:TorchSnapshotSaver",
-            demo="tnt_snapshot_plugin.adapters.demo_torchtnt:demo",
+            demo="tnt_snapshot_plugin.adapters.torchtnt.demo:demo",
         )
 
 
@@ -26,7 +26,7 @@ class LightningAdapterPlugin:
             name="lightning",
             framework="pytorch_lightning",
             saver="tnt_snapshot_plugin.adapters.lightning:TorchSnapshotSaver",
-            demo="tnt_snapshot_plugin.adapters.demo_lightning:demo",
+            demo="tnt_snapshot_plugin.adapters.lightning.demo:demo",
         )
 
 

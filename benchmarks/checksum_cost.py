@@ -76,7 +76,8 @@ class _Timer:
 @contextlib.contextmanager
 def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     """The plugin with its checksum steps timed (on) or replaced by nothing (off)."""
-    from tnt_snapshot_plugin import checksums, writer_job
+    from tnt_snapshot_plugin.format import checksums
+    from tnt_snapshot_plugin.saving import writer as writer_job
 
     # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
     assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"

@@ -78,8 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
-    from tnt_snapshot_plugin import verify
-    from tnt_snapshot_plugin.format import manifest
+    from tnt_snapshot_plugin.format import verify
+    from tnt_snapshot_plugin.format.torchsnapshot import manifest
     from tnt_snapshot_plugin.stores import LocalStore
 
     root = tempfile.mkdtemp(prefix="cli_entries.", dir=args.dir)

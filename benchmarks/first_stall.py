@@ -32,7 +32,7 @@ from torchtnt.framework.train import train
 from torchtnt.framework.unit import TrainUnit
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 
 class Unit(TrainUnit[Any]):

@@ -56,15 +56,10 @@ from typing import Any, Callable, Optional
 import torch
 import xxhash
 
-from tnt_snapshot_plugin import verify
 from tnt_snapshot_plugin.app_state import RNGState
-from tnt_snapshot_plugin.checksums import record_whole
-from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_metadata
-from tnt_snapshot_plugin.format import manifest as mf
-from tnt_snapshot_plugin.format import mesh_aliases
-from tnt_snapshot_plugin.format import writer as fmt
-from tnt_snapshot_plugin.format.common import METADATA_FNAME
-from tnt_snapshot_plugin.index import (
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.checksums import record_whole
+from tnt_snapshot_plugin.format.index import (
     INDEX_FNAME,
     PARTED_FORMAT,
     parse_part,
@@ -73,7 +68,12 @@ from tnt_snapshot_plugin.index import (
     part_rel,
     seal,
 )
-from tnt_snapshot_plugin.index import parse as parse_index
+from tnt_snapshot_plugin.format.index import parse as parse_index
+from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases
+from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot.coordination import RecordDeltas, grouped_metadata
 from tnt_snapshot_plugin.stores import open_store
 
 PACK_BYTES = 4 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tnt_snapshot_plugin.plugins import new_plugin_manager
+from tnt_snapshot_plugin.hooks import new_plugin_manager
 
 
 @pytest.fixture

@@ -233,7 +233,7 @@ def agreement_phase(rank: int, out: str, record: dict[str, Any]) -> None:
 
     from tnt_snapshot_plugin import distributed
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     assert distributed.AGREE_EVERY_S == 0.25
     now = [0.0]
@@ -287,7 +287,7 @@ def wall_clock_phase(rank: int, out: str, record: dict[str, Any]) -> None:
     answer arrives one step later, so both ranks snapshot steps 4 and 8.
     """
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     now = [0.0]
 

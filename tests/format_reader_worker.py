@@ -130,7 +130,7 @@ def read_resharded(snapdir: str, rank: int, record: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tnt_snapshot_plugin.format.reader import parse_metadata, rank_view, read_state_dict
+    from tnt_snapshot_plugin.format.torchsnapshot.reader import parse_metadata, rank_view, read_state_dict
 
     full = globals_()
     spec = EnumerableShardingSpec([

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from gloo_worker import run_rank
 from stock_reader import REPLICATED, dist_state
 
-from tnt_snapshot_plugin.format import writer
-from tnt_snapshot_plugin.format.common import METADATA_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot import writer
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 
 
 def write_payloads(root: str, payloads: list[writer.Payload]) -> None:

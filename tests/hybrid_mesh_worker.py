@@ -21,7 +21,7 @@ import torch
 from gloo_worker import run_rank
 
 from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore_from_latest
-from tnt_snapshot_plugin.format import mesh_aliases
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases
 from toy import Holder
 
 

@@ -30,11 +30,11 @@ import scale  # noqa: E402
 from gloo_worker import run_rank  # noqa: E402
 
 from tnt_snapshot_plugin.app_state import RNGState  # noqa: E402
-from tnt_snapshot_plugin.checksums import record_views  # noqa: E402
-from tnt_snapshot_plugin.coordination import RecordDeltas  # noqa: E402
 from tnt_snapshot_plugin.distributed import Collectives  # noqa: E402
-from tnt_snapshot_plugin.format import mesh_aliases  # noqa: E402
-from tnt_snapshot_plugin.format import writer as fmt  # noqa: E402
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases  # noqa: E402
+from tnt_snapshot_plugin.format.checksums import record_views  # noqa: E402
+from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt  # noqa: E402
+from tnt_snapshot_plugin.format.torchsnapshot.coordination import RecordDeltas  # noqa: E402
 
 
 def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -136,8 +136,8 @@ def saved_by_rank(model: torch.nn.Module, rank: int, world: int, out: str) -> di
     """Two real snapshots of the FSDP2 model (Snapshotter); this rank's view of the second,
     read by its groups (the index's "ranks"), against its view of the whole metadata."""
     from tnt_snapshot_plugin import SnapshotConfig, Snapshotter
-    from tnt_snapshot_plugin.format import manifest as mf
-    from tnt_snapshot_plugin.index import INDEX_FNAME
+    from tnt_snapshot_plugin.format.index import INDEX_FNAME
+    from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
 
     dirpath = os.path.join(out, f"run{world}")
     saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, collective_timeout_s=60))

@@ -7,7 +7,7 @@ import threading
 
 import torch.serialization as serialization
 
-from tnt_snapshot_plugin.loading import allowed_globals, safe_globals
+from tnt_snapshot_plugin.format.objects import allowed_globals, safe_globals
 
 
 class Mine:

@@ -17,10 +17,11 @@ from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 from torchtnt.utils.checkpoint import BestCheckpointConfig
 
-from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, hookimpl, retention
+from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, hookimpl
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.hooks import get_plugin_manager
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.plugins import get_plugin_manager
+from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.stores import INDEX_FNAME
 from toy import StatefulLoader, ToyUnit, make_data
 

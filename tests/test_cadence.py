@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tnt_snapshot_plugin import ConfigError
-from tnt_snapshot_plugin.cadence import GO_ON, TIME_DUE, WallClock
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
+from tnt_snapshot_plugin.saving.wall_clock import GO_ON, TIME_DUE, WallClock
 
 
 class FakeClock:

@@ -23,7 +23,7 @@ from tnt_snapshot_plugin import (
     restore,
     restore_from_latest,
 )
-from tnt_snapshot_plugin.checksums import ALGO, Verifier, record_views
+from tnt_snapshot_plugin.format.checksums import ALGO, Verifier, record_views
 from toy import Holder
 from varied import assert_identical
 from varied import zeros_like_state as zeros_like
@@ -189,7 +189,7 @@ def test_a_pack_written_as_runs_of_tensors_gets_the_record_of_one_view_a_tensor(
     """An asynchronous snapshot hands a pack over as a few runs of tensors that lie end to end in
     its staging arena (``bounds`` says where each tensor ends): the record must be the one the
     same tensors give one by one, across runs and across the pieces hashed in the CPU's cache."""
-    from tnt_snapshot_plugin.checksums import HASH_PIECE
+    from tnt_snapshot_plugin.format.checksums import HASH_PIECE
 
     rng = random.Random(3)
     sizes = [rng.randrange(1, 3 * HASH_PIECE // 2) for _ in range(12)] + [1, 2, 3]
@@ -384,7 +384,8 @@ def test_after_a_fallback_an_optional_entry_the_older_snapshot_lacks_is_put_back
 def test_large_reads_are_verified_on_the_reading_threads_as_each_file_lands(tmp_path, monkeypatch):
     """Files read a few at once (fileio.READ_THREADS) are verified by the thread that read them,
     right after each preadv; a flipped byte in any of them still names its file and entry."""
-    from tnt_snapshot_plugin import checksums, fileio
+    from tnt_snapshot_plugin.format import checksums
+    from tnt_snapshot_plugin.stores import fileio
 
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(fileio.PARALLEL_READ_MIN_BYTES // 4, generator=g) for i in range(4)}

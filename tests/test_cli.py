@@ -25,11 +25,11 @@ from click.testing import CliRunner
 from torchtnt.framework.callbacks import TorchSnapshotSaver as TorchtntSaver
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import retention
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
-from tnt_snapshot_plugin.index import seal as seal_index
+from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.stores import INDEX_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
@@ -576,7 +576,7 @@ def test_console_script_runs_and_the_core_imports_without_the_cli_libraries(writ
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Missing argument" in proc.stderr
 
     code = (
-        "import sys, tnt_snapshot_plugin, tnt_snapshot_plugin.snapshotter, tnt_snapshot_plugin.restoring, "
+        "import sys, tnt_snapshot_plugin, tnt_snapshot_plugin.saving.saver, tnt_snapshot_plugin.restoring, "
         "tnt_snapshot_plugin.metrics, tnt_snapshot_plugin.demo\n"
         "bad = sorted(m for m in ('click', 'rich', 'safetensors') if m in sys.modules)\n"
         "assert not bad, bad"

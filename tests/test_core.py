@@ -13,8 +13,8 @@ import torch
 from tnt_snapshot_plugin import ConfigError, KeyCollisionError, SnapshotName
 from tnt_snapshot_plugin.app_state import Frozen, check_collisions, replicated_patterns
 from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.hooks import adapters, new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name, staging_name
-from tnt_snapshot_plugin.plugins import adapters, new_plugin_manager
 
 
 def test_name_round_trip():
@@ -140,11 +140,11 @@ def test_replicated_partial_match_lists_paths_and_escapes_glob_characters():
 def test_core_never_imports_a_framework_nor_torchsnapshot():
     code = (
         "import sys\n"
-        "import tnt_snapshot_plugin, tnt_snapshot_plugin.snapshotter, tnt_snapshot_plugin.restoring\n"
+        "import tnt_snapshot_plugin, tnt_snapshot_plugin.saving.saver, tnt_snapshot_plugin.restoring\n"
         "import tnt_snapshot_plugin.stores, tnt_snapshot_plugin.stores.s3, tnt_snapshot_plugin.stores.fsspec\n"
-        "import tnt_snapshot_plugin.fileio, tnt_snapshot_plugin.writer_job, tnt_snapshot_plugin.demo, tnt_snapshot_plugin.testing\n"
-        "import tnt_snapshot_plugin.format.writer, tnt_snapshot_plugin.format.reader, tnt_snapshot_plugin.cli\n"
-        "from tnt_snapshot_plugin.plugins import get_plugin_manager, adapters\n"
+        "import tnt_snapshot_plugin.stores.fileio, tnt_snapshot_plugin.saving.writer, tnt_snapshot_plugin.demo, tnt_snapshot_plugin.testing\n"
+        "import tnt_snapshot_plugin.format.torchsnapshot.writer, tnt_snapshot_plugin.format.torchsnapshot.reader, tnt_snapshot_plugin.cli\n"
+        "from tnt_snapshot_plugin.hooks import get_plugin_manager, adapters\n"
         "assert sorted(adapters(get_plugin_manager())) == ['lightning', 'torchtnt']\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torchtnt', 'pytorch_lightning', 'lightning', 'lightning_fabric', 'torchsnapshot'))\n"
@@ -165,7 +165,7 @@ def test_builtin_adapters_load_through_the_entry_point_group():
     pm = new_plugin_manager()
     assert sorted(name for name, _ in pm.list_name_plugin()) == ["lightning", "torchtnt"]
     found = adapters(pm)
-    assert found["torchtnt"].load_saver().__module__ == "tnt_snapshot_plugin.adapters.torchtnt"
+    assert found["torchtnt"].load_saver().__module__ == "tnt_snapshot_plugin.adapters.torchtnt.saver"
     assert found["lightning"].framework == "pytorch_lightning"
 
 

@@ -33,12 +33,11 @@ from tnt_snapshot_plugin import (
     SnapshotFailedWarning,
     SnapshotFallbackWarning,
     SnapshotWriteError,
-    fileio,
     restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.stores import LocalStore
+from tnt_snapshot_plugin.stores import LocalStore, fileio
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 METADATA = ".snapshot_metadata"

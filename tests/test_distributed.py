@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.index import read_local
+from tnt_snapshot_plugin.format.index import read_local
 from tnt_snapshot_plugin.naming import SnapshotName
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
@@ -307,7 +307,7 @@ def test_async_snapshots_without_a_process_group(tmp_path, monkeypatch):
     """
     import torchsnapshot
 
-    from tnt_snapshot_plugin import writer_job
+    from tnt_snapshot_plugin.saving import writer as writer_job
 
     assert not (dist.is_available() and dist.is_initialized())
 

@@ -16,19 +16,18 @@ import time
 import pytest
 import torch
 
-from tnt_snapshot_plugin import fileio
-from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import (
     SnapshotCorruptError,
     StateMismatchError,
     UnrestorableStateError,
 )
-from tnt_snapshot_plugin.format.common import flat_bytes
-from tnt_snapshot_plugin.index import seal as seal_index
+from tnt_snapshot_plugin.format.checksums import record_views
+from tnt_snapshot_plugin.format.index import seal as seal_index
+from tnt_snapshot_plugin.format.torchsnapshot.common import flat_bytes
 from tnt_snapshot_plugin.restoring import restore
-from tnt_snapshot_plugin.snapshotter import Snapshotter
-from tnt_snapshot_plugin.stores import INDEX_FNAME
+from tnt_snapshot_plugin.saving.saver import Snapshotter
+from tnt_snapshot_plugin.stores import INDEX_FNAME, fileio
 from toy import Holder
 from varied import assert_identical, varied_state, zeros_like_state
 

@@ -27,8 +27,9 @@ import torch
 from test_disk_full import committed, footprint, small_disk, snapshot_footprint, unit_with_payload
 from torchtnt.framework.train import train
 
-from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotWriteError, writer_job
+from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.saving import writer as writer_job
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 #: a tensor written to a file of its own (the format packs tensors under 4 MiB together)

@@ -13,7 +13,7 @@ import pytest
 from tnt_snapshot_plugin import demo
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.errors import NothingToRestoreWarning, SnapshotBusyWarning
-from tnt_snapshot_plugin.plugins import adapters
+from tnt_snapshot_plugin.hooks import adapters
 
 
 def _tree(path) -> dict[str, int]:

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from tnt_snapshot_plugin import checksums
 from tnt_snapshot_plugin.errors import SnapshotCorruptError, StateMismatchError
-from tnt_snapshot_plugin.format.common import flat_bytes
-from tnt_snapshot_plugin.format.reader import (
+from tnt_snapshot_plugin.format import checksums
+from tnt_snapshot_plugin.format.torchsnapshot.common import flat_bytes
+from tnt_snapshot_plugin.format.torchsnapshot.reader import (
     Metadata,
     parse_metadata,
     rank_view,

@@ -28,8 +28,14 @@ from stock_reader import REPLICATED, same
 from torchsnapshot.flatten import flatten as stock_flatten
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
-from tnt_snapshot_plugin.format import merging, mesh_aliases, plan_cache, writer
-from tnt_snapshot_plugin.format.common import DTYPE_NAMES, FORMAT_VERSION, METADATA_FNAME, RAW, TORCH_SAVE
+from tnt_snapshot_plugin.format.torchsnapshot import merging, mesh_aliases, plan_cache, writer
+from tnt_snapshot_plugin.format.torchsnapshot.common import (
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    METADATA_FNAME,
+    RAW,
+    TORCH_SAVE,
+)
 
 HERE = Path(__file__).parent
 
@@ -330,7 +336,7 @@ def arena_state(seed: int) -> dict[str, Any]:
 
 
 def test_tensors_end_to_end_in_memory_are_handed_out_as_one_view_with_the_same_bytes_and_checksums():
-    from tnt_snapshot_plugin.checksums import record_views
+    from tnt_snapshot_plugin.format.checksums import record_views
 
     (_, plan), cache = full_and_cached([arena_state(0), arena_state(1)])
     assert (cache.misses, cache.hits) == (1, 1)
@@ -363,7 +369,7 @@ def test_a_reused_plan_gathers_packs_of_tensors_apart_into_one_buffer_with_the_s
     """Each pack of one dtype is copied into the PackBuffer (reused from pack to pack: the
     emit consumes each at once); the files, their bytes and their checksum records are those of
     a plan made in full, with a view a tensor."""
-    from tnt_snapshot_plugin.checksums import record_views
+    from tnt_snapshot_plugin.format.checksums import record_views
 
     def take(files: dict[str, tuple[bytes, Any, int]], p: writer.Payload) -> None:  # as written: at once
         files[p.rel] = (b"".join(bytes(v) for v in p.views), record_views(p.views, p.bounds), len(p.views))

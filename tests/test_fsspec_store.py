@@ -173,7 +173,7 @@ def test_a_second_saver_on_the_same_dirpath_is_refused_while_the_first_runs(targ
 
     from tnt_snapshot_plugin import ConfigError
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     url, options = target
     config = SnapshotConfig.build(storage_options=options, preemption_signals=[])

@@ -12,7 +12,7 @@ import torch
 from tnt_snapshot_plugin import ConfigError, KeyCollisionError, hookimpl, hookspecs
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.restoring import restore, restore_from_latest
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -160,7 +160,7 @@ def test_after_restore_is_told_what_was_loaded(tmp_path, pm):
 
 @pytest.mark.frameworks
 def test_adapters_hook_lists_builtin_and_third_party_adapters():
-    from tnt_snapshot_plugin.plugins import AdapterInfo, adapters, new_plugin_manager
+    from tnt_snapshot_plugin.hooks import AdapterInfo, adapters, new_plugin_manager
 
     class ThirdParty:
         @hookimpl

@@ -30,10 +30,10 @@ from tnt_snapshot_plugin import (
     UnrestorableStateError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.checksums import record_views
 from tnt_snapshot_plugin.cli import cli
-from tnt_snapshot_plugin.format import manifest
-from tnt_snapshot_plugin.index import seal as seal_index
+from tnt_snapshot_plugin.format.checksums import record_views
+from tnt_snapshot_plugin.format.index import seal as seal_index
+from tnt_snapshot_plugin.format.torchsnapshot import manifest
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 OLD, NEW = "epoch_0_step_2", "epoch_0_step_4"

@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
-from tnt_snapshot_plugin.index import (
+from tnt_snapshot_plugin.format.index import (
     Parts,
     complete,
     owner,

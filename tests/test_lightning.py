@@ -34,7 +34,7 @@ from tnt_snapshot_plugin.adapters.lightning import (
 )
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.demo_data import make_data
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 
 def loader(n: int = 40) -> ResumableLoader:
@@ -420,7 +420,7 @@ def test_synchronous_snapshots_write_the_same_names(tmp_path):
 
 
 def test_demo_resumes_bitwise(tmp_path):
-    from tnt_snapshot_plugin.plugins import adapters
+    from tnt_snapshot_plugin.hooks import adapters
 
     demo = adapters()["lightning"].load_demo()
     report = demo(str(tmp_path), epochs=2, steps_per_epoch=6, interrupt_at=8)

@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import Callback
 from tnt_snapshot_plugin import ConfigError, MonitorNotLoggedWarning, hookimpl
 from tnt_snapshot_plugin.adapters.lightning import MonitorNotFoundError, TorchSnapshotSaver
 from tnt_snapshot_plugin.demo_data import make_data
-from tnt_snapshot_plugin.plugins import get_plugin_manager
+from tnt_snapshot_plugin.hooks import get_plugin_manager
 
 #: the val_loss each validation run logs, by the epoch it runs in
 VAL_LOSS = [0.5, 0.3, 0.4, 0.6, 0.45]

@@ -61,8 +61,8 @@ from tnt_snapshot_plugin import (
     hookimpl,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.hooks import new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.plugins import new_plugin_manager
 from tnt_snapshot_plugin.stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, LocalStore
 from tnt_snapshot_plugin.stores import s3 as s3_mod
 from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity

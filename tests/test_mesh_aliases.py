@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
-from tnt_snapshot_plugin.format import mesh_aliases, writer
-from tnt_snapshot_plugin.format.manifest import parse_metadata
-from tnt_snapshot_plugin.format.rank_regions import RankRegions, read_for_rank
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases, writer
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import parse_metadata
+from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import RankRegions, read_for_rank
 
 
 def shards(row: int, name: str) -> list[dict]:
@@ -57,7 +57,7 @@ def test_the_plugin_reads_what_torchsnapshot_s_yaml_loader_reads():
 
 
 def test_one_rank_s_group_read_alone_holds_the_meshes_it_names():
-    from tnt_snapshot_plugin.coordination import RecordDeltas, grouped_metadata
+    from tnt_snapshot_plugin.format.torchsnapshot.coordination import RecordDeltas, grouped_metadata
 
     parts = [records(0), records(1), records(2)]
     rank0 = RecordDeltas()  # each rank's group, as rank 0 commits them (writer_job)

@@ -31,13 +31,13 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
     SnapshotsAheadWarning,
     hookimpl,
-    retention,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.restoring import restore_from_latest
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, LocalStore
 from tnt_snapshot_plugin.stores import ownership as writers
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights

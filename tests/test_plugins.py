@@ -15,9 +15,9 @@ import torch
 
 from tnt_snapshot_plugin import ConfigError, hookimpl, hookspecs
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.plugins import PluginManager, adapters, new_plugin_manager
+from tnt_snapshot_plugin.hooks import PluginManager, adapters, new_plugin_manager
 from tnt_snapshot_plugin.restoring import restore
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ import torch
 
 from tnt_snapshot_plugin import ConfigError, hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.hooks import new_plugin_manager
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.plugins import new_plugin_manager
 from tnt_snapshot_plugin.policies import (
     AnyPreservation,
     AnySave,
@@ -26,8 +26,8 @@ from tnt_snapshot_plugin.policies import (
     Moment,
     PluginDecision,
 )
-from tnt_snapshot_plugin.retention import Best, Listed
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.policies.retention import Best, Listed
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 
 def names(dirpath):

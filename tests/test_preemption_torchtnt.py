@@ -153,7 +153,7 @@ def test_two_savers_stopping_in_any_order_leave_the_original_handler():
     import signal
 
     from tnt_snapshot_plugin.distributed import Collectives
-    from tnt_snapshot_plugin.preemption import PreemptionHandler
+    from tnt_snapshot_plugin.saving.preemption import PreemptionHandler
 
     def original(signum, frame):  # pragma: no cover - never delivered here
         pass

@@ -232,7 +232,7 @@ class Copy:
     writes them back as the writer would."""
 
     def __init__(self, run: Run, dst: Path) -> None:
-        from tnt_snapshot_plugin.format import mesh_aliases
+        from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases
 
         self.run, self.path = run, dst
         for src in run.path.rglob("*"):
@@ -260,8 +260,8 @@ class Copy:
         self.payloads[rel] = data
 
     def metadata_bytes(self) -> tuple[bytes, Optional[list[list[Any]]]]:
-        from tnt_snapshot_plugin.format.groups import Group, metadata_views
-        from tnt_snapshot_plugin.format.merging import metadata_bytes
+        from tnt_snapshot_plugin.format.torchsnapshot.groups import Group, metadata_views
+        from tnt_snapshot_plugin.format.torchsnapshot.merging import metadata_bytes
 
         records = {path: json.dumps(entry) for path, entry in self.manifest.items()}
         world = self.doc.get("world_size")
@@ -281,8 +281,8 @@ class Copy:
     def seal(self) -> None:
         """Write the metadata, payloads, parts and index back, every checksum and digest made
         again as the writer makes them."""
-        from tnt_snapshot_plugin.checksums import record_views, record_whole
-        from tnt_snapshot_plugin.index import owner, part_bytes, part_entry, seal
+        from tnt_snapshot_plugin.format.checksums import record_views, record_whole
+        from tnt_snapshot_plugin.format.index import owner, part_bytes, part_entry, seal
 
         data, regions = self.metadata_bytes()
         _replace(self.snap / METADATA, data)
@@ -329,7 +329,7 @@ def _pieces(c: Copy) -> list[tuple[str, str]]:
 
 def _raw_end(tensor: dict, sizes: list[int]) -> None:
     """Make a piece's tensor record hold ``sizes`` (its shape and, where it has one, its byte range)."""
-    from tnt_snapshot_plugin.format.manifest import DTYPE_SIZES
+    from tnt_snapshot_plugin.format.torchsnapshot.manifest import DTYPE_SIZES
 
     tensor["shape"] = list(sizes)
     numel = 1
@@ -696,7 +696,8 @@ def restored(run: Run, path: Path) -> tuple[Optional[dict[str, Any]], Optional[B
 
 def judge(c: Copy, what: str, visible: bool) -> None:
     """The invariant on ``c``'s damaged newest snapshot (see the module docstring)."""
-    from tnt_snapshot_plugin import SnapshotCorruptError, SnapshotError, restore_from_latest, verify
+    from tnt_snapshot_plugin import SnapshotCorruptError, SnapshotError, restore_from_latest
+    from tnt_snapshot_plugin.format import verify
     from tnt_snapshot_plugin.stores import open_store
 
     run = c.run

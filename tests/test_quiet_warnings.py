@@ -21,7 +21,7 @@ from torchtnt.framework.train import train
 import tnt_snapshot_plugin
 from tnt_snapshot_plugin import SnapshotBusyWarning, SnapshotFailedWarning, errors
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.job import BUSY_WARNING_S, BUSY_WARNING_SHARE
+from tnt_snapshot_plugin.saving.jobs import BUSY_WARNING_S, BUSY_WARNING_SHARE
 from toy import StatefulLoader, ToyUnit, make_data
 
 pytestmark = pytest.mark.frameworks

@@ -22,7 +22,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.loading import safe_globals
+from tnt_snapshot_plugin.format.objects import safe_globals
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
@@ -155,8 +155,8 @@ def test_planted_pickle_is_refused_by_default(tmp_path):
     marker = tmp_path / "marker"
     torch.save(_Planted(str(marker)), os.path.join(newest, location))
     # The plant alone is caught by the checksum as damage; a planter rewrites the index too.
-    from tnt_snapshot_plugin.checksums import record_views
-    from tnt_snapshot_plugin.index import seal as seal_index
+    from tnt_snapshot_plugin.format.checksums import record_views
+    from tnt_snapshot_plugin.format.index import seal as seal_index
 
     index_path = os.path.join(newest, ".tnt_snapshot_index.json")
     with open(index_path) as f:

@@ -174,7 +174,7 @@ def test_tnt_snapshot_verify_reads_every_part_and_names_the_damaged_one(runs):
     from click.testing import CliRunner
 
     from tnt_snapshot_plugin.cli import cli
-    from tnt_snapshot_plugin.index import read_local, seal
+    from tnt_snapshot_plugin.format.index import read_local, seal
 
     def verify(path: Path) -> dict[str, list[str]]:
         result = CliRunner().invoke(cli, ["verify", str(path), "--json"], catch_exceptions=False)

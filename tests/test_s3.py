@@ -38,9 +38,9 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.checksums import record_views
-from tnt_snapshot_plugin.index import parse, parse_part, part_rel
-from tnt_snapshot_plugin.index import seal as seal_index
+from tnt_snapshot_plugin.format.checksums import record_views
+from tnt_snapshot_plugin.format.index import parse, parse_part, part_rel
+from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores import s3 as s3_mod
@@ -391,7 +391,7 @@ def test_s3_clients_are_shared_per_configuration(options):
 def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
     """``{"h": Holder(state)}`` snapshotted by the saver at step 1; the snapshot's URL."""
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     saver = Snapshotter(run_url, SnapshotConfig.build(async_snapshot=False, storage_options=options))
     saver.train_start(["h"], 0, 0)
@@ -447,7 +447,7 @@ def test_a_second_saver_on_a_leased_s3_dirpath_is_refused(options, run_url):
     """On S3 the live saver's lease object names it; a second saver is refused while the lease is
     held, and takes the dirpath once the first run has ended."""
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     config = SnapshotConfig.build(storage_options=options, preemption_signals=[])
     first, second = Snapshotter(run_url, config), Snapshotter(run_url, config)
@@ -571,7 +571,7 @@ def test_an_s3_lease_on_a_store_without_conditional_writes_is_written_plainly_wi
     options, run_url, monkeypatch
 ):
     from tnt_snapshot_plugin.config import SnapshotConfig
-    from tnt_snapshot_plugin.snapshotter import Snapshotter
+    from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     real_client = s3_mod.s3_client
     monkeypatch.setattr(s3_mod, "s3_client", lambda *args: _NoConditionalWrites(real_client(*args)))

@@ -19,10 +19,14 @@ import launching
 import pytest
 import xxhash
 
-from tnt_snapshot_plugin.coordination import RecordDeltas, agree_on_paths, grouped_metadata
 from tnt_snapshot_plugin.errors import SnapshotError
-from tnt_snapshot_plugin.format import manifest as mf
-from tnt_snapshot_plugin.format import writer as fmt
+from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
+from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
+from tnt_snapshot_plugin.format.torchsnapshot.coordination import (
+    RecordDeltas,
+    agree_on_paths,
+    grouped_metadata,
+)
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 WORKER = Path(__file__).with_name("scale_worker.py")
@@ -228,7 +232,7 @@ class _Gathering:
 
 def test_equal_paths_agree_by_digest_alone():
     paths = ["model/a", "model/b"]
-    from tnt_snapshot_plugin.coordination import paths_digest
+    from tnt_snapshot_plugin.format.torchsnapshot.coordination import paths_digest
 
     digest = (2, paths_digest(paths))
     coll = _Gathering([(digest, paths), (digest, paths)])
@@ -237,7 +241,7 @@ def test_equal_paths_agree_by_digest_alone():
 
 
 def test_different_paths_agree_on_the_common_ones():
-    from tnt_snapshot_plugin.coordination import paths_digest
+    from tnt_snapshot_plugin.format.torchsnapshot.coordination import paths_digest
 
     mine, theirs = ["a", "b"], ["b", "c"]
     coll = _Gathering([((2, paths_digest(mine)), mine), ((2, paths_digest(theirs)), theirs)])

@@ -19,7 +19,7 @@ import torch
 from tnt_snapshot_plugin import app_state, restore
 from tnt_snapshot_plugin.app_state import Stager
 from tnt_snapshot_plugin.config import SnapshotConfig
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 from toy import Holder
 
 

@@ -13,7 +13,7 @@ import torchsnapshot
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.loading import load_object
+from tnt_snapshot_plugin.format.objects import load_object
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 

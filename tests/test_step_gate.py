@@ -24,7 +24,7 @@ from tnt_snapshot_plugin import hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import SnapshotFailedWarning
 from tnt_snapshot_plugin.policies import AnySave, EveryNSteps
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore
 
 

@@ -35,11 +35,11 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S, SnapshotConfig
-from tnt_snapshot_plugin.snapshotter import Snapshotter
+from tnt_snapshot_plugin.saving.saver import Snapshotter
+from tnt_snapshot_plugin.saving.writer import DEFAULT_IO_THREADS
 from tnt_snapshot_plugin.stores import LocalStore
 from tnt_snapshot_plugin.stores.s3 import _backoff_s, request_limits
 from tnt_snapshot_plugin.testing import FaultyStore, register, unregister
-from tnt_snapshot_plugin.writer_job import DEFAULT_IO_THREADS
 from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
 pytestmark = pytest.mark.slow

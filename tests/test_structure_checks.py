@@ -26,16 +26,21 @@ from tnt_snapshot_plugin import (
     SnapshotFallbackWarning,
     Snapshotter,
     restore,
-    verify,
 )
-from tnt_snapshot_plugin.checksums import record_views, record_whole
 from tnt_snapshot_plugin.cli import cli
-from tnt_snapshot_plugin.format.manifest import MAX_NDIM, MAX_WORLD_SIZE, parse_metadata, rank_number
-from tnt_snapshot_plugin.format.rank_regions import Groups, RankRegions
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.checksums import record_views, record_whole
+from tnt_snapshot_plugin.format.index import parse as parse_index
+from tnt_snapshot_plugin.format.index import parse_part, part_bytes, part_entry
+from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.structure import MAX_INT64, overlap_problem, tiling_problem
-from tnt_snapshot_plugin.index import parse as parse_index
-from tnt_snapshot_plugin.index import parse_part, part_bytes, part_entry
-from tnt_snapshot_plugin.index import seal as seal_index
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import (
+    MAX_NDIM,
+    MAX_WORLD_SIZE,
+    parse_metadata,
+    rank_number,
+)
+from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import Groups, RankRegions
 from tnt_snapshot_plugin.restoring.world_size import _Comparison
 from tnt_snapshot_plugin.stores import LocalStore
 from tnt_snapshot_plugin.testing import FaultyStore

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import (
+from tnt_snapshot_plugin.errors import (
     CleanupWarning,
     ConfigError,
     DataLoaderReplayWarning,
@@ -39,9 +39,9 @@ from .errors import (
     StorageUnavailableError,
     UnrestorableStateError,
 )
-from .naming import SnapshotName
-from .plugins import hookimpl
-from .plugins_name import PROJECT_NAME
+from tnt_snapshot_plugin.hooks import hookimpl
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.plugins_name import PROJECT_NAME
 
 try:  # the version lives in one place, setup.cfg; the installed distribution's metadata carries it
     from importlib.metadata import PackageNotFoundError, version
@@ -90,7 +90,7 @@ __all__ = [
 
 _LAZY = {
     "SnapshotConfig": ("config", "SnapshotConfig"),
-    "Snapshotter": ("snapshotter", "Snapshotter"),
+    "Snapshotter": ("saving.saver", "Snapshotter"),
     "latest_snapshot": ("restoring", "latest_snapshot"),
     "restore": ("restoring", "restore"),
     "restore_from_latest": ("restoring", "restore_from_latest"),

@@ -2,7 +2,7 @@
 
 import sys
 
-from .demo import main
+from tnt_snapshot_plugin.demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

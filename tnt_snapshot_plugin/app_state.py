@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .errors import KeyCollisionError, StateMismatchError
+from tnt_snapshot_plugin.errors import KeyCollisionError, StateMismatchError
 
 RNG_STATE_KEY = "rng_state"
 TRAIN_DATALOADER_KEY = "train_dataloader"
@@ -546,7 +546,7 @@ def replicated_patterns(
     framework's loop state holding per-rank loader positions, say). An entry matched whole becomes
     ``key/**``; a partly matched one lists its matched paths.
     """
-    from .format.writer import flatten
+    from tnt_snapshot_plugin.format.torchsnapshot.writer import flatten
 
     auto_replicated = list(auto_replicated)
     never = set(never_replicated)

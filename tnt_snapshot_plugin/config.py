@@ -11,10 +11,10 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from . import policies
-from .errors import ConfigError
-from .naming import is_metric_name
-from .retention import MODES, Best
+from tnt_snapshot_plugin import policies
+from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.naming import is_metric_name
+from tnt_snapshot_plugin.policies.retention import MODES, Best
 
 _SAVE_ERROR_POLICIES = ("warn", "raise")
 

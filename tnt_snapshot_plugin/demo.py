@@ -16,9 +16,9 @@ import shutil
 import sys
 from typing import Any, Optional, Sequence
 
-from .naming import SnapshotName, is_staging_name
-from .plugins import adapters
-from .stores import LOCK_FNAME
+from tnt_snapshot_plugin.hooks import adapters
+from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.stores import LOCK_FNAME
 
 DEFAULT_DIRPATH = "./demo-snapshots"
 #: Written into a directory the demo uses: the mark that its snapshots are the demo's own.
@@ -128,7 +128,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _print_listing(dirpath: str) -> None:
     """What ``tnt-snapshot ls`` says of the demo's directory."""
     print(f"\n$ tnt-snapshot ls {dirpath}", flush=True)
-    from .cli import main as cli_main  # without the cli extra: one line saying how to install it
+    from tnt_snapshot_plugin.cli import (
+        main as cli_main,  # without the cli extra: one line saying how to install it
+    )
 
     cli_main(["ls", dirpath])
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from . import errors
-from .errors import ConfigError, DistributedError, SnapshotError
+from tnt_snapshot_plugin import errors
+from tnt_snapshot_plugin.errors import ConfigError, DistributedError, SnapshotError
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 import pluggy
 
-from .plugins_name import PROJECT_NAME
+from tnt_snapshot_plugin.plugins_name import PROJECT_NAME
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
@@ -24,10 +24,10 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 def tnt_snapshot_plugin_adapters() -> Any:
     """Describe a framework adapter this plugin provides.
 
-    Called each time :func:`tnt_snapshot_plugin.plugins.adapters` lists them (the demo command uses
+    Called each time :func:`tnt_snapshot_plugin.hooks.adapters` lists them (the demo command uses
     it to find ``--framework`` choices). Call mode: all results are collected.
 
-    :return: a :class:`tnt_snapshot_plugin.plugins.AdapterInfo`, or None.
+    :return: a :class:`tnt_snapshot_plugin.hooks.AdapterInfo`, or None.
     """
 
 
@@ -93,7 +93,7 @@ def tnt_snapshot_plugin_snapshot_committed(path: str, epoch: int, step: int, rec
     :param path: the committed snapshot's path (a local path or URL).
     :param epoch: epochs completed when it was taken.
     :param step: train steps completed when it was taken.
-    :param record: its :class:`~tnt_snapshot_plugin.job.SnapshotRecord`: what it cost
+    :param record: its :class:`~tnt_snapshot_plugin.saving.jobs.SnapshotRecord`: what it cost
         (``stall_s``, ``durable_s``, ``bytes_written``, ``waited_s``, ``busy_waits``);
         :func:`tnt_snapshot_plugin.metrics.snapshot_metrics` turns it into logger metrics.
     """

@@ -1,6 +1,6 @@
 """Snapshot figures where users watch their runs: Python logging and the framework's logger.
 
-Every committed snapshot gives one INFO line on the ``tnt_snapshot_plugin.snapshotter`` logger
+Every committed snapshot gives one INFO line on the ``tnt_snapshot_plugin.saving.saver`` logger
 (:func:`log_line`) and, when an adapter was given a framework logger, one set of metrics
 (:func:`snapshot_metrics`) through the ``tnt_snapshot_plugin_snapshot_committed`` hook:
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from .errors import MetricsWarning
-from .plugins import hookimpl
+from tnt_snapshot_plugin.errors import MetricsWarning
+from tnt_snapshot_plugin.hooks import hookimpl
 
 Sink = Callable[[dict[str, float], int], None]
 

@@ -38,10 +38,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .errors import ConfigError, SnapshotCorruptError, SnapshotNotFoundError, SnapshotWriteError
-from .fileio import byte_views
-from .naming import is_staging_name
-from .stores.base import (
+from tnt_snapshot_plugin.errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+)
+from tnt_snapshot_plugin.naming import is_staging_name
+from tnt_snapshot_plugin.stores.base import (
     INDEX_FNAME,
     METADATA_FNAME,
     WRITER_FNAME,
@@ -55,8 +59,9 @@ from .stores.base import (
     Read,
     Store,
 )
-from .stores.ownership import busy_error, writer_of_token
-from .stores.registry import register_store
+from tnt_snapshot_plugin.stores.fileio import byte_views
+from tnt_snapshot_plugin.stores.ownership import busy_error, writer_of_token
+from tnt_snapshot_plugin.stores.registry import register_store
 
 #: The URL scheme of registered fakes.
 SCHEME = "fake://"

@@ -38,8 +38,8 @@ from torchtnt.framework.unit import TrainUnit  # noqa: E402
 
 from tnt_snapshot_plugin import hookimpl  # noqa: E402
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
+from tnt_snapshot_plugin.hooks import new_plugin_manager  # noqa: E402
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name  # noqa: E402
-from tnt_snapshot_plugin.plugins import new_plugin_manager  # noqa: E402
 from tnt_snapshot_plugin.stores import LOCK_FNAME, LocalStore  # noqa: E402
 
 KEEP_LAST = 3

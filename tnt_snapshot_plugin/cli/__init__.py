@@ -41,11 +41,11 @@ else:
     _MISSING = None
 
 if _MISSING is None:
-    from . import diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
-    from .app import cli, main
-    from .output import safe
-    from .prune import PruneCandidate, select_for_pruning
-    from .survey import SnapshotInfo, check_snapshot, survey
+    from tnt_snapshot_plugin.cli import diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
+    from tnt_snapshot_plugin.cli.app import cli, main
+    from tnt_snapshot_plugin.cli.output import safe
+    from tnt_snapshot_plugin.cli.prune import PruneCandidate, select_for_pruning
+    from tnt_snapshot_plugin.cli.survey import SnapshotInfo, check_snapshot, survey
 else:
 
     def main(argv: Optional[list[str]] = None) -> int:  # type: ignore[misc]

@@ -9,17 +9,17 @@ from typing import Any, Callable, Optional
 
 import click
 
-from .. import holdings
-from ..errors import (
+from tnt_snapshot_plugin.cli.output import safe
+from tnt_snapshot_plugin.errors import (
     ConfigError,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
     StorageUnavailableError,
 )
-from ..stores import METADATA_FNAME, Store, open_store
-from ..stores.s3 import S3Hints, hints_for, s3_error
-from .output import safe
+from tnt_snapshot_plugin.format import holdings
+from tnt_snapshot_plugin.stores import METADATA_FNAME, Store, open_store
+from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for, s3_error
 
 #: How S3 errors met by a command name the connection's settings: the command's options and the
 #: environment variables boto3 reads, not the library's ``storage_options``.
@@ -172,7 +172,7 @@ def fail(prog: str, message: str, code: int) -> int:
 
 
 def _version() -> str:
-    from .. import __version__
+    from tnt_snapshot_plugin import __version__
 
     return __version__
 

@@ -7,10 +7,10 @@ from typing import Optional
 import click
 from rich.text import Text
 
-from ..verify import require_intact
-from .app import cli, json_flag, s3_flags, s3_options, split_target
-from .entries import diff_snapshots, require_metadata
-from .output import console, emit_json, new_table, print_table, say
+from tnt_snapshot_plugin.cli.app import cli, json_flag, s3_flags, s3_options, split_target
+from tnt_snapshot_plugin.cli.entries import diff_snapshots, require_metadata
+from tnt_snapshot_plugin.cli.output import console, emit_json, new_table, print_table, say
+from tnt_snapshot_plugin.format.verify import require_intact
 
 
 @cli.command("diff")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import SnapshotCorruptError, SnapshotError
-from ..format import manifest
-from ..format.manifest import Metadata
-from ..stores import METADATA_FNAME, Store
-from .app import UsageProblem
-from .survey import FileInfo, snapshot_files
+from tnt_snapshot_plugin.cli.app import UsageProblem
+from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError
+from tnt_snapshot_plugin.format.torchsnapshot import manifest
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
+from tnt_snapshot_plugin.stores import METADATA_FNAME, Store
 
 #: The plugin's reserved entries (app_state.RESERVED_KEYS; not imported: that module imports torch).
 RESERVED = ("rng_state", "train_dataloader")
@@ -150,8 +150,8 @@ class _Side:
 
     def value(self, path: str) -> Any:
         """The value of manifest entry ``path`` (``RANK/KEY/...``)."""
-        from ..format import reader as fmt
-        from ..restoring import reading_io
+        from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
+        from tnt_snapshot_plugin.restoring import reading_io
 
         if self._io is None:
             self._io = reading_io(self.store, self.name, self.store.child(self.name))
@@ -248,7 +248,7 @@ def checked_metadata(store: Store, name: str) -> tuple[Metadata, Optional[dict[s
         raise SnapshotCorruptError(f"{store.child(name)}: {problem}; the snapshot is damaged")
     data = store.read_file(name, METADATA_FNAME)
     if index is not None:
-        from ..checksums import check_file
+        from tnt_snapshot_plugin.format.checksums import check_file
 
         check_file(store.child(name), METADATA_FNAME, index, data)
     return manifest.parse_metadata(data, store.child(name)), index
@@ -271,8 +271,8 @@ def weight_keys(metadata: Metadata) -> list[str]:
 
 def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
-    from ..format import reader as fmt
-    from ..restoring import read_metadata, reading_io
+    from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
+    from tnt_snapshot_plugin.restoring import read_metadata, reading_io
 
     io = reading_io(store, name, store.child(name))
     meta = manifest.parse_metadata(read_metadata(store, name, io.verifier), store.child(name))

@@ -8,14 +8,27 @@ from typing import Any, Optional
 import click
 from rich.filesize import decimal as human_size
 
-from .. import fileio
-from ..errors import ConfigError
-from ..format.manifest import Metadata
-from ..stores import Store
-from ..verify import require_intact
-from .app import UsageProblem, cli, json_flag, path_argument, s3_flags, s3_options, split_target
-from .entries import load_entry, require_metadata, tensor_keys, tensor_leaves, weight_keys
-from .output import console, emit_json, say
+from tnt_snapshot_plugin.cli.app import (
+    UsageProblem,
+    cli,
+    json_flag,
+    path_argument,
+    s3_flags,
+    s3_options,
+    split_target,
+)
+from tnt_snapshot_plugin.cli.entries import (
+    load_entry,
+    require_metadata,
+    tensor_keys,
+    tensor_leaves,
+    weight_keys,
+)
+from tnt_snapshot_plugin.cli.output import console, emit_json, say
+from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
+from tnt_snapshot_plugin.format.verify import require_intact
+from tnt_snapshot_plugin.stores import Store, fileio
 
 
 @cli.command("export")

@@ -7,13 +7,13 @@ from typing import Iterator, Optional
 import click
 from rich.filesize import decimal as human_size
 
-from ..format.manifest import CONTAINER_TYPES, Metadata
-from ..naming import SnapshotName
-from ..stores import INDEX_FNAME
-from .app import cli, json_flag, s3_flags, s3_options, split_target
-from .entries import checked_metadata, entry_row, entry_rows, summarize, summary_lines
-from .output import console, emit_json, new_table, num, print_table, say
-from .survey import FileInfo, snapshot_files
+from tnt_snapshot_plugin.cli.app import cli, json_flag, s3_flags, s3_options, split_target
+from tnt_snapshot_plugin.cli.entries import checked_metadata, entry_row, entry_rows, summarize, summary_lines
+from tnt_snapshot_plugin.cli.output import console, emit_json, new_table, num, print_table, say
+from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import CONTAINER_TYPES, Metadata
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.stores import INDEX_FNAME
 
 
 @cli.command("inspect")

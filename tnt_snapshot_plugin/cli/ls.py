@@ -7,9 +7,16 @@ from typing import Any, Optional
 from rich.filesize import decimal as human_size
 from rich.text import Text
 
-from ..stores import METADATA_FNAME
-from .app import cli, json_flag, open_target, path_argument, s3_flags, s3_options, split_target
-from .output import (
+from tnt_snapshot_plugin.cli.app import (
+    cli,
+    json_flag,
+    open_target,
+    path_argument,
+    s3_flags,
+    s3_options,
+    split_target,
+)
+from tnt_snapshot_plugin.cli.output import (
     STATUS_INCOMPLETE,
     STATUS_STYLE,
     console,
@@ -20,7 +27,15 @@ from .output import (
     say,
     when,
 )
-from .survey import file_role, holder_state, holds_one_snapshot, list_directory, snapshot_info, survey
+from tnt_snapshot_plugin.cli.survey import (
+    file_role,
+    holder_state,
+    holds_one_snapshot,
+    list_directory,
+    snapshot_info,
+    survey,
+)
+from tnt_snapshot_plugin.stores import METADATA_FNAME
 
 
 @cli.command("ls")

@@ -11,12 +11,7 @@ import click
 from rich.filesize import decimal as human_size
 from rich.text import Text
 
-from .. import retention
-from ..errors import ConfigError, SnapshotError
-from ..naming import SnapshotName
-from ..stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, Store
-from ..stores.s3 import S3Store
-from .app import (
+from tnt_snapshot_plugin.cli.app import (
     UsageProblem,
     cli,
     duration,
@@ -27,7 +22,7 @@ from .app import (
     s3_flags,
     s3_options,
 )
-from .output import (
+from tnt_snapshot_plugin.cli.output import (
     STATUS_COMPLETE,
     STATUS_DAMAGED,
     STATUS_INCOMPLETE,
@@ -37,7 +32,18 @@ from .output import (
     print_table,
     say,
 )
-from .survey import SnapshotInfo, holds_one_snapshot, list_directory, lock_holder, survey
+from tnt_snapshot_plugin.cli.survey import (
+    SnapshotInfo,
+    holds_one_snapshot,
+    list_directory,
+    lock_holder,
+    survey,
+)
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, Store
+from tnt_snapshot_plugin.stores.s3 import S3Store
 
 
 @dataclass(frozen=True)
@@ -188,7 +194,7 @@ def prune_command(dirpath: str, keep_last: int, keep_best: Optional[str], mode: 
 
 def take_lock(store: Store) -> Any:
     """The dirpath's lock (a saver's run takes the same), or UsageProblem naming its holder."""
-    from ..stores.ownership import holder_text, writer_identity
+    from tnt_snapshot_plugin.stores.ownership import holder_text, writer_identity
 
     holder = {**writer_identity("tnt-snapshot-prune"), "started_at": time.time()}
     try:

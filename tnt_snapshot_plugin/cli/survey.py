@@ -10,16 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from .. import holdings, retention, verify
-from ..errors import ConfigError, SnapshotError, SnapshotNotFoundError
-from ..format.manifest import Metadata
-from ..index import PARTS_DIR
-from ..naming import SnapshotName, is_staging_name
-from ..stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, LocalStore, Store
-from ..stores.ownership import holder_text, writer_gone
-from ..stores.s3 import S3Store, s3_errors
-from .app import UsageProblem
-from .output import (
+from tnt_snapshot_plugin.cli.app import UsageProblem
+from tnt_snapshot_plugin.cli.output import (
     STATUS_COMPLETE,
     STATUS_DAMAGED,
     STATUS_FOREIGN,
@@ -27,6 +19,23 @@ from .output import (
     STATUS_LOCK,
     STATUS_STAGING,
 )
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotError, SnapshotNotFoundError
+from tnt_snapshot_plugin.format import holdings, verify
+from tnt_snapshot_plugin.format.index import PARTS_DIR
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
+from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.stores import (
+    INDEX_FNAME,
+    LEASE_FNAME,
+    LOCK_FNAME,
+    METADATA_FNAME,
+    WRITER_FNAME,
+    LocalStore,
+    Store,
+)
+from tnt_snapshot_plugin.stores.ownership import holder_text, writer_gone
+from tnt_snapshot_plugin.stores.s3 import S3Store, s3_errors
 
 
 @dataclass

@@ -9,10 +9,16 @@ from typing import Optional
 from rich.filesize import decimal as human_size
 from rich.text import Text
 
-from ..naming import SnapshotName
-from ..stores import METADATA_FNAME
-from .app import cli, json_flag, open_target, path_argument, s3_flags, s3_options, split_target
-from .output import (
+from tnt_snapshot_plugin.cli.app import (
+    cli,
+    json_flag,
+    open_target,
+    path_argument,
+    s3_flags,
+    s3_options,
+    split_target,
+)
+from tnt_snapshot_plugin.cli.output import (
     STATUS_COMPLETE,
     STATUS_DAMAGED,
     STATUS_INCOMPLETE,
@@ -24,7 +30,9 @@ from .output import (
     print_table,
     say,
 )
-from .survey import SnapshotInfo, snapshot_info, survey
+from tnt_snapshot_plugin.cli.survey import SnapshotInfo, snapshot_info, survey
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.stores import METADATA_FNAME
 
 
 @cli.command("verify")

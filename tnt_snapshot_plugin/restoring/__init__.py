@@ -15,10 +15,10 @@ full pickle, for snapshots you (or your own jobs) wrote.
 
 from __future__ import annotations
 
-from .agreement import agree_on_read_errors
-from .files import read_metadata, reading_io
-from .latest import best_snapshot, latest_snapshot, restore, restore_from_latest
-from .request import RestoreRequest
+from tnt_snapshot_plugin.restoring.agreement import agree_on_read_errors
+from tnt_snapshot_plugin.restoring.files import read_metadata, reading_io
+from tnt_snapshot_plugin.restoring.latest import best_snapshot, latest_snapshot, restore, restore_from_latest
+from tnt_snapshot_plugin.restoring.request import RestoreRequest
 
 __all__ = [
     "RestoreRequest", "agree_on_read_errors", "best_snapshot", "latest_snapshot", "read_metadata", "reading_io",

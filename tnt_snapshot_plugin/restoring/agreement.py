@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..distributed import Collectives
-from ..errors import (
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import (
     DistributedError,
     SnapshotCorruptError,
     SnapshotError,
     StateMismatchError,
     UnrestorableStateError,
 )
-from ..loading import refusal
+from tnt_snapshot_plugin.format.objects import refusal
 
 
 def agree_on_read_errors(path: str, errors: list[tuple[str, BaseException]], coll: Collectives) -> None:

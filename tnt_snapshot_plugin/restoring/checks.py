@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import StateMismatchError
-from ..format.manifest import global_shape
+from tnt_snapshot_plugin.errors import StateMismatchError
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import global_shape
 
 
 def check_modules(path: str, load: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,12 +7,12 @@ import functools
 import os
 from typing import Any, NamedTuple, Optional
 
-from .. import holdings
-from ..distributed import Collectives
-from ..errors import SnapshotNotFoundError
-from ..format.common import METADATA_FNAME
-from ..naming import SnapshotName
-from ..stores import INDEX_FNAME, LocalStore, Store
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import SnapshotNotFoundError
+from tnt_snapshot_plugin.format import holdings
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
+from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.stores import INDEX_FNAME, LocalStore, Store
 
 
 class ReadingIO(NamedTuple):
@@ -35,8 +35,8 @@ def reading_io(
     (snapshots torchtnt or torchsnapshot wrote); the verifier holds the index's checksums (None
     for a snapshot without them). ``checked``: an intact ``verify.Verdict`` on the snapshot,
     whose index is used instead of reading it again."""
-    from .. import index as index_file
-    from ..checksums import Verifier
+    from tnt_snapshot_plugin.format import index as index_file
+    from tnt_snapshot_plugin.format.checksums import Verifier
 
     parsed: Any = None
     if checked is not None:

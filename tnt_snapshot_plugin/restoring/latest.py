@@ -14,21 +14,22 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 import pluggy
 
-from .. import retention, verify
-from ..distributed import Collectives
-from ..errors import (
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import (
     ConfigError,
     InterruptedCommitWarning,
     NothingToRestoreWarning,
     SnapshotCorruptError,
     SnapshotFallbackWarning,
 )
-from ..naming import SnapshotName, is_staging_name
-from ..stores import INDEX_FNAME, LocalStore, Store, open_store
-from ..stores.base import LEASE_FNAME, LOCK_FNAME, METADATA_FNAME
-from ..stores.ownership import writer_gone
-from .files import not_a_directory
-from .request import RestoreRequest
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.restoring.files import not_a_directory
+from tnt_snapshot_plugin.restoring.request import RestoreRequest
+from tnt_snapshot_plugin.stores import INDEX_FNAME, LocalStore, Store, open_store
+from tnt_snapshot_plugin.stores.base import LEASE_FNAME, LOCK_FNAME, METADATA_FNAME
+from tnt_snapshot_plugin.stores.ownership import writer_gone
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
 

@@ -23,19 +23,30 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
 
-from .. import verify
-from ..app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
-from ..distributed import Collectives, raise_if_any_failed
-from ..errors import PartialRestoreWarning, SnapshotCorruptError, SnapshotError, StateMismatchError
-from ..format.manifest import Metadata, rank_view, saved_keys
-from ..format.rank_regions import Groups, PartialView, RankRegions
-from ..loading import allowed_globals
-from ..plugins import extra_state_sources, new_plugin_manager
-from ..stores import Store, open_store, split_snapshot_path
-from .agreement import StatefulError, agree_after_loading, agree_on_read_errors, is_users, raise_own_error
-from .checks import check_modules
-from .files import metadata_range, read_metadata, reading_io, require_complete
-from .world_size import fit_world_size, mark_same
+from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
+from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
+from tnt_snapshot_plugin.errors import (
+    PartialRestoreWarning,
+    SnapshotCorruptError,
+    SnapshotError,
+    StateMismatchError,
+)
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.objects import allowed_globals
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata, rank_view, saved_keys
+from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import Groups, PartialView, RankRegions
+from tnt_snapshot_plugin.hooks import extra_state_sources, new_plugin_manager
+from tnt_snapshot_plugin.restoring.agreement import (
+    StatefulError,
+    agree_after_loading,
+    agree_on_read_errors,
+    is_users,
+    raise_own_error,
+)
+from tnt_snapshot_plugin.restoring.checks import check_modules
+from tnt_snapshot_plugin.restoring.files import metadata_range, read_metadata, reading_io, require_complete
+from tnt_snapshot_plugin.restoring.world_size import fit_world_size, mark_same
+from tnt_snapshot_plugin.stores import Store, open_store, split_snapshot_path
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
 
@@ -73,7 +84,7 @@ class RestoreRequest:
         (default: all; none outside torch.distributed), each waiting at most
         ``collective_timeout_s`` for a failed rank, and closed afterwards. ConfigError if the
         timeout is not a positive number of seconds. The adapters' static restores run in it."""
-        from ..config import collective_timeout
+        from tnt_snapshot_plugin.config import collective_timeout
 
         with Collectives.create(process_group, collective_timeout(collective_timeout_s), for_restore=True) as collectives:
             yield self.replace(collectives=collectives)
@@ -87,7 +98,7 @@ class RestoreRequest:
 
     def restore_from_latest(self, dirpath: str, **kwargs: Any) -> Optional[str]:
         """:func:`restoring.restore_from_latest` with this request."""
-        from .latest import restore_from_latest
+        from tnt_snapshot_plugin.restoring.latest import restore_from_latest
 
         return restore_from_latest(dirpath, request=self, **kwargs)
 
@@ -207,7 +218,7 @@ class _Restore:
         return self.whole_metadata(), None
 
     def whole_metadata(self) -> Metadata:
-        from ..format.manifest import parse_metadata
+        from tnt_snapshot_plugin.format.torchsnapshot.manifest import parse_metadata
 
         regions = RankRegions.from_index(self.io.snapshot_index)
         shapes = regions.shapes if regions is not None else None
@@ -327,7 +338,7 @@ class _Restore:
         return view, self.read_key(view, key, current)
 
     def read_key(self, view: dict[str, dict], key: str, current: Any) -> Any:
-        from ..format import reader as fmt
+        from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
 
         io = self.io
         return fmt.read_state_dict(

@@ -7,11 +7,11 @@ import warnings
 from typing import Any, Iterable, Optional
 from urllib.parse import unquote
 
-from ..app_state import RNG_STATE_KEY
-from ..distributed import Collectives
-from ..errors import PartialRestoreWarning, SnapshotCorruptError, StateMismatchError
-from ..format.common import encode
-from ..format.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES, SHARDED_TYPES
+from tnt_snapshot_plugin.app_state import RNG_STATE_KEY
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import PartialRestoreWarning, SnapshotCorruptError, StateMismatchError
+from tnt_snapshot_plugin.format.torchsnapshot.common import encode
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import CONTAINER_TYPES, PRIMITIVE_TYPES, SHARDED_TYPES
 
 #: How many entries a world-size error names before it counts the rest.
 _NAMED_ENTRIES = 12
@@ -102,7 +102,7 @@ class _Comparison:
     def read(self, rank: int, logical: str) -> Any:
         # Verified as every read is: a damaged copy is damage (restore_from_latest falls back
         # to an older snapshot), not a value that differs (which refuses the world-size change).
-        from ..format import reader as fmt
+        from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
 
         return fmt.read_value(
             self.meta.manifest, f"{rank}/{logical}", self.read_into, file_size=self.file_size, verifier=self.verifier

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from .base import (
+from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.stores.base import (
     INDEX_FNAME,
     LEASE_FNAME,
     LOCK_FNAME,
@@ -26,8 +26,13 @@ from .base import (
     MetadataWrittenLast,
     Store,
 )
-from .local import LocalStore
-from .registry import opener_for, register_store, registered_schemes, unregister_store
+from tnt_snapshot_plugin.stores.local import LocalStore
+from tnt_snapshot_plugin.stores.registry import (
+    opener_for,
+    register_store,
+    registered_schemes,
+    unregister_store,
+)
 
 
 def url_scheme(dirpath: str) -> str:

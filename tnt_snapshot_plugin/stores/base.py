@@ -28,13 +28,13 @@ import json
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
-from ..index import INDEX_FNAME, part_rel, parts_of
-from ..index import complete as complete_index
-from ..index import parse as parse_index
-from ..naming import SnapshotName, is_staging_name
-from ..retention import Listed, commit_order, from_index
-from .ownership import staged_by_this_process
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from tnt_snapshot_plugin.format.index import INDEX_FNAME, part_rel, parts_of
+from tnt_snapshot_plugin.format.index import complete as complete_index
+from tnt_snapshot_plugin.format.index import parse as parse_index
+from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.policies.retention import Listed, commit_order, from_index
+from tnt_snapshot_plugin.stores.ownership import staged_by_this_process
 
 #: torchsnapshot's commit marker: the manifest, written last.
 METADATA_FNAME = ".snapshot_metadata"
@@ -116,7 +116,7 @@ class AtomicRename(CommitProtocol):
     renames = True
 
     def staging_for(self, final: str, token: str) -> str:
-        from ..naming import staging_name
+        from tnt_snapshot_plugin.naming import staging_name
 
         return staging_name(final, token)
 
@@ -428,7 +428,7 @@ class Store:
     def verify(self, name: str) -> Optional[str]:
         """Why snapshot ``name`` is damaged, or None: ``verify.check``'s verdict without reading
         the payloads (what restore_from_latest asks before it restores a snapshot)."""
-        from ..verify import check
+        from tnt_snapshot_plugin.format.verify import check
 
         return check(self, name).problem
 

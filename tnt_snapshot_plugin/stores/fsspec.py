@@ -20,15 +20,14 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..errors import (
+from tnt_snapshot_plugin.errors import (
     ConfigError,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from ..fileio import byte_views
-from .base import (
+from tnt_snapshot_plugin.stores.base import (
     INDEX_FNAME,
     LEASE_FNAME,
     METADATA_FNAME,
@@ -38,9 +37,17 @@ from .base import (
     MetadataWrittenLast,
     Store,
 )
-from .ownership import LEASE_S, busy_error, lease_held_by_another, staging_token, writer_gone, writer_of_token
-from .ranged_reads import RangedReads
-from .registry import FSSPEC_HINT
+from tnt_snapshot_plugin.stores.fileio import byte_views
+from tnt_snapshot_plugin.stores.ownership import (
+    LEASE_S,
+    busy_error,
+    lease_held_by_another,
+    staging_token,
+    writer_gone,
+    writer_of_token,
+)
+from tnt_snapshot_plugin.stores.ranged_reads import RangedReads
+from tnt_snapshot_plugin.stores.registry import FSSPEC_HINT
 
 #: The extra to install for schemes whose fsspec implementation is a separate package.
 EXTRA_OF_SCHEME = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}

@@ -20,10 +20,10 @@ import tempfile
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from .. import fileio
-from ..errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
-from ..naming import is_staging_name
-from .base import (
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from tnt_snapshot_plugin.naming import is_staging_name
+from tnt_snapshot_plugin.stores import fileio
+from tnt_snapshot_plugin.stores.base import (
     INDEX_FNAME,
     LOCK_FNAME,
     WRITER_FNAME,
@@ -34,7 +34,7 @@ from .base import (
     Read,
     Store,
 )
-from .ownership import busy_error, hold_lost, holder_text, writer_of_token
+from tnt_snapshot_plugin.stores.ownership import busy_error, hold_lost, holder_text, writer_of_token
 
 
 class FileLock(DirLock):
@@ -300,7 +300,7 @@ class LocalStore(Store):
                     f"{INDEX_FNAME} or {WRITER_FNAME}); move it out of dirpath. The snapshot "
                     "was not committed"
                 )
-            from ..naming import staging_name
+            from tnt_snapshot_plugin.naming import staging_name
 
             doomed = os.path.join(self.root, staging_name(final, "del" + uuid.uuid4().hex[:9]))
             os.rename(target, doomed)
@@ -322,7 +322,7 @@ class LocalStore(Store):
             # before and removed after everything else: a crash part-way then leaves a staging
             # directory that provably is the plugin's (removed at the next train start), never a
             # listed snapshot with files missing, nor a directory that can no longer be told ours.
-            from ..naming import staging_name
+            from tnt_snapshot_plugin.naming import staging_name
 
             doomed = os.path.join(self.root, staging_name(name, "del" + uuid.uuid4().hex[:9]))
             os.mkdir(doomed)

@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..naming import is_staging_name
+from tnt_snapshot_plugin.errors import ConfigError
+from tnt_snapshot_plugin.naming import is_staging_name
 
 #: A leftover write whose writer cannot be proven gone (another host) is removed once it is older
 #: than this (seconds since its writer started it): no snapshot write takes a day.

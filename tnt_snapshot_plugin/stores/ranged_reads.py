@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
-from ..errors import SnapshotCorruptError
+from tnt_snapshot_plugin.errors import SnapshotCorruptError
 
 #: Reads: at most this many bytes per ranged request, and this many requests at once.
 FETCH_CHUNK_BYTES = 32 * 1024 * 1024

@@ -28,7 +28,7 @@ import re
 import threading
 from typing import Any, Callable, Optional, Union
 
-from ..errors import ConfigError
+from tnt_snapshot_plugin.errors import ConfigError
 
 #: The entry-point group stores are declared in (the project's name, then ``.stores``).
 ENTRY_POINT_GROUP = "tnt_snapshot_plugin.stores"
@@ -99,7 +99,7 @@ def opener_for(scheme: str, url: str = "") -> Opener:
             _read_entry_points()
         target = _targets.get(scheme)
         if target is None:
-            from .fsspec import fsspec_opener
+            from tnt_snapshot_plugin.stores.fsspec import fsspec_opener
 
             target = fsspec_opener(scheme, url or f"{scheme}://")
         opener = _load(scheme, target)

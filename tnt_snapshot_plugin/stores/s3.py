@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..config import DEFAULT_STORAGE_TIMEOUT_S
-from ..errors import (
+from tnt_snapshot_plugin.config import DEFAULT_STORAGE_TIMEOUT_S
+from tnt_snapshot_plugin.errors import (
     ConfigError,
     LockWarning,
     SnapshotCorruptError,
@@ -28,8 +28,7 @@ from ..errors import (
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from ..fileio import byte_views
-from .base import (
+from tnt_snapshot_plugin.stores.base import (
     LEASE_FNAME,
     METADATA_FNAME,
     WRITER_FNAME,
@@ -40,8 +39,20 @@ from .base import (
     Store,
     is_missing_key,
 )
-from .ownership import LEASE_S, busy_error, hold_lost, holder_text, lease_held_by_another
-from .ranged_reads import FETCH_CHUNK_BYTES, FETCH_WORKERS, RangedReads, fetch_ranges
+from tnt_snapshot_plugin.stores.fileio import byte_views
+from tnt_snapshot_plugin.stores.ownership import (
+    LEASE_S,
+    busy_error,
+    hold_lost,
+    holder_text,
+    lease_held_by_another,
+)
+from tnt_snapshot_plugin.stores.ranged_reads import (
+    FETCH_CHUNK_BYTES,
+    FETCH_WORKERS,
+    RangedReads,
+    fetch_ranges,
+)
 
 S3_OPTION_KEYS = frozenset(
     {

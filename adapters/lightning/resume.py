@@ -1,0 +1,248 @@
+"""Resuming a Lightning fit from a snapshot: ``ckpt_path="last"`` resolved to the newest
+complete snapshot (``ModelCheckpoint._find_last_checkpoints``), the snapshot-reading CheckpointIO
+installed for the stage and put back after it, the snapshot resumed from kept out of retention's
+reach, and the RNG state set again around a mid-epoch resume's first batch."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from tnt_snapshot_plugin import restoring
+from tnt_snapshot_plugin.adapters.lightning.io import SnapshotCheckpointIO, check_strategy_can_resume
+from tnt_snapshot_plugin.app_state import RNGState
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import ConfigError, ImplicitResumeWarning, NothingToRestoreWarning
+from tnt_snapshot_plugin.restoring.latest import found_in
+from tnt_snapshot_plugin.saving.saver import Snapshotter
+from tnt_snapshot_plugin.stores import LocalStore, open_store, split_snapshot_path
+
+_NOT_ASKED = "<not asked>"
+#: Lightning's advice when ``ckpt_path="last"`` finds nothing, which names ModelCheckpoint's
+#: ``save_last``; the saver says what applies instead (see ``_find_last_checkpoints``).
+_LAST_HINT = r'\.\w+\(ckpt_path="last"\) is set, but there is no last checkpoint available'
+
+
+class ResumeFromSnapshots(ModelCheckpoint):
+    """The resume part of the Lightning ``TorchSnapshotSaver`` (a base of it, never used alone)."""
+
+    _config: SnapshotConfig
+    _engine: Optional[Snapshotter]
+    _trainer: Optional[pl.Trainer]
+    _weights_only: bool
+    _resolve_dirpath: Callable[[pl.Trainer], Snapshotter]
+    _snapshotter: Snapshotter
+
+    def _init_resume(self) -> None:
+        self._io: Optional[SnapshotCheckpointIO] = None
+        self._resolved_last: Optional[str] = _NOT_ASKED
+        self._hint_filter: Optional[Any] = None
+        #: the snapshot ckpt_path="last" resolved to for this fit (announced at train start)
+        self._last_asked: Optional[str] = None
+        self._rng_after_first_fetch: Optional[dict[str, Any]] = None
+
+    @property
+    def ckpt_path(self) -> Optional[str]:
+        """The newest complete, undamaged snapshot in ``dirpath``, or None (also while ``dirpath``
+        is not resolved yet, and for an ``s3://`` dirpath: pass the snapshot's URL as
+        ``ckpt_path`` there). What ``fit(ckpt_path="last")`` resumes from."""
+        if self._engine is None:
+            return None
+        store = open_store(self.dirpath, self._config.storage_options)
+        if not isinstance(store, LocalStore):
+            return None
+        return restoring.latest_snapshot(
+            self.dirpath,
+            storage_options=self._config.storage_options,
+            collectives=Collectives(None),
+            verified=True,
+        )
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """What Lightning asks each ``ModelCheckpoint`` for ``ckpt_path="last"`` (before any
+        ``setup``): the newest complete snapshot, read by each rank itself (``setup`` then checks
+        that every rank found the same one)."""
+        self._resolve_dirpath(trainer)
+        store = open_store(self.dirpath, self._config.storage_options)
+        if not isinstance(store, LocalStore):
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f'ckpt_path="last" cannot find snapshots in {self.dirpath}: Lightning only looks '
+                    "at local files for it, so training starts from the beginning; pass "
+                    "ckpt_path=<the snapshot's URL> to resume from one",
+                    NothingToRestoreWarning,
+                    stacklevel=2,
+                )
+            self._resolved_last = None
+            return set()
+        path = self.ckpt_path
+        self._resolved_last = path
+        if path is None:
+            found = found_in(store)
+            if found.empty:  # a first run: what ckpt_path="last" is for
+                rank_zero_info(
+                    f'TorchSnapshotSaver: ckpt_path="last": no complete snapshot in {self.dirpath} '
+                    "yet; training starts from the beginning."
+                )
+            elif trainer.is_global_zero:
+                warnings.warn(
+                    f'ckpt_path="last": dirpath {self.dirpath} {found.text}: nothing was restored '
+                    f"and training starts from the beginning; {found.advice}",
+                    NothingToRestoreWarning,
+                    stacklevel=2,
+                )
+            # Lightning's own message for this case advises ModelCheckpoint(save_last=True),
+            # which does not apply to snapshots; silenced until setup(), which comes next.
+            warnings.filterwarnings("ignore", message=_LAST_HINT)
+            self._hint_filter = warnings.filters[0]
+            return set()
+        return {path}
+
+    def _drop_hint_filter(self) -> None:
+        entry, self._hint_filter = self._hint_filter, None
+        if entry is not None and entry in warnings.filters:
+            warnings.filters.remove(entry)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+
+    @property
+    def last_model_path(self) -> str:  # type: ignore[override]
+        """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
+        return self.ckpt_path or ""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve ``dirpath`` if none was given, join the process group, install the
+        snapshot-reading CheckpointIO (before Lightning loads ``ckpt_path``), check that all
+        ranks resolved ``ckpt_path="last"`` alike, and say so when the run resumes from a
+        snapshot that ``ckpt_path`` did not name."""
+        self._drop_hint_filter()
+        self._trainer = trainer
+        snapshotter = self._resolve_dirpath(trainer)
+        snapshotter.attach()
+        check_strategy_can_resume(trainer)
+        self._io = SnapshotCheckpointIO.install(
+            trainer,
+            storage_options=self._config.storage_options,
+            collectives=lambda: self._snapshotter.collectives,
+            plugin_manager=snapshotter.plugin_manager,
+            weights_only=self._weights_only,
+            collective_timeout_s=self._config.collective_timeout_s,
+        )
+        resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
+        # ckpt_path="last" resolved to this snapshot: if it cannot be loaded, the ones before it
+        # are tried, as restore_from_latest does.
+        self._io.fall_back_from = resolved if resolved != _NOT_ASKED else None
+        coll = snapshotter.collectives
+        answers = coll.all_gather(resolved)
+        if len(set(answers)) > 1:
+            found = "; ".join(
+                f"rank {rank}: {answer if answer != _NOT_ASKED else 'not asked'}"
+                for rank, answer in enumerate(answers)
+            )
+            raise ConfigError(
+                f'the ranks resolved ckpt_path="last" to different snapshots ({found}); give every '
+                "rank the same dirpath on a shared filesystem, or pass an explicit ckpt_path"
+            )
+        self._last_asked = resolved if resolved != _NOT_ASKED else None
+
+    def _announce_resume(self, trainer: pl.Trainer) -> None:
+        """Say, in one line, that this fit resumes from the snapshot that ``"last"`` resolved
+        to; a warning when ``ckpt_path`` did not ask for it (another OnExceptionCheckpoint made
+        Lightning turn ``None`` into ``"last"``)."""
+        resolved, self._last_asked = self._last_asked, None
+        if resolved is None or trainer.ckpt_path != resolved or not trainer.is_global_zero:
+            return
+        others = [
+            type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
+        ]
+        if others:
+            warnings.warn(
+                f"TorchSnapshotSaver: resuming from snapshot {resolved}, the newest in "
+                f'{self.dirpath} (ckpt_path="last", which Lightning also makes of '
+                f"fit(ckpt_path=None) when an OnExceptionCheckpoint is present: "
+                f"{', '.join(others)}); to start fresh, use a new dirpath or remove that callback",
+                category=ImplicitResumeWarning, stacklevel=3,
+            )
+        else:
+            rank_zero_info(f'TorchSnapshotSaver: ckpt_path="last": resuming from snapshot {resolved}')
+
+    def _resume_at_train_start(self, trainer: pl.Trainer, snapshotter: Snapshotter) -> None:
+        """Keep the snapshot resumed from out of retention's reach; (mid-epoch resume) set the
+        RNG again."""
+        restored = self._io.take_restored() if self._io is not None else None
+        # As ModelCheckpoint never removes the checkpoint the Trainer resumed from, retention
+        # never deletes the snapshot this run resumed from (if it is one of this dirpath's).
+        snapshotter.protected.clear()
+        if restored is not None:
+            parent, name = split_snapshot_path(restored.path)
+            if parent.rstrip("/") == snapshotter.dirpath.rstrip("/"):
+                snapshotter.protected.add(name)
+        if restored is not None and restored.rng_state is not None and _resumes_mid_epoch(trainer):
+            # The snapshot's RNG state was captured at a batch end: after the loader's iterator
+            # had started (and drawn its DataLoader base seed, sampler seed... from the global RNG)
+            # and before the next batch was fetched. Resuming, Lightning starts the iterator
+            # again after the snapshot was loaded, so those draws must not shift the stream.
+            if not _same_rng_state(RNGState().state_dict(), restored.rng_state):
+                # An eager loader drew in iter() (Lightning's setup_data): set the state again
+                # now, before the next batch is fetched.
+                RNGState().load_state_dict(restored.rng_state)
+            else:
+                # Nothing drew yet: a lazy loader (``__iter__`` a generator) starts its iterator
+                # at the first next(), inside the first fetch. Set the state after that fetch.
+                self._rng_after_first_fetch = restored.rng_state
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """(First batch of a mid-epoch resume from a lazy loader) undo its iterator's RNG draws."""
+        if self._rng_after_first_fetch is not None:
+            state, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+            if not _same_rng_state(RNGState().state_dict(), state):
+                RNGState().load_state_dict(state)
+
+    def _leave_stage(self, trainer: pl.Trainer) -> None:
+        """After a stage (its end, or an exception): drop the warning filter and put the
+        Trainer's own CheckpointIO back."""
+        self._drop_hint_filter()
+        if self._io is not None:
+            self._io.uninstall(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Keep every snapshot; put the Trainer's own CheckpointIO back."""
+        self._leave_stage(trainer)
+
+
+def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether this fit continues an epoch that had consumed batches (Lightning loaded the train
+    loader's position and created its iterator before ``on_train_start``)."""
+    loop = trainer.fit_loop
+    batches = loop.epoch_loop.batch_progress
+    return loop.restarting and batches.current.ready > 0 and not batches.is_last_batch
+
+
+
+def _same_rng_state(a: Any, b: Any) -> bool:
+    """Whether two ``RNGState.state_dict()`` values are equal (tensors compared bitwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu().to(a.dtype))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_rng_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_rng_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+

@@ -1,0 +1,20 @@
+"""The torchtnt adapter: a drop-in replacement for torchtnt's ``TorchSnapshotSaver``.
+
+Switch with one import line::
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+
+    saver = TorchSnapshotSaver("/ckpts/run1", save_every_n_train_steps=100, save_every_n_epochs=1)
+    train(unit, dataloader, max_epochs=10, callbacks=[saver])
+
+    # later, in a new process
+    TorchSnapshotSaver.restore_from_latest("/ckpts/run1", unit, train_dataloader=dataloader)
+
+The package: ``saver`` (the callback), ``restore`` (its static restores), ``state`` (what a unit
+contributes to a snapshot), ``options`` (torchtnt's arguments mapped onto the core's
+configuration), ``fsdp`` (optimizer state of FSDP modules) and ``demo`` (the demo job).
+"""
+
+from .saver import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, TorchSnapshotSaver
+
+__all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "TorchSnapshotSaver"]

@@ -1,0 +1,1 @@
+"""tnt_snapshot_plugin.format.torchsnapshot."""

@@ -1,0 +1,539 @@
+"""The background write of one snapshot: format -> store -> agreement -> commit -> retention.
+
+:class:`SnapshotWriter` runs on the saver's writer thread (or on the training thread for a
+synchronous snapshot). For each snapshot, on every rank:
+
+1. check that restore could load every object entry (``loading.LoadCheck``; the ranks agree);
+2. rank 0 marks the staging directory as the plugin's (its writer marker);
+3. flatten the frozen state into manifest records and payloads (``format.writer``) and write the
+   payloads through the store, several files at once, each as soon as it is complete (while the
+   rest is still being planned), each file's checksum computed from the bytes in hand
+   (``checksums``);
+4. on several ranks, each rank writes its files' sizes and checksums as its part of the index
+   (``index.part_bytes``);
+5. one collective gathers every rank's records (on several ranks, what changed since the last
+   snapshot: ``coordination.py``) and outcome, with its part's size and digest (one rank: its
+   file sizes and checksums);
+6. rank 0 commits: ``.snapshot_metadata`` (the manifest, from each rank's group of it) and the
+   plugin's index, by the store's
+   commit strategy (a rename on disk, the metadata written last on an object store); then
+   retention deletes older snapshots, never before.
+
+A failure on any rank is raised on every rank, and the staging directory is removed: nothing
+that restore would pick is left behind. Cadence, staging copies and reaping stay in
+``snapshotter.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from tnt_snapshot_plugin import policies
+from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
+from tnt_snapshot_plugin.errors import (
+    CleanupWarning,
+    SnapshotError,
+    SnapshotWriteError,
+    StorageUnavailableError,
+    UnrestorableStateError,
+)
+from tnt_snapshot_plugin.format import index as index_file
+from tnt_snapshot_plugin.format.checksums import new_hasher, record_views, record_whole
+from tnt_snapshot_plugin.format.index import seal as seal_index
+from tnt_snapshot_plugin.format.objects import LoadCheck
+from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot.coordination import (
+    RecordDeltas,
+    grouped_metadata,
+    sharded_shapes,
+)
+from tnt_snapshot_plugin.format.torchsnapshot.encoding import (
+    agree_replicated,
+    check_loadable,
+    flatten,
+    unencodable,
+    write_error,
+)
+from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.policies.retaining import (
+    chain,
+    free_space_for,
+    note_written_again,
+    retain_after_commit,
+)
+from tnt_snapshot_plugin.stores import DirLock, Store
+from tnt_snapshot_plugin.stores.ownership import writer_identity
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
+DEFAULT_IO_THREADS = 4
+
+
+class SnapshotWriter:
+    """Writes snapshots of one dirpath, one at a time, and commits them in order.
+
+    ``last_seq``: the commit sequence number of this run's last snapshot (None until the first
+    commit of a run lists the directory); ``committed``: the names this run committed (rank 0).
+    The saver calls :meth:`new_run` when a run starts.
+    """
+
+    def __init__(self, store: Store, collectives: Collectives, config: SnapshotConfig, load_check: LoadCheck) -> None:
+        self.store = store
+        self.coll = collectives
+        self.config = config
+        self.load_check = load_check
+        self.last_seq: Optional[int] = None
+        self.committed: set[str] = set()
+        #: names retention never deletes (Snapshotter.protected)
+        self.protected: set[str] = set()
+        #: what retention keeps (policies.py); None: nothing is ever deleted
+        self.preservation = policies.preservation(config)
+        #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
+        self._pool: Optional[ThreadPoolExecutor] = None
+        #: the last plan's tensor layout, reused while the state's layout is unchanged
+        self.plans = fmt.PlanCache()
+        #: where a reused plan gathers packs of tensors apart in memory (fmt.PackBuffer)
+        self._pack_buffer = fmt.PackBuffer()
+        #: whether this run has warned that it deleted snapshots early to make room
+        self._space_warned = False
+        #: the records rank 0 holds from the last snapshot: later ones send what changed
+        self.deltas = RecordDeltas(enabled=collectives.world_size > 1)
+        self._shapes: dict[str, list[int]] = {}
+        #: the run's hold on dirpath (rank 0; RunGuard sets it), checked before each commit
+        self.lock: Optional[DirLock] = None
+
+    def close(self) -> None:
+        """Let the I/O threads and the pack buffer go (training is over); a later snapshot
+        makes them again."""
+        self._pack_buffer = fmt.PackBuffer()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def new_run(self) -> None:
+        """Forget the last run: its next commit lists the directory again."""
+        self.last_seq = None
+        self.committed = set()
+        self.plans.clear()
+        self._space_warned = False
+        self.deltas.reset()
+
+    # -- one snapshot -----------------------------------------------------------------------
+
+    def write(self, job: Any, run_id: str, *, locked: bool) -> None:
+        """Write and commit ``job`` (snapshotter._Job); raise on every rank if any rank failed.
+
+        ``locked``: this run holds the dirpath lock (no one else commits meanwhile).
+
+        A write that fails for lack of space (ENOSPC, EDQUOT on any rank), with retention set,
+        is written once more after the snapshots retention would delete once this one commits
+        are deleted (never the newest committed one): room for exactly ``keep_last_n_snapshots``
+        snapshots is then enough. If that write fails too, ``job.freed_early`` says which
+        snapshots are gone (its failure message reports it).
+        """
+        try:
+            self._write_once(job, run_id, locked=locked)
+        except Exception as exc:
+            freed = free_space_for(self, job, exc)
+            if freed is None:
+                raise
+            job.freed_early = freed.failed()
+            self._write_once(job, run_id, locked=locked)
+            job.freed_early = None
+            note_written_again(self, job, freed)
+
+    def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
+        coll, store = self.coll, self.store
+        check_loadable(self.load_check, self.coll, job)
+        writer = writer_identity(run_id)
+        coll.on_rank0(lambda: self._begin(job, writer))
+        entries: dict[str, str] = {}  # manifest path -> record (JSON text)
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        containers, leaves, error = flatten(job)
+        # Collective, made by every rank whatever happened above.
+        replicated = agree_replicated(self.coll, job, leaves if error is None else {})
+        if error is None:
+            entries, sizes, sums, error = self._write_payloads(job, containers, leaves, replicated)
+        listing: Any = (sizes, sums)  # what rank 0 puts in the index for this rank's files
+        if error is None and coll.world_size > 1:
+            listing, error = _write_part(self.store, self.coll.rank, job, sizes, sums)
+        # Every rank's records (those that changed since the last snapshot: coordination.py)
+        # and its files' listing, to rank 0, which alone commits: one collective, and no rank
+        # but rank 0 holds the others' records.
+        deltas = self.deltas
+        gathered = coll.gather((deltas.outgoing(entries), listing) if error is None else None)
+        try:
+            # the state's own fault on every rank that failed: the same on every rank
+            raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
+        except SnapshotError as failure:
+            deltas.reset()  # on every rank: the next snapshot sends every record again
+            if coll.rank == 0 and self._may_clean_up(failure):
+                try:
+                    store.remove(job.staging)
+                except Exception as exc:  # the failed write stays invisible to restore anyway
+                    job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
+            raise
+
+        # the whole shape of each sharded tensor, for the index's "ranks" (coordination.py)
+        self._shapes = sharded_shapes(leaves) if coll.rank == 0 and coll.world_size > 1 else {}
+
+        def commit() -> int:
+            assert gathered is not None  # rank 0
+            zeros = [deltas.incoming(rank, part[0]) for rank, part in enumerate(gathered) if part is not None]
+            listings = [part[1] for part in gathered if part is not None]
+            return self._commit(job, writer, zeros, deltas.groups(len(zeros)), listings, locked)
+
+        # every rank learns the bytes of all ranks' files with the commit's outcome
+        try:
+            job.bytes_written = coll.on_rank0(commit)
+        except BaseException:
+            deltas.reset()  # raised on every rank (on_rank0)
+            raise
+        deltas.settle()
+
+    def _begin(self, job: Any, writer: dict[str, Any]) -> None:
+        """Rank 0: the staging directory of ``job``, marked as the plugin's; a name a foreign
+        directory holds is refused."""
+        store = self.store
+        occupant = store.occupant(job.name.text)
+        if occupant == "foreign":
+            raise SnapshotWriteError(
+                f"{store.child(job.name.text)} exists and was not written by the plugin (it "
+                "holds no index or writer marker of the plugin's); it is left alone and this "
+                "snapshot cannot take its name: move it out of dirpath"
+            )
+        if occupant == "ours" and job.staging == job.name.text:
+            store.remove(job.staging)  # written in place (object stores): clear the old first
+        store.begin(job.staging, {**writer, "started_at": time.time()})
+
+    def _write_payloads(
+        self, job: Any, containers: dict[str, dict[str, Any]], leaves: dict[str, Any], replicated: set[str]
+    ) -> tuple[dict[str, str], dict[str, int], dict[str, dict[str, Any]], Optional[BaseException]]:
+        """Plan this rank's part and write its files: (records, sizes, checksums, error)."""
+        coll, store = self.coll, self.store
+        entries: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        error: Optional[BaseException] = None
+        writes = _Writes(self, job.staging)
+        # A pack is gathered into one buffer, reused by the next pack, only where nothing
+        # reads it after submit() returns: written at once, or the store's start_payload
+        # has copied it (local disk: into the page cache).
+        gather = writes.pool is None or store.start_payload_copies
+        try:
+            entries = fmt.plan(
+                containers,
+                leaves,
+                rank=coll.rank,
+                world_size=coll.world_size,
+                replicated=replicated,
+                emit=writes.submit,
+                cache=self.plans,
+                pack_buffer=self._pack_buffer if gather else None,
+            ).entries
+        except Exception as exc:
+            # A failure of the storage comes out of writes.submit, and writes.finish raises the
+            # write that failed first (not a write refused after it); any other is the
+            # format's, encoding the state.
+            if exc is not writes.failed:
+                error = unencodable(job, exc, leaves)
+        try:  # every write submitted is waited for, even after a failure (then discarded)
+            sizes, sums = writes.finish()
+        except Exception as exc:
+            error = error or write_error(job, exc)
+        return entries, sizes, sums, error
+
+    def _may_clean_up(self, failure: BaseException) -> bool:
+        """Whether to remove what a failed write left, now. Not when the storage did not answer
+        and training is waiting (a synchronous snapshot): the removal would make it wait for
+        the storage once more. What is left is invisible to restore, and removed at the next
+        train start."""
+        return self.config.async_snapshot or not any(
+            isinstance(e, StorageUnavailableError) for e in chain(failure)
+        )
+
+    def _io_pool(self) -> Optional[ThreadPoolExecutor]:
+        """The I/O threads (None: write on the calling thread, ``max_per_rank_io_concurrency`` 1)."""
+        threads = self.config.knobs.max_per_rank_io_concurrency or DEFAULT_IO_THREADS
+        if threads <= 1:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
+        return self._pool
+
+    def _write_payload(self, staging: str, payload: fmt.Payload) -> tuple[str, int, dict[str, Any]]:
+        """Write one payload file; (its name, size, checksum record)."""
+        store = self.store
+        # From the bytes in hand: a file of one payload hashed piece by piece as it is written
+        # (in the CPU's cache), packed tensors each on its own just before (they are small).
+        hasher = None
+        if not payload.packed:
+            hasher = new_hasher()
+        else:
+            checksum = record_views(payload.views, payload.bounds)
+        with _writing(store, staging, payload.rel):
+            store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
+        if hasher is not None:
+            checksum = hasher.record()
+        return payload.rel, sum(v.nbytes for v in payload.views), checksum
+
+    # -- commit (rank 0) ----------------------------------------------------------------------
+
+    def _listed_and_seq(self, job: Any, locked: bool) -> tuple[list[retention.Listed], bool, int]:
+        """The directory's snapshots (for retention), whether retention runs, and the commit
+        sequence number of ``job``.
+
+        The directory is listed (one read of each index) for retention, and for the first
+        commit of a run; while this run holds the dirpath lock no one else commits, so later
+        sequence numbers follow from the last one without listing again."""
+        store = self.store
+        retaining = self.preservation is not None
+        if not (retaining or self.last_seq is None or not locked):
+            return [], retaining, self.last_seq + 1
+        try:
+            listed = store.listed()
+            return listed, retaining, retention.next_seq(listed)
+        except Exception as exc:
+            if self.last_seq is None:
+                raise  # no sequence number to follow: not committed, rather than misordered
+            # Committed all the same (this run holds the lock: the next number is known);
+            # retention waits for a listing that works.
+            job.warnings.append((
+                CleanupWarning,
+                f"could not list {store.url} ({type(exc).__name__}: {exc}); snapshot "
+                f"{job.name} is committed, and retention is skipped this time",
+            ))
+            return [], False, self.last_seq + 1
+
+    def _commit_or_clean_up(self, job: Any, metadata: Any, index: Any) -> None:
+        """Commit ``job`` by the store's strategy; a commit that failed leaves nothing behind."""
+        store = self.store
+        try:
+            if self.lock is not None:
+                self.lock.check()  # never commit into a dirpath this run no longer holds
+            store.commit(job.staging, job.name.text, metadata, index)
+        except Exception as failure:
+            if not self._may_clean_up(failure):
+                raise
+            # Not committed: nothing restore would ever read; do not leave it behind (on an
+            # object store it is written under its final name: only if still incomplete).
+            try:
+                committed = job.staging == job.name.text and store.is_complete(job.staging)
+                if not committed and job.staging in store.list_names():
+                    store.remove(job.staging)
+            except Exception as exc:
+                job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
+            raise
+
+    def _commit(
+        self,
+        job: Any,
+        writer: dict[str, Any],
+        zeros: list[dict[str, str]],
+        groups: list[tuple[Any, str]],
+        listings: list[Any],
+        locked: bool,
+    ) -> int:
+        """Commit the snapshot of each rank's ``0/`` records and ``groups`` (coordination.py)
+        and ``listings`` (each rank's files: (sizes, checksums) on one rank, (part entry, bytes)
+        on several); its bytes."""
+        # each rank's records together, and where they lie in the index (coordination.py)
+        metadata, regions = grouped_metadata(zeros, groups, self.coll.world_size)
+        listed, retaining, seq = self._listed_and_seq(job, locked)
+        files, checksums, nbytes = _listed(self.coll.world_size, listings)
+        fields: dict[str, Any] = {
+            "format": 1 if self.coll.world_size == 1 else index_file.PARTED_FORMAT,
+            "epoch": job.name.epoch,
+            "step": job.name.step,
+            "files": files,
+            "seq": seq,
+            "committed_at": time.time(),
+            "writer": writer,
+            "world_size": self.coll.world_size,
+        }
+        if regions is not None:
+            fields["ranks"] = {"regions": regions, "shapes": self._shapes}
+        if self.coll.world_size > 1:
+            fields["parts"] = [listing[0] for listing in listings]
+        # the metadata too: it holds the primitive values (numbers, strings) themselves
+        fields["checksums"] = {**checksums, METADATA_FNAME: record_whole(metadata)}
+        if job.name.metric is not None and job.name.metric_value is not None:
+            value = job.name.metric_value
+            fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
+        self._commit_or_clean_up(job, metadata, seal_index(fields))  # sealed: its own digest
+        self.last_seq = seq
+        self.committed.add(job.name.text)
+        this = retention.Listed(
+            job.name,
+            seq=seq,
+            ours=True,
+            writer=writer,
+            indexed_metric=(
+                (job.name.metric, fields["metric"]["value"])
+                if job.name.metric is not None and "metric" in fields
+                else None
+            ),
+            committed_at=fields["committed_at"],
+        )
+        if retaining:
+            retain_after_commit(self, job, [r for r in listed if r.text != job.name.text] + [this])
+        return nbytes
+
+
+class _Writes:
+    """The payload files of one snapshot on this rank, each written as soon as it is submitted:
+    on the writer's I/O threads (several files at once), or at once on the calling thread.
+
+    The first write that fails, by the time it fails, is the snapshot's failure: the writes not
+    started by then are refused (:class:`_NotWritten`), and those refusals are never the error
+    reported, whatever order the writes were submitted in."""
+
+    def __init__(self, writer: SnapshotWriter, staging: str) -> None:
+        self._writer = writer
+        self._staging = staging
+        self.pool = writer._io_pool()
+        self._pending: list[Future[tuple[str, int, dict[str, Any]]]] = []
+        self._done: list[tuple[str, int, dict[str, Any]]] = []
+        #: the exception submit() raised, if any: a failure to store, not to encode
+        self.failed: Optional[BaseException] = None
+        #: the first write that failed: the writes not started yet are not made (a storage that
+        #: stopped answering then costs the writes in flight, not every file of the snapshot)
+        self._broken: Optional[BaseException] = None
+        self._lock = threading.Lock()
+
+    def submit(self, payload: fmt.Payload) -> None:
+        try:
+            self._check_broken()
+            self._submit(payload)
+        except BaseException as exc:
+            self._note(exc)
+            self.failed = exc
+            raise
+
+    def _note(self, exc: BaseException) -> None:
+        """Keep ``exc`` as the failure of this snapshot's writes unless one failed before it."""
+        if isinstance(exc, _NotWritten):
+            return
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
+
+    def _check_broken(self) -> None:
+        broken = self._broken
+        if broken is not None:
+            raise _NotWritten(
+                f"not written: an earlier write of this snapshot failed ({type(broken).__name__})"
+            ) from broken
+
+    def _on_pool(self, fn: Callable[..., T], *args: Any, must_run: bool = False) -> Future[T]:
+        """``fn(*args)`` on an I/O thread, unless a write has failed by the time it starts
+        (``must_run``: even then, it releases what was started)."""
+
+        def run() -> T:
+            if not must_run:
+                self._check_broken()
+            try:
+                return fn(*args)
+            except BaseException as exc:
+                self._note(exc)
+                raise
+
+        assert self.pool is not None
+        return self.pool.submit(run)
+
+    def _submit(self, payload: fmt.Payload) -> None:
+        writer, staging = self._writer, self._staging
+        if self.pool is None:
+            self._done.append(writer._write_payload(staging, payload))
+        elif payload.packed:
+            # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
+            # on the planning thread; an I/O thread only waits for the disk (store.start_payload).
+            store, rel = writer.store, payload.rel
+            checksum = record_views(payload.views, payload.bounds)
+            with _writing(store, staging, rel):
+                finish = store.start_payload(staging, rel, payload.views)
+            result = (rel, sum(v.nbytes for v in payload.views), checksum)
+
+            def complete() -> tuple[str, int, dict[str, Any]]:  # holds no buffer of the pack
+                with _writing(store, staging, rel):
+                    finish()
+                return result
+
+            # a store that began the write (local disk: an open file) must finish it
+            self._pending.append(self._on_pool(complete, must_run=store.start_payload_copies))
+        else:  # a file of its own: written (and hashed as it is written) on an I/O thread
+            self._pending.append(self._on_pool(writer._write_payload, staging, payload))
+
+    def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+        """Wait for every write; the files' sizes and checksum records. Raises the first write
+        that failed (by the time it failed), once all writes have ended."""
+        wait(self._pending)
+        if self._broken is not None:
+            raise self._broken
+        for future in self._pending:
+            self._done.append(future.result())
+        sizes: dict[str, int] = {}
+        sums: dict[str, dict[str, Any]] = {}
+        for rel, size, checksum in self._done:
+            sizes[rel] = size
+            sums[rel] = checksum
+        return sizes, sums
+
+
+class _NotWritten(SnapshotWriteError):
+    """A write refused because an earlier write of the same snapshot failed: a consequence,
+    never the failure reported (:meth:`_Writes.finish` raises the earlier one)."""
+
+    consequence = True  # distributed.is_consequence
+
+
+def _write_part(
+    store: Store, rank: int, job: Any, sizes: dict[str, int], sums: dict[str, dict[str, Any]]
+) -> tuple[Any, Optional[BaseException]]:
+    """Write rank ``rank``'s part of the index; (what the index lists of it and the bytes of
+    the rank's files, error)."""
+    data = index_file.part_bytes(sizes, sums)
+    rel = index_file.part_rel(rank)
+    try:
+        with _writing(store, job.staging, rel):
+            store.write_payload(job.staging, rel, [memoryview(data)])
+    except Exception as exc:
+        return None, write_error(job, exc)
+    return (index_file.part_entry(data), sum(sizes.values())), None
+
+
+def _listed(world_size: int, listings: list[Any]) -> tuple[dict[str, int], dict[str, dict[str, Any]], int]:
+    """(files, checksums, bytes) for the index from each rank's listing: one rank's files; on
+    several ranks none (each part lists its rank's), and the sum of every rank's bytes."""
+    if world_size == 1:
+        files, checksums = listings[0]
+        return files, checksums, sum(files.values())
+    return {}, {}, sum(listing[1] for listing in listings)
+
+
+@contextlib.contextmanager
+def _writing(store: Store, staging: str, rel: str) -> Iterator[None]:
+    """A store's failure to write file ``rel`` as a SnapshotWriteError naming it."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotWriteError(
+            f"writing {rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+__all__ = ["DEFAULT_IO_THREADS", "SnapshotWriter"]
