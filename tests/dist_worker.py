@@ -108,7 +108,7 @@ class CaptureSaver(TorchSnapshotSaver):
             self.captured = {
                 "rng": rng_digest(),
                 "weights": weights_digest(unit),
-                "holds_lock": self.snapshotter._lock is not None,
+                "holds_lock": self.snapshotter.guard.lock is not None,
                 "lock_file": os.path.exists(os.path.join(self.dirpath, ".tnt_snapshot.lock")),
             }
         super().on_train_step_end(state, unit)

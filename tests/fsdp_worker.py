@@ -40,7 +40,7 @@ from torchtnt.framework.unit import TrainUnit
 
 from tnt_snapshot_plugin import StateMismatchError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.app_state import Stager, local_shards
+from tnt_snapshot_plugin.saving.staging import Stager, local_shards
 from toy import Holder, StatefulLoader, make_data
 
 WRAPPINGS = tuple(os.environ.get("FSDP_WORKER_WRAPPINGS", "fsdp1_sharded,fsdp1_full,fsdp2,ddp").split(","))

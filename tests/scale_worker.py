@@ -31,8 +31,8 @@ from gloo_worker import run_rank  # noqa: E402
 
 from tnt_snapshot_plugin.app_state import RNGState  # noqa: E402
 from tnt_snapshot_plugin.distributed import Collectives  # noqa: E402
-from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases  # noqa: E402
 from tnt_snapshot_plugin.format.checksums import record_views  # noqa: E402
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases  # noqa: E402
 from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt  # noqa: E402
 from tnt_snapshot_plugin.format.torchsnapshot.coordination import RecordDeltas  # noqa: E402
 

@@ -237,7 +237,7 @@ def test_a_renewal_whose_answer_is_lost_is_the_runs_own_and_a_second_job_stays_r
         def on_train_step_end(self, state: Any, unit: Any) -> None:
             if unit.train_progress.num_steps_completed != 2:
                 return
-            run_ids.append(saver.snapshotter._run_id)
+            run_ids.append(saver.snapshotter.guard.run_id)
             proxy.arm()
             wait_until(lambda: proxy.renewals_after_the_drop(), "the client's retry of the dropped renewal")
             # Well past the lease's length: a lease no longer renewed would have expired.
@@ -284,7 +284,7 @@ def test_a_lease_taken_over_or_removed_ends_the_runs_commits(options, run_url, w
     else:
         client_for(options).delete_object(Bucket=BUCKET, Key=key)
         said = "was removed during the run"
-    lease = saver._lock
+    lease = saver.guard.lock
     assert isinstance(lease, s3_mod.S3Lease)
     with pytest.warns(LockWarning, match=said + ".*commits no more snapshots into it"):
         lease._renew()

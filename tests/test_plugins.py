@@ -112,7 +112,7 @@ def test_should_snapshot_registered_after_construction_and_mid_run_is_called(tmp
             return step % 3 == 0 or None
 
     drive(snap, 4)  # the gate is now at step 100
-    assert snap.step_gate == 100
+    assert snap.trigger.step_gate == 100
     plugin = Every3()
     snap.register(plugin)
     drive(snap, 3, start=5)
@@ -120,7 +120,7 @@ def test_should_snapshot_registered_after_construction_and_mid_run_is_called(tmp
     assert names(tmp_path) == ["epoch_0_step_6"]
     snap.unregister(plugin)
     drive(snap, 5, start=8)  # 9 would be due for the plugin: it is gone
-    assert asked == [5, 6, 7] and snap.step_gate == 100
+    assert asked == [5, 6, 7] and snap.trigger.step_gate == 100
     assert names(tmp_path) == ["epoch_0_step_6"]
 
 

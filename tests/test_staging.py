@@ -16,10 +16,11 @@ from collections import OrderedDict
 
 import torch
 
-from tnt_snapshot_plugin import app_state, restore
-from tnt_snapshot_plugin.app_state import Stager
+from tnt_snapshot_plugin import restore
 from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.saving import staging
 from tnt_snapshot_plugin.saving.saver import Snapshotter
+from tnt_snapshot_plugin.saving.staging import Stager
 from toy import Holder
 
 
@@ -320,13 +321,13 @@ def test_staged_copies_never_join_the_autograd_graph():
 def test_accelerator_path_runs_on_cpu(monkeypatch):
     """The pinned, non-blocking copy path, with CPU tensors standing in for device tensors."""
     waited: list[list[torch.Tensor]] = []
-    real_wait = app_state._wait_for
+    real_wait = staging._wait_for
 
     def wait_for(sources: list[torch.Tensor]) -> None:
         waited.append(list(sources))
         real_wait(sources)  # on CPU tensors: no device to synchronise
 
-    monkeypatch.setattr(app_state, "_wait_for", wait_for)
+    monkeypatch.setattr(staging, "_wait_for", wait_for)
     monkeypatch.setattr(Stager, "_on_device", staticmethod(lambda tensor: True))
     model = Model(seed=4)
     stager = Stager()
@@ -483,14 +484,14 @@ def test_a_changed_dict_lets_go_of_its_old_arena_before_making_the_new_one(monke
     gc.collect()
     assert old_arena() is not None  # held by the stager between snapshots
     alive_when_allocating: list[bool] = []
-    real = app_state._arena_views
+    real = staging._arena_views
 
     def watching(values):
         gc.collect()
         alive_when_allocating.append(old_arena() is not None)
         return real(values)
 
-    monkeypatch.setattr(app_state, "_arena_views", watching)
+    monkeypatch.setattr(staging, "_arena_views", watching)
     state["running_mean"] = torch.zeros(256)  # the layout changes
     staged = stager.stage({"h": holder})["h"].state_dict()
     assert alive_when_allocating == [False]

@@ -1,10 +1,10 @@
-"""The step gate: a step that has nothing to do costs the adapter one comparison, and nothing is missed.
+"""The step gate: a step that has nothing to do costs the adapter one call, and nothing is missed.
 
-The adapters skip a step end when ``last_step <= step < step_gate``.
+The adapters skip a step end when ``saver.trigger.quiet(step)``: ``last_step <= step < step_gate``.
 
-``Snapshotter.step_gate`` is the next step whose end needs a look while nothing else does (the
+``Trigger.step_gate`` is the next step whose end needs a look while nothing else does (the
 next multiple of the step cadence, or under torch.distributed the ranks' next agreement if
-sooner), and 0 (every step) while something does: a snapshot being written, the last failure,
+sooner), and 0 (every step) while something does: a snapshot being written,
 prepare()'s second pass, the wall-clock cadence, a plugin asking, a signal received, or a run
 whose step count no step end has told yet. These tests drive a real Snapshotter (and a real
 torchtnt ``train``) and check that the gate opens for each of them, and that what it opens for
@@ -36,7 +36,7 @@ def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
     """Run step ends as the adapters do (the gate first); the steps that reached step_end()."""
     reached = []
     for step in steps:
-        if snap.last_step <= step < snap.step_gate:
+        if snap.trigger.quiet(step):
             continue
         reached.append(step)
         snap.step_end(0, step, lambda intra: state)
@@ -50,12 +50,12 @@ def test_the_gate_is_the_step_cadence_when_nothing_else_needs_a_look(tmp_path):
     )
     snap.train_start(["model"])
     state = {"model": torch.nn.Linear(2, 2)}
-    assert snap.step_gate == 0  # the first step end tells the run's step count
+    assert snap.trigger.step_gate == 0  # the first step end tells the run's step count
     assert gated_steps(snap, range(1, 8), state) == [1, 3, 6]
-    assert snap.step_gate == 9
+    assert snap.trigger.step_gate == 9
     assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_6"]
     snap.train_start(["model"])  # a new run (resumed at step 100): told again
-    assert snap.step_gate == 0 and gated_steps(snap, range(101, 106), state) == [101, 102, 105]
+    assert snap.trigger.step_gate == 0 and gated_steps(snap, range(101, 106), state) == [101, 102, 105]
 
     no_cadence = Snapshotter(
         str(tmp_path / "none"),
@@ -73,20 +73,20 @@ def test_the_gate_opens_while_a_snapshot_is_pending_not_after_a_reported_failure
     state = {"model": torch.nn.Linear(2, 2)}
     snap.train_start(["model"])
     assert gated_steps(snap, [1, 2, 3], state) == [1, 3]
-    assert snap.step_gate == 0  # step 3's snapshot is being written: a step end reaps it
+    assert snap.trigger.step_gate == 0  # step 3's snapshot is being written: a step end reaps it
     snap.wait()
-    assert snap.step_gate == 6 and committed(tmp_path) == ["epoch_0_step_3"]
+    assert snap.trigger.step_gate == 6 and committed(tmp_path) == ["epoch_0_step_3"]
 
     faulty.inject("write_payload", OSError(28, "No space left on device"))
     assert gated_steps(snap, [4, 5, 6], state) == [6]
     with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_6"):
         snap.wait()
-    assert snap.step_gate == 9  # a failure reported once leaves the gate to the cadence
+    assert snap.trigger.step_gate == 9  # a failure reported once leaves the gate to the cadence
     with warnings.catch_warnings():
         warnings.simplefilter("error", SnapshotFailedWarning)  # reported once, never again at step ends
         assert gated_steps(snap, [7, 8, 9], state) == [9]
     snap.wait()
-    assert snap.step_gate == 12
+    assert snap.trigger.step_gate == 12
     assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_9"]
     snap.train_end(0, 9, lambda intra: state)
 
@@ -99,9 +99,9 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
     )
     snap.train_start(["model"])
     snap.prepare(lambda: state)
-    assert snap.step_gate == 0
+    assert snap.trigger.step_gate == 0
     assert gated_steps(snap, [1, 2], state) == [1]  # the second pass ran at step 1
-    assert snap.step_gate == 5
+    assert snap.trigger.step_gate == 5
     snap.train_end(0, 2, lambda intra: state)
 
     timed = Snapshotter(
@@ -125,7 +125,7 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
     )
     asked.train_start(["model"])
     assert gated_steps(asked, range(1, 5), state) == [1, 2, 3, 4]
-    assert asked.step_gate == 0
+    assert asked.trigger.step_gate == 0
     assert committed(tmp_path / "asked") == ["epoch_0_step_1", "epoch_0_step_3"]
 
 
@@ -143,10 +143,10 @@ def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
 
     class SignalAtStep4(Callback):
         def on_train_step_end(self, state, unit) -> None:  # runs before the saver's hook
-            gates.append(saver._snapshotter.step_gate)
+            gates.append(saver._snapshotter.trigger.step_gate)
             if unit.train_progress.num_steps_completed == 4:
                 os.kill(os.getpid(), signal.SIGUSR1)
-                gates.append(saver._snapshotter.step_gate)
+                gates.append(saver._snapshotter.trigger.step_gate)
 
     try:
         saver = TorchSnapshotSaver(
@@ -185,10 +185,10 @@ def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_pat
             ),
         )
         snap.train_start(["model"])
-        assert gated_steps(snap, [1], state) == [1] and snap.step_gate == 100
-        snap.decisions = AnySave([SignalsWhenAsked(100)])
-        snap._regate()
-        assert snap.step_gate == 0
+        assert gated_steps(snap, [1], state) == [1] and snap.trigger.step_gate == 100
+        snap.trigger.decisions = AnySave([SignalsWhenAsked(100)])
+        snap.trigger.regate()
+        assert snap.trigger.step_gate == 0
         assert gated_steps(snap, [2], state) == [2]  # the preemption snapshot, at once
         assert committed(tmp_path) == ["epoch_0_step_2"]
     finally:
@@ -209,7 +209,7 @@ def test_progress_rolled_back_mid_run_reaches_the_cadence_again(tmp_path):
     state = {"model": torch.nn.Linear(2, 2)}
     snap.train_start(["model"])
     assert gated_steps(snap, range(1, 9), state) == [1, 3, 6]
-    assert committed(tmp_path) == ["epoch_0_step_6"] and snap.step_gate == 9
+    assert committed(tmp_path) == ["epoch_0_step_6"] and snap.trigger.step_gate == 9
     assert gated_steps(snap, range(2, 6), state) == [2, 3]  # rolled back to step 1
     assert committed(tmp_path) == ["epoch_0_step_3"]
 

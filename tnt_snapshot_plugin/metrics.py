@@ -67,20 +67,21 @@ class MetricsReporter:
     """A plugin that sends each committed snapshot's figures of one saver to ``sink(metrics,
     step)``, on rank 0 only. Registered by :meth:`Snapshotter.report_metrics` on that saver's own
     plugin manager, for one run; a record that saver did not just commit (another saver given
-    the same manager) is not its to report.
+    the same manager) is not its to report. ``stats``: the saver's figures; ``rank()``: this
+    process's rank among the saver's.
 
     A sink that raises is reported with a warning, never over training.
     """
 
-    def __init__(self, sink: Sink, snapshotter: Any) -> None:
+    def __init__(self, sink: Sink, stats: Any, rank: Callable[[], int]) -> None:
         self._sink = sink
-        self._snapshotter = snapshotter
+        self._stats = stats
+        self._rank = rank
 
     @hookimpl
     def tnt_snapshot_plugin_snapshot_committed(self, path: str, step: int, record: Any) -> None:
-        saver = self._snapshotter
-        committed = saver.stats.committed
-        if not committed or committed[-1] is not record or saver.collectives.rank != 0:
+        committed = self._stats.committed
+        if not committed or committed[-1] is not record or self._rank() != 0:
             return  # another saver's snapshot, or not the rank that logs
         try:
             self._sink(snapshot_metrics(record), step)

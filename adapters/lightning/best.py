@@ -8,17 +8,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.callbacks import ModelCheckpoint
-from typing_extensions import override
 
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import ConfigError, MonitorNotLoggedWarning
-from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore, open_store
 
 
@@ -28,61 +25,55 @@ class MonitorNotFoundError(ConfigError, MisconfigurationException):
 
 
 
-class BestSnapshots(ModelCheckpoint):
-    """The best-k part of the Lightning ``TorchSnapshotSaver`` (a base of it, never used alone)."""
+class BestSnapshots:
+    """Best-k as Lightning and users read it of ``ModelCheckpoint`` (``best_model_path``,
+    ``best_model_score``, ``best_k_models``, ``kth_best_model_path``, ``to_yaml``), read from the
+    snapshots in the saver's dirpath; and ``monitor``'s value, read when a snapshot is taken.
 
-    _config: SnapshotConfig
-    _arguments: dict[str, Any]
-    _engine: Optional[Snapshotter]
-    _trainer: Optional[pl.Trainer]
-    _warned_unlogged: bool
+    ``dirpath()``: the saver's dirpath (None until resolved); ``trainer()``: the Trainer of the
+    run (None before ``setup``)."""
+
+    def __init__(
+        self,
+        config: SnapshotConfig,
+        mode: str,
+        dirpath: Callable[[], Optional[str]],
+        trainer: Callable[[], Optional[pl.Trainer]],
+    ) -> None:
+        self._config = config
+        self.mode = mode
+        self._dirpath = dirpath
+        self._trainer = trainer
+        self._warned_unlogged = False
 
     @property
-    def monitor(self) -> Optional[str]:  # type: ignore[override]
+    def monitor(self) -> Optional[str]:
         """The metric that ranks the snapshots (None: none)."""
         best = self._config.best
         return best.metric if best is not None else None
 
-    @property
-    def mode(self) -> str:  # type: ignore[override]
-        return self._arguments["mode"]
-
-    @property
-    def best_model_path(self) -> str:  # type: ignore[override]
-        """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it);
-        without ``monitor``, the newest complete snapshot ("" if none), as ``ModelCheckpoint``
-        without ``monitor`` names the newest checkpoint it saved. What Lightning loads for
-        ``ckpt_path="best"`` (``fit``/``validate``/``test``/``predict``). Read from the directory
-        (the snapshots' names and indexes), so it is true in a new process and after a resume
-        too."""
+    def best_model_path(self) -> str:
+        """The best complete snapshot in dirpath by ``monitor`` ("" if none carries it); without
+        ``monitor``, the newest complete snapshot ("" if none), as ``ModelCheckpoint`` without
+        ``monitor`` names the newest checkpoint it saved."""
         if self.monitor is None:
             return self._newest()
         found = self._best()
         return found[0] if found is not None else ""
 
-    @best_model_path.setter
-    def best_model_path(self, value: str) -> None:
-        """Ignored (``strategy="ddp_spawn"`` hands the worker's value back): it is read from
-        ``dirpath``."""
-
-    @property
-    def best_model_score(self) -> Optional[torch.Tensor]:  # type: ignore[override]
-        """``monitor``'s value in :attr:`best_model_path` (None if there is none), as a tensor
-        like ``ModelCheckpoint``'s; a NaN value reads as +inf (``mode="min"``) or -inf
-        (``"max"``), as ``ModelCheckpoint`` reports it."""
+    def best_model_score(self) -> Optional[torch.Tensor]:
+        """``monitor``'s value in :meth:`best_model_path` (None if there is none), as a tensor
+        like ``ModelCheckpoint``'s; a NaN value reads as +inf (``mode="min"``) or -inf (``"max"``)."""
         found = self._best()
         return self._score(found[1]) if found is not None else None
 
-    @property
-    def best_k_models(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The ``save_top_k`` best complete snapshots in ``dirpath`` (every ranked one for -1),
-        best first: path -> ``monitor``'s value, as ``ModelCheckpoint``'s ``best_k_models`` (a NaN
-        reads as :attr:`best_model_score` says). Empty without ``monitor``."""
+    def best_k_models(self) -> dict[str, torch.Tensor]:
+        """The ``save_top_k`` best complete snapshots in dirpath (every ranked one for -1), best
+        first: path -> ``monitor``'s value. Empty without ``monitor``."""
         return {path: self._score(value) for path, value in self._ranked()}
 
-    @property
-    def kth_best_model_path(self) -> str:  # type: ignore[override]
-        """The worst of :attr:`best_k_models` ("" if none); of several equally worst, the one
+    def kth_best_model_path(self) -> str:
+        """The worst of :meth:`best_k_models` ("" if none); of several equally worst, the one
         committed first, as ``ModelCheckpoint`` picks the first of them it saved."""
         ranked = self._ranked()
         if not ranked:
@@ -90,23 +81,21 @@ class BestSnapshots(ModelCheckpoint):
         worst = self._score(ranked[-1][1])
         return next(path for path, value in ranked if bool(self._score(value) == worst))
 
-    @override
     def to_yaml(self, filepath: Optional[Any] = None) -> None:
-        """Write :attr:`best_k_models` (path -> value) as YAML to ``filepath`` (default:
-        ``dirpath/best_k_models.yaml``, a local ``dirpath`` only), as ``ModelCheckpoint`` does."""
+        """Write :meth:`best_k_models` (path -> value) as YAML to ``filepath`` (default:
+        ``dirpath/best_k_models.yaml``, a local dirpath only), as ``ModelCheckpoint`` does."""
         import yaml
 
+        dirpath = self._dirpath()
         if filepath is None:
-            if self.dirpath is None or not isinstance(
-                open_store(str(self.dirpath), self._config.storage_options), LocalStore
-            ):
+            if dirpath is None or not isinstance(open_store(str(dirpath), self._config.storage_options), LocalStore):
                 raise ConfigError(
-                    f"to_yaml() writes into a local dirpath only (dirpath is {self.dirpath!r}); "
+                    f"to_yaml() writes into a local dirpath only (dirpath is {dirpath!r}); "
                     "pass filepath=<a local file>"
                 )
-            filepath = os.path.join(self.dirpath, "best_k_models.yaml")
+            filepath = os.path.join(dirpath, "best_k_models.yaml")
         with open(filepath, "w") as f:
-            yaml.dump({path: value.item() for path, value in self.best_k_models.items()}, f)
+            yaml.dump({path: value.item() for path, value in self.best_k_models().items()}, f)
 
     def _score(self, value: float) -> torch.Tensor:
         if math.isnan(value):
@@ -114,13 +103,13 @@ class BestSnapshots(ModelCheckpoint):
         return torch.tensor(value)
 
     def _ranked(self) -> list[tuple[str, float]]:
-        """(path, value) of the best ``save_top_k`` snapshots in ``dirpath``, best first."""
-        best = self._config.best
-        if best is None or self._engine is None or self.dirpath is None:
+        """(path, value) of the best ``save_top_k`` snapshots in dirpath, best first."""
+        best, dirpath = self._config.best, self._dirpath()
+        if best is None or dirpath is None:
             return []
         from tnt_snapshot_plugin.policies import retention
 
-        store = open_store(str(self.dirpath), self._config.storage_options)
+        store = open_store(str(dirpath), self._config.storage_options)
         ranked = retention.ranked(store.listed(), best.metric, best.mode)
         if best.k is not None:
             ranked = ranked[: best.k]
@@ -132,11 +121,11 @@ class BestSnapshots(ModelCheckpoint):
         return found
 
     def _newest(self) -> str:
-        """The newest complete snapshot in ``dirpath`` whose index reads, in commit order ("" if
-        none)."""
-        if self._engine is None or self.dirpath is None:
+        """The newest complete snapshot in dirpath whose index reads, in commit order ("" if none)."""
+        dirpath = self._dirpath()
+        if dirpath is None:
             return ""
-        store = open_store(str(self.dirpath), self._config.storage_options)
+        store = open_store(str(dirpath), self._config.storage_options)
         for record in reversed(store.listed()):
             if record.problem is None:
                 return store.child(record.text)
@@ -146,11 +135,11 @@ class BestSnapshots(ModelCheckpoint):
         ranked = self._ranked()
         return ranked[0] if ranked else None
 
-    def _monitored_value(self) -> Optional[tuple[str, float]]:
+    def monitored_value(self) -> Optional[tuple[str, float]]:
         """(monitor, value) from ``trainer.callback_metrics`` now (a snapshot is being taken);
         ``epoch`` and ``step`` are the trainer's unless logged, as in ``ModelCheckpoint``."""
         monitor = self.monitor
-        trainer = self._trainer
+        trainer = self._trainer()
         assert monitor is not None and trainer is not None
         metrics = dict(trainer.callback_metrics)
         for name, own in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):

@@ -1,7 +1,6 @@
 """The Lightning saver's engine, the core :class:`Snapshotter`: made when ``dirpath`` is known
-(given, or resolved at ``setup`` as ``ModelCheckpoint`` resolves it), the plugins registered on
-it, what a ``strategy="ddp_spawn"`` worker rebuilds it from, and the callback state Lightning
-keeps in its own checkpoints."""
+(given, or resolved at ``setup`` as ``ModelCheckpoint`` resolves it), and the plugins registered
+on it."""
 
 from __future__ import annotations
 
@@ -10,9 +9,7 @@ from typing import Any, Callable, Optional
 
 import pluggy
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import SIGTERMException
-from typing_extensions import override
 
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import ConfigError
@@ -23,31 +20,41 @@ from tnt_snapshot_plugin.saving.saver import Snapshotter
 NEVER_REPLICATED = ("loops", "callbacks")
 
 
-class SaverEngine(ModelCheckpoint):
-    """The engine part of the Lightning ``TorchSnapshotSaver`` (a base of it, never used alone)."""
+class Engine:
+    """The Lightning saver's core :class:`Snapshotter`, made once ``dirpath`` is known: at
+    construction when given, else by :meth:`resolve` at ``setup``, as ``ModelCheckpoint``
+    resolves it. ``metric``: the saver's monitored value (best-k), or None."""
 
-    _arguments: dict[str, Any]
-    _config: SnapshotConfig
-    _weights_only: bool
-    _io: Optional[Any]
-    _monitored_value: Callable[[], Optional[tuple[str, float]]]
-
-    def _init_engine(
-        self, dirpath: Any, process_group: Optional[Any], plugin_manager: Optional[pluggy.PluginManager]
+    def __init__(
+        self,
+        config: SnapshotConfig,
+        dirpath: Any,
+        *,
+        process_group: Optional[Any],
+        plugin_manager: Optional[pluggy.PluginManager],
+        weights_only: bool,
+        metric: Optional[Callable[[], Optional[tuple[str, float]]]],
     ) -> None:
-        self._portable = process_group is None and plugin_manager is None
-        self._given_dirpath = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
-        if isinstance(self._given_dirpath, str) and self._given_dirpath.startswith("~"):
-            self._given_dirpath = os.path.expanduser(self._given_dirpath)  # as ModelCheckpoint does
+        self._config = config
+        #: whether the saver can be sent to another process (``strategy="ddp_spawn"``): not with
+        #: a process group, a plugin manager or plugins of its own
+        self.portable = process_group is None and plugin_manager is None
+        given = os.fspath(dirpath) if isinstance(dirpath, os.PathLike) else dirpath
+        if isinstance(given, str) and given.startswith("~"):
+            given = os.path.expanduser(given)  # as ModelCheckpoint does
+        #: the dirpath given (None: resolved at setup)
+        self.given_dirpath: Optional[str] = given
         self._process_group = process_group
         self._plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
-        self._engine: Optional[Snapshotter] = None
-        self._last_committed: Optional[str] = None
-        if self._given_dirpath is not None:
-            self._make_engine(self._given_dirpath)
+        self._weights_only = weights_only
+        self._metric = metric
+        #: the core saver (None until dirpath is known)
+        self.snapshotter: Optional[Snapshotter] = None
+        if given is not None:
+            self._make(given)
 
-    def _make_engine(self, dirpath: str) -> Snapshotter:
-        self._engine = Snapshotter(
+    def _make(self, dirpath: str) -> Snapshotter:
+        self.snapshotter = Snapshotter(
             dirpath,
             self._config,
             process_group=self._process_group,
@@ -55,13 +62,15 @@ class SaverEngine(ModelCheckpoint):
             never_replicated=NEVER_REPLICATED,
             on_preempted=_stop_like_lightning,
             weights_only=self._weights_only,
-            metric=self._monitored_value if self._config.best is not None else None,
+            metric=self._metric,
         )
-        return self._engine
+        return self.snapshotter
 
-    def _resolve_dirpath(self, trainer: pl.Trainer) -> Snapshotter:
-        """The engine, made on first use with ``dirpath`` resolved as ``ModelCheckpoint`` does."""
-        if self._engine is None:
+    def resolve(self, trainer: pl.Trainer) -> Snapshotter:
+        """The core saver, made on first use with ``dirpath`` resolved as ``ModelCheckpoint``
+        does: ``<logger save_dir>/<name>/<version>/checkpoints``, else
+        ``<default_root_dir>/checkpoints``."""
+        if self.snapshotter is None:
             if trainer.loggers:
                 first = trainer.loggers[0]
                 save_dir = first.save_dir if first.save_dir is not None else trainer.default_root_dir
@@ -69,89 +78,36 @@ class SaverEngine(ModelCheckpoint):
                 path = os.path.join(save_dir, str(first.name), version, "checkpoints")
             else:
                 path = os.path.join(trainer.default_root_dir, "checkpoints")
-            self._make_engine(path)
-        assert self._engine is not None
-        return self._engine
+            self._make(path)
+        assert self.snapshotter is not None
+        return self.snapshotter
 
     @property
-    def _snapshotter(self) -> Snapshotter:
-        if self._engine is None:
+    def required(self) -> Snapshotter:
+        """The core saver; ConfigError while ``dirpath`` is not resolved yet."""
+        if self.snapshotter is None:
             raise ConfigError(
                 "TorchSnapshotSaver(dirpath=None) has no dirpath until the Trainer's setup "
                 "resolves it (under the logger's directory or default_root_dir, as "
                 "ModelCheckpoint does); pass dirpath to use it before training"
             )
-        return self._engine
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
-        if not self._portable:
-            raise TypeError(
-                "a TorchSnapshotSaver given its own process_group or plugin_manager (or plugins) cannot be sent "
-                'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
-                'the training process, or use strategy="ddp"'
-            )
-        if (self._engine is not None and self._engine.stats.committed) or self._io is not None:
-            raise TypeError(
-                "a TorchSnapshotSaver that has already trained cannot be sent to another process; "
-                "create a new one"
-            )
-        return {"arguments": self._arguments, "last_committed": self._last_committed}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        arguments = dict(state["arguments"])
-        self.__init__(arguments.pop("dirpath"), **arguments)  # type: ignore[misc]
-        self._last_committed = state["last_committed"]
+        return self.snapshotter
 
     @property
-    def dirpath(self) -> Optional[str]:  # type: ignore[override]
-        """Parent directory the snapshots are saved to (rank 0's, once training started); None
-        until ``setup`` resolves it when none was given."""
-        return self._engine.dirpath if self._engine is not None else None
-
-    @dirpath.setter
-    def dirpath(self, value: Any) -> None:
-        raise AttributeError("TorchSnapshotSaver.dirpath is set by its constructor (or resolved at setup)")
-
-    @property
-    def snapshotter(self) -> Snapshotter:
-        """The framework-neutral engine (stats, wait(), the plugin manager)."""
-        return self._snapshotter
+    def dirpath(self) -> Optional[str]:
+        return self.snapshotter.dirpath if self.snapshotter is not None else None
 
     def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
-        """Register a plugin on this saver only, checked at once (:meth:`Snapshotter.register`)."""
-        self._portable = False  # a registered plugin would not travel with ddp_spawn's pickle
-        if self._engine is not None:
-            return self._engine.register(plugin, name)
+        self.portable = False  # a registered plugin would not travel with ddp_spawn's pickle
+        if self.snapshotter is not None:
+            return self.snapshotter.register(plugin, name)
         return check_plugin(self._plugin_manager, plugin, name)
 
     def unregister(self, plugin: Any) -> None:
-        """Remove a plugin registered on this saver."""
-        if self._engine is not None:
-            self._engine.unregister(plugin)
+        if self.snapshotter is not None:
+            self.snapshotter.unregister(plugin)
         else:
             self._plugin_manager.unregister(plugin)
-
-    @property
-    @override
-    def state_key(self) -> str:
-        # From the dirpath given, not the cadence: changing the cadence between runs keeps the
-        # state, and two savers on one dirpath (which would race) are refused by Lightning.
-        return self._generate_state_key(dirpath=self._given_dirpath)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """``dirpath`` and the newest snapshot committed when the state was taken."""
-        committed = self._engine.stats.committed if self._engine is not None else []
-        return {
-            "dirpath": self.dirpath,
-            "last_committed": committed[-1].path if committed else self._last_committed,
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_committed = state_dict.get("last_committed")
-
 
 
 def _stop_like_lightning(signum: int) -> None:

@@ -6,15 +6,15 @@ reach, and the RNG state set again around a mid-epoch resume's first batch."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
 
 from tnt_snapshot_plugin import restoring
+from tnt_snapshot_plugin.adapters.lightning.engine import Engine
 from tnt_snapshot_plugin.adapters.lightning.io import SnapshotCheckpointIO, check_strategy_can_resume
 from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -30,18 +30,18 @@ _NOT_ASKED = "<not asked>"
 _LAST_HINT = r'\.\w+\(ckpt_path="last"\) is set, but there is no last checkpoint available'
 
 
-class ResumeFromSnapshots(ModelCheckpoint):
-    """The resume part of the Lightning ``TorchSnapshotSaver`` (a base of it, never used alone)."""
+class Resume:
+    """How the Lightning saver resumes a fit: what ``ckpt_path="last"`` resolves to, the
+    snapshot-reading CheckpointIO installed for a stage and put back after it, the snapshot
+    resumed from kept out of retention's reach, and the RNG set again around a mid-epoch
+    resume's first batch."""
 
-    _config: SnapshotConfig
-    _engine: Optional[Snapshotter]
-    _trainer: Optional[pl.Trainer]
-    _weights_only: bool
-    _resolve_dirpath: Callable[[pl.Trainer], Snapshotter]
-    _snapshotter: Snapshotter
-
-    def _init_resume(self) -> None:
-        self._io: Optional[SnapshotCheckpointIO] = None
+    def __init__(self, config: SnapshotConfig, engine: Engine, weights_only: bool) -> None:
+        self._config = config
+        self._engine = engine
+        self._weights_only = weights_only
+        #: the CheckpointIO installed for the stage (None outside one)
+        self.io: Optional[SnapshotCheckpointIO] = None
         self._resolved_last: Optional[str] = _NOT_ASKED
         self._hint_filter: Optional[Any] = None
         #: the snapshot ckpt_path="last" resolved to for this fit (announced at train start)
@@ -49,11 +49,15 @@ class ResumeFromSnapshots(ModelCheckpoint):
         self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     @property
+    def dirpath(self) -> Optional[str]:
+        return self._engine.dirpath
+
+    @property
     def ckpt_path(self) -> Optional[str]:
         """The newest complete, undamaged snapshot in ``dirpath``, or None (also while ``dirpath``
         is not resolved yet, and for an ``s3://`` dirpath: pass the snapshot's URL as
         ``ckpt_path`` there). What ``fit(ckpt_path="last")`` resumes from."""
-        if self._engine is None:
+        if self.dirpath is None:
             return None
         store = open_store(self.dirpath, self._config.storage_options)
         if not isinstance(store, LocalStore):
@@ -65,12 +69,12 @@ class ResumeFromSnapshots(ModelCheckpoint):
             verified=True,
         )
 
-    @override
-    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+    def find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """What Lightning asks each ``ModelCheckpoint`` for ``ckpt_path="last"`` (before any
         ``setup``): the newest complete snapshot, read by each rank itself (``setup`` then checks
         that every rank found the same one)."""
-        self._resolve_dirpath(trainer)
+        self._engine.resolve(trainer)
+        assert self.dirpath is not None
         store = open_store(self.dirpath, self._config.storage_options)
         if not isinstance(store, LocalStore):
             if trainer.is_global_zero:
@@ -106,32 +110,25 @@ class ResumeFromSnapshots(ModelCheckpoint):
             return set()
         return {path}
 
-    def _drop_hint_filter(self) -> None:
+    def drop_hint_filter(self) -> None:
         entry, self._hint_filter = self._hint_filter, None
         if entry is not None and entry in warnings.filters:
             warnings.filters.remove(entry)
             warnings._filters_mutated()  # type: ignore[attr-defined]
 
-    @property
-    def last_model_path(self) -> str:  # type: ignore[override]
-        """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
-        return self.ckpt_path or ""
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         """Resolve ``dirpath`` if none was given, join the process group, install the
         snapshot-reading CheckpointIO (before Lightning loads ``ckpt_path``), check that all
         ranks resolved ``ckpt_path="last"`` alike, and say so when the run resumes from a
         snapshot that ``ckpt_path`` did not name."""
-        self._drop_hint_filter()
-        self._trainer = trainer
-        snapshotter = self._resolve_dirpath(trainer)
+        self.drop_hint_filter()
+        snapshotter = self._engine.resolve(trainer)
         snapshotter.attach()
         check_strategy_can_resume(trainer)
-        self._io = SnapshotCheckpointIO.install(
+        self.io = SnapshotCheckpointIO.install(
             trainer,
             storage_options=self._config.storage_options,
-            collectives=lambda: self._snapshotter.collectives,
+            collectives=lambda: self._engine.required.collectives,
             plugin_manager=snapshotter.plugin_manager,
             weights_only=self._weights_only,
             collective_timeout_s=self._config.collective_timeout_s,
@@ -139,7 +136,7 @@ class ResumeFromSnapshots(ModelCheckpoint):
         resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
         # ckpt_path="last" resolved to this snapshot: if it cannot be loaded, the ones before it
         # are tried, as restore_from_latest does.
-        self._io.fall_back_from = resolved if resolved != _NOT_ASKED else None
+        self.io.fall_back_from = resolved if resolved != _NOT_ASKED else None
         coll = snapshotter.collectives
         answers = coll.all_gather(resolved)
         if len(set(answers)) > 1:
@@ -153,7 +150,7 @@ class ResumeFromSnapshots(ModelCheckpoint):
             )
         self._last_asked = resolved if resolved != _NOT_ASKED else None
 
-    def _announce_resume(self, trainer: pl.Trainer) -> None:
+    def announce(self, trainer: pl.Trainer) -> None:
         """Say, in one line, that this fit resumes from the snapshot that ``"last"`` resolved
         to; a warning when ``ckpt_path`` did not ask for it (another OnExceptionCheckpoint made
         Lightning turn ``None`` into ``"last"``)."""
@@ -174,10 +171,10 @@ class ResumeFromSnapshots(ModelCheckpoint):
         else:
             rank_zero_info(f'TorchSnapshotSaver: ckpt_path="last": resuming from snapshot {resolved}')
 
-    def _resume_at_train_start(self, trainer: pl.Trainer, snapshotter: Snapshotter) -> None:
+    def at_train_start(self, trainer: pl.Trainer, snapshotter: Snapshotter) -> None:
         """Keep the snapshot resumed from out of retention's reach; (mid-epoch resume) set the
         RNG again."""
-        restored = self._io.take_restored() if self._io is not None else None
+        restored = self.io.take_restored() if self.io is not None else None
         # As ModelCheckpoint never removes the checkpoint the Trainer resumed from, retention
         # never deletes the snapshot this run resumed from (if it is one of this dirpath's).
         snapshotter.protected.clear()
@@ -199,27 +196,19 @@ class ResumeFromSnapshots(ModelCheckpoint):
                 # at the first next(), inside the first fetch. Set the state after that fetch.
                 self._rng_after_first_fetch = restored.rng_state
 
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def at_batch_start(self) -> None:
         """(First batch of a mid-epoch resume from a lazy loader) undo its iterator's RNG draws."""
         if self._rng_after_first_fetch is not None:
             state, self._rng_after_first_fetch = self._rng_after_first_fetch, None
             if not _same_rng_state(RNGState().state_dict(), state):
                 RNGState().load_state_dict(state)
 
-    def _leave_stage(self, trainer: pl.Trainer) -> None:
+    def leave_stage(self, trainer: pl.Trainer) -> None:
         """After a stage (its end, or an exception): drop the warning filter and put the
         Trainer's own CheckpointIO back."""
-        self._drop_hint_filter()
-        if self._io is not None:
-            self._io.uninstall(trainer)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Keep every snapshot; put the Trainer's own CheckpointIO back."""
-        self._leave_stage(trainer)
+        self.drop_hint_filter()
+        if self.io is not None:
+            self.io.uninstall(trainer)
 
 
 def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:

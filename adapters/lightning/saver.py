@@ -52,14 +52,15 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import pluggy
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from tnt_snapshot_plugin.adapters.lightning import restore as lightning_restore
 from tnt_snapshot_plugin.adapters.lightning.best import BestSnapshots, MonitorNotFoundError
-from tnt_snapshot_plugin.adapters.lightning.engine import NEVER_REPLICATED, SaverEngine
+from tnt_snapshot_plugin.adapters.lightning.engine import NEVER_REPLICATED, Engine
 from tnt_snapshot_plugin.adapters.lightning.io import Restored, SnapshotCheckpointIO, snapshot_path
 from tnt_snapshot_plugin.adapters.lightning.options import (
     NOT_APPLICABLE,
@@ -67,8 +68,9 @@ from tnt_snapshot_plugin.adapters.lightning.options import (
     refuse_not_applicable,
     saver_config,
 )
-from tnt_snapshot_plugin.adapters.lightning.resume import ResumeFromSnapshots
+from tnt_snapshot_plugin.adapters.lightning.resume import Resume
 from tnt_snapshot_plugin.app_state import Value, check_collisions
+from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 __all__ = [
     "LIGHTNING_KEYS", "NEVER_REPLICATED", "NOT_APPLICABLE", "InvalidArgumentError", "MonitorNotFoundError",
@@ -88,7 +90,7 @@ LIGHTNING_KEYS = (
 )
 
 
-class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
+class TorchSnapshotSaver(ModelCheckpoint):
     """Snapshot a Lightning run's whole training state in torchsnapshot's format; resume it exactly.
 
     Use it when a run must survive crashes and preemption without losing more than a few steps,
@@ -242,21 +244,190 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
         self._config = saver_config(self._arguments)
         self.verbose, self.save_last, self.save_top_k = verbose, save_last, save_top_k
         self._save_on_train_epoch_end = save_on_train_epoch_end
-        self._weights_only = weights_only
         self._trainer: Optional[pl.Trainer] = None
         self._collect: Callable[[bool], dict[str, Value]] = _not_started
-        self._warned_unlogged = False
         self._last_step: Optional[int] = None
         #: (epoch, step) of the last snapshot this run took (the final one is not taken again)
         self._saved_at: Optional[tuple[int, int]] = None
         self._announced = 0
-        self._init_resume()
-        self._init_engine(dirpath, process_group, plugin_manager)
+        #: the newest snapshot committed, as Lightning's own checkpoint of this callback says
+        self._last_committed: Optional[str] = None
+        self._best = BestSnapshots(self._config, mode, lambda: self.dirpath, lambda: self._trainer)
+        self._engine = Engine(
+            self._config,
+            dirpath,
+            process_group=process_group,
+            plugin_manager=plugin_manager,
+            weights_only=weights_only,
+            metric=self._best.monitored_value if self._config.best is not None else None,
+        )
+        self._resume = Resume(self._config, self._engine, weights_only)
 
     @property
     def every_n_epochs(self) -> Optional[int]:  # type: ignore[override]
         """The epoch cadence (None: no epoch snapshots)."""
         return self._config.save_every_n_epochs
+
+    # -- the engine --------------------------------------------------------------------------------
+
+    @property
+    def _snapshotter(self) -> Snapshotter:
+        return self._engine.required
+
+    @property
+    def snapshotter(self) -> Snapshotter:
+        """The framework-neutral engine (stats, wait(), the plugin manager)."""
+        return self._engine.required
+
+    @property
+    def dirpath(self) -> Optional[str]:  # type: ignore[override]
+        """Parent directory the snapshots are saved to (rank 0's, once training started); None
+        until ``setup`` resolves it when none was given."""
+        return self._engine.dirpath
+
+    @dirpath.setter
+    def dirpath(self, value: Any) -> None:
+        raise AttributeError("TorchSnapshotSaver.dirpath is set by its constructor (or resolved at setup)")
+
+    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
+        """Register a plugin on this saver only, checked at once (:meth:`Snapshotter.register`)."""
+        return self._engine.register(plugin, name)
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove a plugin registered on this saver."""
+        self._engine.unregister(plugin)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` sends to each new process: the arguments, not the engine."""
+        if not self._engine.portable:
+            raise TypeError(
+                "a TorchSnapshotSaver given its own process_group or plugin_manager (or plugins) cannot be sent "
+                'to another process (strategy="ddp_spawn" pickles the callbacks); create it in '
+                'the training process, or use strategy="ddp"'
+            )
+        engine = self._engine.snapshotter
+        if (engine is not None and engine.stats.committed) or self._resume.io is not None:
+            raise TypeError(
+                "a TorchSnapshotSaver that has already trained cannot be sent to another process; "
+                "create a new one"
+            )
+        return {"arguments": self._arguments, "last_committed": self._last_committed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        arguments = dict(state["arguments"])
+        self.__init__(arguments.pop("dirpath"), **arguments)  # type: ignore[misc]
+        self._last_committed = state["last_committed"]
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # From the dirpath given, not the cadence: changing the cadence between runs keeps the
+        # state, and two savers on one dirpath (which would race) are refused by Lightning.
+        return self._generate_state_key(dirpath=self._engine.given_dirpath)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``dirpath`` and the newest snapshot committed when the state was taken."""
+        engine = self._engine.snapshotter
+        committed = engine.stats.committed if engine is not None else []
+        return {"dirpath": self.dirpath, "last_committed": committed[-1].path if committed else self._last_committed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_committed = state_dict.get("last_committed")
+
+    # -- best-k, as ModelCheckpoint's attributes read it -------------------------------------------
+
+    @property
+    def monitor(self) -> Optional[str]:  # type: ignore[override]
+        """The metric that ranks the snapshots (None: none)."""
+        return self._best.monitor
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        return self._best.mode
+
+    @property
+    def best_model_path(self) -> str:  # type: ignore[override]
+        """The best complete snapshot in ``dirpath`` by ``monitor`` ("" if none carries it);
+        without ``monitor``, the newest complete snapshot ("" if none), as ``ModelCheckpoint``
+        without ``monitor`` names the newest checkpoint it saved. What Lightning loads for
+        ``ckpt_path="best"`` (``fit``/``validate``/``test``/``predict``). Read from the directory
+        (the snapshots' names and indexes), so it is true in a new process and after a resume
+        too."""
+        return self._best.best_model_path()
+
+    @best_model_path.setter
+    def best_model_path(self, value: str) -> None:
+        """Ignored (``strategy="ddp_spawn"`` hands the worker's value back): it is read from
+        ``dirpath``."""
+
+    @property
+    def best_model_score(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        """``monitor``'s value in :attr:`best_model_path` (None if there is none), as a tensor
+        like ``ModelCheckpoint``'s; a NaN value reads as +inf (``mode="min"``) or -inf
+        (``"max"``), as ``ModelCheckpoint`` reports it."""
+        return self._best.best_model_score()
+
+    @property
+    def best_k_models(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The ``save_top_k`` best complete snapshots in ``dirpath`` (every ranked one for -1),
+        best first: path -> ``monitor``'s value, as ``ModelCheckpoint``'s ``best_k_models``.
+        Empty without ``monitor``."""
+        return self._best.best_k_models()
+
+    @property
+    def kth_best_model_path(self) -> str:  # type: ignore[override]
+        """The worst of :attr:`best_k_models` ("" if none); of several equally worst, the one
+        committed first, as ``ModelCheckpoint`` picks the first of them it saved."""
+        return self._best.kth_best_model_path()
+
+    @override
+    def to_yaml(self, filepath: Optional[Any] = None) -> None:
+        """Write :attr:`best_k_models` (path -> value) as YAML to ``filepath`` (default:
+        ``dirpath/best_k_models.yaml``, a local ``dirpath`` only), as ``ModelCheckpoint`` does."""
+        self._best.to_yaml(filepath)
+
+    # -- resuming ----------------------------------------------------------------------------------
+
+    @property
+    def ckpt_path(self) -> Optional[str]:
+        """The newest complete, undamaged snapshot in ``dirpath``, or None (also while ``dirpath``
+        is not resolved yet, and for an ``s3://`` dirpath: pass the snapshot's URL as
+        ``ckpt_path`` there). What ``fit(ckpt_path="last")`` resumes from."""
+        return self._resume.ckpt_path
+
+    @property
+    def last_model_path(self) -> str:  # type: ignore[override]
+        """The newest complete snapshot (what ``ckpt_path="last"`` resumes), "" if none."""
+        return self._resume.ckpt_path or ""
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """What Lightning asks each ``ModelCheckpoint`` for ``ckpt_path="last"`` (before any
+        ``setup``): the newest complete snapshot, read by each rank itself (``setup`` then checks
+        that every rank found the same one)."""
+        return self._resume.find_last_checkpoints(trainer)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve ``dirpath`` if none was given, join the process group, install the
+        snapshot-reading CheckpointIO (before Lightning loads ``ckpt_path``), check that all
+        ranks resolved ``ckpt_path="last"`` alike."""
+        self._trainer = trainer
+        self._resume.setup(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Keep every snapshot; put the Trainer's own CheckpointIO back."""
+        self._resume.leave_stage(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """(First batch of a mid-epoch resume from a lazy loader) undo its iterator's RNG draws."""
+        self._resume.at_batch_start()
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -269,7 +440,7 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
         self._last_step = trainer.global_step
         self._saved_at = None
         snapshotter = self._snapshotter
-        self._announce_resume(trainer)
+        self._resume.announce(trainer)
         snapshotter.train_start(LIGHTNING_KEYS, trainer.current_epoch, trainer.global_step)
         # The staging buffers of asynchronous snapshots, allocated and touched before training, for
         # the bulk of what dump_checkpoint returns (without calling it: it runs the user's hooks).
@@ -281,7 +452,7 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
         )
         if trainer.loggers:  # each committed snapshot's figures, at the global step it was taken
             snapshotter.report_metrics(_log_metrics_to(list(trainer.loggers)))
-        self._resume_at_train_start(trainer, snapshotter)
+        self._resume.at_train_start(trainer, snapshotter)
 
     @override
     def on_train_batch_end(
@@ -293,8 +464,8 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
         snapshotter = self._snapshotter
-        if snapshotter.last_step <= step < snapshotter.step_gate:
-            return  # nothing to do at this step (Snapshotter.step_gate)
+        if snapshotter.trigger.quiet(step):
+            return  # nothing to do at this step (saving.trigger: the step gate)
         snapshotter.step_end(trainer.current_epoch, step, self._collect)
         if self.verbose:
             self._announce()
@@ -352,9 +523,9 @@ class TorchSnapshotSaver(ResumeFromSnapshots, BestSnapshots, SaverEngine):
     ) -> None:
         """Wait for the pending snapshot; the newest complete snapshot stays intact. The
         Trainer's own CheckpointIO is put back."""
-        self._leave_stage(trainer)
-        if self._engine is not None:
-            self._engine.exception()
+        self._resume.leave_stage(trainer)
+        if self._engine.snapshotter is not None:
+            self._engine.snapshotter.exception()
 
     def _announce(self) -> None:
         """(``verbose``) one line through Lightning's logger per snapshot committed since."""

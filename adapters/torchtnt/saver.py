@@ -165,7 +165,7 @@ class TorchSnapshotSaver(Callback):
             storage_timeout_s=storage_timeout_s,
             save_policies=save_policies, preservation_policies=preservation_policies,
         )
-        self._snapshotter = Snapshotter(
+        self._snapshotter = snapshotter = Snapshotter(
             dirpath,
             config,
             process_group=process_group,
@@ -173,6 +173,7 @@ class TorchSnapshotSaver(Callback):
             weights_only=weights_only,
             metric=self._monitored_value if config.best is not None else None,
         )
+        self._trigger = snapshotter.trigger  # read at every train step end
         # What on_train_start prepared, and for which (state, unit): the hooks may also be
         # called directly, without on_train_start (as torchtnt's saver allows).
         self._state: Optional[State] = None
@@ -261,10 +262,9 @@ class TorchSnapshotSaver(Callback):
             self._start(state, unit)  # called without on_train_start (or for another unit)
         progress = self._train_progress
         step = progress.num_steps_completed
-        snapshotter = self._snapshotter
-        if snapshotter.last_step <= step < snapshotter.step_gate:
-            return  # nothing to do at this step (Snapshotter.step_gate)
-        snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
+        if self._trigger.quiet(step):
+            return  # nothing to do at this step (saving.trigger: the step gate)
+        self._snapshotter.step_end(progress.num_epochs_completed, step, self._collect)
 
     def on_train_epoch_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the epoch cadence (or a plugin) says so."""

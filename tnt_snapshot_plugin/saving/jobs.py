@@ -1,4 +1,5 @@
-"""One snapshot being written: the job, its background worker, its record, its failure message.
+"""One snapshot being written: the job, the runner that writes, waits for and reaps it, its record,
+its failure message.
 
 The write runs on one worker thread (:class:`Worker`, a ``concurrent.futures`` executor with one
 worker, kept for the run): the training thread submits the job and learns its outcome from the
@@ -25,7 +26,6 @@ from tnt_snapshot_plugin.errors import (
     UnrestorableStateError,
 )
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.saving.parts import SaverParts
 
 logger = logging.getLogger("tnt_snapshot_plugin.saving.saver")
 
@@ -241,25 +241,41 @@ def failure_cause(exc: BaseException) -> str:
     return f"{type(root).__module__}.{type(root).__qualname__}"
 
 
-class JobTracking(SaverParts):
-    """The saver's one snapshot in flight: waiting for it (bounded by ``storage_timeout_s`` for
-    the cadences' snapshots), skipping a due one while it is stuck, reaping its outcome (the
-    ``snapshot_committed`` hook, or the failure, raised or warned as ``on_save_error`` says). A
-    part of :class:`~tnt_snapshot_plugin.saving.saver.Snapshotter`.
+class JobRunner:
+    """The saver's one snapshot in flight: submitting it (to the writer thread, or written on the
+    spot), waiting for it (bounded by ``storage_timeout_s`` for the cadences' snapshots), skipping
+    a due one while it is stuck, reaping its outcome (the ``snapshot_committed`` hook, or the
+    failure, raised or warned as ``on_save_error`` says), and the figures of it all (:attr:`stats`).
 
     Warnings: a failure or skip warns once per cause until a snapshot commits again (later ones
     are counted and logged at INFO); waiting for snapshots still being written warns at most once
-    per run, past ``BUSY_WARNING_S`` and ``BUSY_WARNING_SHARE``."""
+    per run, past ``BUSY_WARNING_S`` and ``BUSY_WARNING_SHARE``.
 
-    def _init_jobs(self) -> None:
-        """No snapshot in flight yet; figures from zero."""
+    ``child(name)``: the user-facing path of snapshot ``name``; ``committed(path, epoch, step,
+    record)``: called on the training thread for each snapshot committed; ``on_change()``: called
+    whenever a snapshot starts or stops being pending."""
+
+    def __init__(
+        self,
+        config: Any,
+        child: Callable[[str], str],
+        committed: Callable[[str, int, int, SnapshotRecord], None],
+        on_change: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._child = child
+        self._committed = committed
+        self._on_change = on_change
         #: the one thread that writes asynchronous snapshots
         self._worker = Worker()
         self.stats = SnapshotStats()
-        self._waited_s = 0.0
-        self._start_run_jobs()
+        #: the snapshot being written (None: none)
+        self.pending: Optional[Job] = None
+        #: how long training waited for the previous snapshot before the next one (Job.waited_s)
+        self.waited_s = 0.0
+        self.start_run()
 
-    def _start_run_jobs(self) -> None:
+    def start_run(self) -> None:
         """A run starts (train start): its waits, warnings and storage budget from zero."""
         self._run_started = time.perf_counter()
         #: training's waits for snapshots still being written in this run, in seconds
@@ -278,49 +294,70 @@ class JobTracking(SaverParts):
         self._skipped_since_commit = 0
 
     def _since_commit(self) -> str:
-        return (
-            f"{self._failed_since_commit} failed and {self._skipped_since_commit} skipped since "
-            "the last commit"
-        )
+        return f"{self._failed_since_commit} failed and {self._skipped_since_commit} skipped since the last commit"
 
-    def _skip(self, name: SnapshotName) -> None:
+    def storage_failing(self) -> None:
+        """The storage failed outside a snapshot (at train start) and was warned about: its
+        failures until a snapshot commits are logged, not warned again."""
+        self._warned_causes.add(STORAGE_CAUSE)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _set_pending(self, job: Optional[Job]) -> None:
+        self.pending = job
+        self._on_change()
+
+    def submit(self, job: Job, write: Callable[[Job], None], *, background: bool, started: float) -> None:
+        """Write ``job``: on the writer thread (``background``), or now, reaping it at once (its
+        stall then counts the write too, from ``started``, a ``time.perf_counter()``)."""
+        self._set_pending(job)
+        if background:
+            self._worker.submit(job, write)
+        else:
+            self._worker.run_here(job, write)
+            job.stall_s = time.perf_counter() - started
+            self.reap()
+
+    def close(self) -> None:
+        """Let the writer thread go (nothing is pending); a later snapshot starts a new one."""
+        self._worker.close()
+
+    def skip(self, name: SnapshotName) -> None:
         """The due snapshot ``name`` is not taken: a write is still pending, and training has
         waited ``storage_timeout_s`` for writes since the last commit. The storage is the cause:
         one warning (skip or failure) until a snapshot commits again; every skip is counted
         (``stats.skipped``, ``snapshot/skipped`` in the metrics) and logged at INFO."""
-        job = self._pending
+        job = self.pending
         assert job is not None
         self.stats.skipped += 1
         self._skipped_since_commit += 1
-        path = self._store.child(name.text)
+        path = self._child(name.text)
         if STORAGE_CAUSE in self._warned_causes:
-            logger.info(
-                "snapshot %s skipped: snapshot %s is still being written (%s)", path, job.path, self._since_commit()
-            )
+            logger.info("snapshot %s skipped: snapshot %s is still being written (%s)", path, job.path, self._since_commit())
             return
         self._warned_causes.add(STORAGE_CAUSE)
         warnings.warn(
             f"snapshot {path} (epoch {name.epoch}, step {name.step}) was skipped: snapshot "
             f"{job.path} is still being written ({time.perf_counter() - job.started:.1f}s so far) "
             f"and training has waited {self._blocked_s:.1f}s for the storage since the last "
-            f"commit, the most storage_timeout_s={self.config.storage_timeout_s:g} allows; the "
+            f"commit, the most storage_timeout_s={self._config.storage_timeout_s:g} allows; the "
             "storage is slow or not answering. Training goes on: until a snapshot commits again, "
             "a snapshot due while a write is pending is skipped without waiting, and skips and "
             "storage failures are counted (snapshot/skipped in the snapshot metrics) and logged "
             "at INFO, not warned. Older snapshots are intact",
             SnapshotSkippedWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
-    def _fail(self, name: SnapshotName, path: str, exc: BaseException) -> None:
-        """A snapshot failed before its write started: raise or warn, as ``on_save_error`` says."""
-        self._report_failure(failure_message(path, name, exc), exc, stacklevel=6)  # via save()
+    def fail(self, name: SnapshotName, exc: BaseException) -> None:
+        """Snapshot ``name`` failed before its write started: raise or warn, as ``on_save_error`` says."""
+        self._report_failure(failure_message(self._child(name.text), name, exc), exc, stacklevel=6)
 
     def _report_failure(self, message: str, exc: BaseException, stacklevel: int) -> None:
         """Count a failed snapshot; raise it, or warn once per cause until a snapshot commits
         again (INFO after that), as ``on_save_error`` says."""
         self.stats.failures += 1
-        if self.config.on_save_error == "raise":
+        if self._config.on_save_error == "raise":
             raise SnapshotWriteError(message) from exc
         self._failed_since_commit += 1
         cause = failure_cause(exc)
@@ -335,16 +372,14 @@ class JobTracking(SaverParts):
             stacklevel=stacklevel,
         )
 
-    def wait(
-        self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None
-    ) -> bool:
+    def wait(self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None) -> bool:
         """Block until the pending snapshot (if any) is committed or failed, and reap it.
 
         ``timeout``: wait no longer than that, counting every such wait since the last commit
         (False: it is still being written; nothing is reaped). None: as long as it takes."""
-        job = self._pending
+        job = self.pending
         if job is None:
-            self._waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
+            self.waited_s = 0.0  # nothing to wait for: the next snapshot waited for none
             return True
         busy = warn_busy and not job.done
         started = time.perf_counter()
@@ -355,14 +390,14 @@ class JobTracking(SaverParts):
             self._blocked_s += time.perf_counter() - started
             if not done:
                 return False
-        self._waited_s = 0.0
+        self.waited_s = 0.0
         if busy:
             self._note_busy_wait(job, time.perf_counter() - started)
         if raise_errors:
-            self._reap()
+            self.reap()
         else:
             try:
-                self._reap()
+                self.reap()
             except SnapshotError as exc:
                 logger.error("tnt_snapshot_plugin: %s", exc)
         return True
@@ -374,17 +409,13 @@ class JobTracking(SaverParts):
         is the failure's to report, not added up here."""
         self.stats.busy_waits += 1
         self.stats.busy_wait_s += waited
-        self._waited_s = waited  # recorded with the snapshot about to be taken
+        self.waited_s = waited  # recorded with the snapshot about to be taken
         logger.debug("snapshot %s was still being written; training waited %.3fs for it", job.name, waited)
         if job.error is not None or STORAGE_CAUSE in self._warned_causes:
             return
         self._run_busy_s += waited
         elapsed = time.perf_counter() - self._run_started
-        if (
-            self._busy_warned
-            or self._run_busy_s <= BUSY_WARNING_S
-            or self._run_busy_s <= BUSY_WARNING_SHARE * elapsed
-        ):
+        if self._busy_warned or self._run_busy_s <= BUSY_WARNING_S or self._run_busy_s <= BUSY_WARNING_SHARE * elapsed:
             return
         self._busy_warned = True
         warnings.warn(
@@ -394,26 +425,31 @@ class JobTracking(SaverParts):
             "than the storage writes them; snapshot less often. Every wait is counted in the "
             "snapshot metrics (snapshot/busy_waits, snapshot/waited_s) and logged at DEBUG",
             SnapshotBusyWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
-    def _reap(self) -> None:
-        job, self._pending = self._pending, None
+    def reap_if_done(self) -> None:
+        """Reap the pending snapshot if its write is over (its outcome reported as below)."""
+        if self.pending is not None and self.pending.done:
+            self.reap()
+
+    def reap(self) -> None:
+        """The pending snapshot's outcome, its write over: the ``snapshot_committed`` hook and its
+        record, or the failure reported (UnrestorableStateError always raised)."""
+        job = self.pending
         if job is None:
             return
+        self._set_pending(None)
         for category, message in job.warnings:
-            warnings.warn(message, category, stacklevel=3)
+            warnings.warn(message, category, stacklevel=4)
         error = job.error
         if isinstance(error, UnrestorableStateError):
             # Not a storage failure that a later snapshot may not meet: every snapshot of this
             # state would be unrestorable, so training stops whatever on_save_error says.
             self.stats.failures += 1
-            self._last_name = None
             raise error
         if error is not None:
-            self._report_failure(
-                failure_message(job.path, job.name, error, job.freed_early), error, stacklevel=4
-            )
+            self._report_failure(failure_message(job.path, job.name, error, job.freed_early), error, stacklevel=5)
             return
         if self._warned_causes:
             logger.info("snapshot %s committed: snapshots succeed again (%s)", job.path, self._since_commit())
@@ -434,11 +470,4 @@ class JobTracking(SaverParts):
         from tnt_snapshot_plugin.metrics import log_line
 
         logger.info("%s", log_line(record))
-        self.plugin_manager.hook.tnt_snapshot_plugin_snapshot_committed(
-            path=job.path, epoch=job.name.epoch, step=job.name.step, record=record
-        )
-
-    def _reap_if_done(self) -> None:
-        """Reap the pending snapshot if its write is over (its outcome reported as above)."""
-        if self._pending is not None and self._pending.done:
-            self._reap()
+        self._committed(job.path, job.name.epoch, job.name.step, record)

@@ -1,21 +1,29 @@
 """A snapshot directory held by a run: its lock, the leftovers of interrupted writes and the
 warning about snapshots ahead of the run's progress (rank 0, at train start), and the name each
-snapshot claims in it (:class:`RunGuard`, a part of
-:class:`~tnt_snapshot_plugin.saving.saver.Snapshotter`)."""
+snapshot claims in it (:class:`RunGuard`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from tnt_snapshot_plugin.errors import CleanupWarning, ConfigError, SnapshotError, SnapshotsAheadWarning
+from tnt_snapshot_plugin.distributed import Collectives
+from tnt_snapshot_plugin.errors import CleanupWarning, SnapshotError, SnapshotsAheadWarning
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retaining, retention
-from tnt_snapshot_plugin.saving.parts import SaverParts
 from tnt_snapshot_plugin.stores import DirLock, Store
-from tnt_snapshot_plugin.stores.ownership import staging_token, writer_gone, writer_identity
+from tnt_snapshot_plugin.stores.ownership import (
+    live_runs,
+    new_run_id,
+    staging_token,
+    writer_gone,
+    writer_identity,
+)
+
+if TYPE_CHECKING:
+    from tnt_snapshot_plugin.saving.writer import SnapshotWriter
 
 logger = logging.getLogger("tnt_snapshot_plugin.saving.saver")
 
@@ -91,54 +99,97 @@ def warn_ahead(dirpath: str, epoch: Optional[int], step: Optional[int], ahead: l
         "keep_last_n_snapshots, the older ones are deleted as this run's are committed. "
         "Use a new dirpath to keep runs apart",
         SnapshotsAheadWarning,
-        stacklevel=5,  # the framework's hook dispatch (adapter hook -> its _start -> train_start -> here)
+        stacklevel=6,  # the framework's hook dispatch (adapter hook -> its _start -> train_start -> start -> here)
     )
 
 
-class RunGuard(SaverParts):
-    """The saver's hold on its dirpath: taken at train start (rank 0), and each snapshot's name
-    and staging name claimed in it, agreed by the ranks."""
+class RunGuard:
+    """One saver's hold on its dirpath: the run it writes for (a run id, renewed for each run),
+    the dirpath lock taken at train start (rank 0), the leftovers removed and retention caught up
+    then, and each snapshot's name and staging name claimed in it, agreed by the ranks.
+
+    ``writer``: the saver's background writer (its commits, its lock check, its retention);
+    ``name(epoch, step, eval_step, metric)``: the snapshot names the saver's hooks give;
+    ``metric()``: the monitored metric, read on rank 0 when a snapshot is claimed (None: none)."""
+
+    def __init__(
+        self,
+        store: Store,
+        collectives: Collectives,
+        writer: SnapshotWriter,
+        name: Callable[..., SnapshotName],
+        metric: Optional[Callable[[], Optional[tuple[str, float]]]],
+    ) -> None:
+        self.store = store
+        self.collectives = collectives
+        self.writer = writer
+        self._name = name
+        self._metric = metric
+        #: identifies this saver's run in its writes (staging names, markers, the index), so a
+        #: leftover can be told from a live write; renewed for each run
+        self.run_id = new_run_id()
+        #: the dirpath lock of the run (rank 0, from train start to train end)
+        self.lock: Optional[DirLock] = None
+        self._writes = 0
+        self._warned_ahead = False
+
+    @property
+    def locked(self) -> bool:
+        return self.lock is not None
+
+    def start(self, epoch: Optional[int], step: Optional[int]) -> None:
+        """Train start (collective): a new run id unless this run holds dirpath already; on rank 0,
+        take the lock, remove leftovers and catch retention up; warn once per saver about
+        snapshots ahead of (epoch, step). OSError when the storage cannot be reached."""
+        if self.lock is None:
+            self._new_run()
+        ahead = self.collectives.on_rank0(lambda: self._start_on_rank0(epoch, step))
+        if ahead and self.collectives.rank == 0 and not self._warned_ahead:
+            self._warned_ahead = True
+            warn_ahead(self.store.url, epoch, step, ahead)
 
     def _start_on_rank0(self, epoch: Optional[int], step: Optional[int]) -> list[str]:
-        if self._lock is None:
-            self._lock = lock(self._store, self._run_id)
-        self._writer.lock = self._lock  # checked at each commit
-        ahead = prepare(self._store, epoch, step)
-        retaining.retain_at_start(self._writer)
+        if self.lock is None:
+            self.lock = lock(self.store, self.run_id)
+        self.writer.lock = self.lock  # checked at each commit
+        ahead = prepare(self.store, epoch, step)
+        retaining.retain_at_start(self.writer)
         return ahead
 
-    def _claim(
+    def release(self) -> None:
+        """The run is over: let go of dirpath; what the run left behind is a leftover now."""
+        if self.lock is None:
+            return
+        held, self.lock = self.lock, None
+        held.release()
+        self._new_run()
+
+    def _new_run(self) -> None:
+        live_runs.discard(self.run_id)
+        self.run_id = new_run_id()
+        self.writer.new_run()
+
+    def claim(
         self, name: SnapshotName, epoch: int, step: int, eval_step: Optional[int]
     ) -> Optional[tuple[SnapshotName, str]]:
         """The snapshot's name (rank 0's metric in it) and staging name, agreed by the ranks; None
-        when this run saved it already or the storage is unreachable (reported as a failure)."""
+        when this run saved it already. ConfigError for a metric that cannot name it; any other
+        error (the storage unreachable, dirpath lost) propagates, on every rank."""
         # Rank 0 also picks the staging name, which every rank then writes into.
         self._writes += 1
-        token = staging_token(self._run_id, self._writes)
+        token = staging_token(self.run_id, self._writes)
 
         def on_rank0() -> tuple[bool, str, str]:
-            if self._lock is not None:
+            if self.lock is not None:
                 # dirpath still this run's (SnapshotWriteError if not: nothing is written there)
-                self._lock.check()
+                self.lock.check()
             # The monitored metric is read on rank 0 only, inside the agreement: a metric that
             # only rank 0 sets works, and its error reaches every rank instead of leaving the
             # others waiting here.
             chosen = name if self._metric is None else self._name(epoch, step, eval_step, self._metric())
-            return (
-                self._saved_by_this_run(chosen.text),
-                self._store.staging_for(chosen.text, token),
-                chosen.text,
-            )
+            return self._saved_by_this_run(chosen.text), self.store.staging_for(chosen.text, token), chosen.text
 
-        try:
-            exists, staging, chosen = self.collectives.on_rank0(on_rank0)
-        except ConfigError:
-            self._last_name = None
-            raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
-        except Exception as exc:  # the storage is unreachable (botocore retried), dirpath lost
-            self._last_name = None
-            self._fail(name, self._store.child(name.text), exc)
-            return None
+        exists, staging, chosen = self.collectives.on_rank0(on_rank0)
         if exists:
             logger.info("snapshot %s already exists; not writing it again", name.text)
             return None
@@ -150,12 +201,8 @@ class RunGuard(SaverParts):
         """Whether this run committed snapshot ``name`` already, and it is still there (one read
         of its index, only for a name this run committed: a snapshot's stall does no I/O for
         this). Another run's snapshot of that name is replaced: it is not this run's state."""
-        if name not in self._writer.committed:
+        if name not in self.writer.committed:
             return False
-        index = self._store.read_index(name)
+        index = self.store.read_index(name)
         writer = index.get("writer") if index is not None else None
-        return (
-            isinstance(writer, dict)
-            and writer.get("run_id") == self._run_id
-            and self._store.is_complete(name)
-        )
+        return isinstance(writer, dict) and writer.get("run_id") == self.run_id and self.store.is_complete(name)

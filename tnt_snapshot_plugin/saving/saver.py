@@ -1,4 +1,9 @@
-"""The framework-neutral engine every adapter drives.
+"""The framework-neutral engine every adapter drives: :class:`Snapshotter`.
+
+The saver is built from objects it owns and calls: its hooks (:class:`SaverHooks`, the plugin
+manager), a :class:`Trigger` (is this moment due? the step gate), a :class:`JobRunner` (the one
+snapshot in flight), a :class:`RunGuard` (the dirpath lock, leftovers, each snapshot's name), a
+:class:`Stager` (the staging copies), the background :class:`SnapshotWriter` and the store.
 
 An adapter translates its framework's events into four calls, each given the progress
 (``epoch`` = epochs completed, ``step`` = train steps completed across all epochs) and a
@@ -18,7 +23,7 @@ How a snapshot is taken (asynchronous mode):
    then the due snapshot is skipped), call every entry's ``state_dict()`` and copy the tensors
    into reused staging buffers. This copy is the whole stall; training then mutates its tensors
    freely.
-2. on a background thread: :class:`writer_job.SnapshotWriter` writes the copies in
+2. on a background thread: :class:`~tnt_snapshot_plugin.saving.writer.SnapshotWriter` writes the copies in
    torchsnapshot's format under a staging name (every file fsynced and checksummed); the ranks
    agree whether every rank wrote everything; rank 0 commits (the manifest and the index, with
    the commit sequence number, by the store's commit strategy); retention (retention.py)
@@ -36,7 +41,7 @@ their own way to stop on a signal (it may raise to stop training). ``clock``: th
 ``save_every_n_seconds`` (tests pass a fake one). ``weights_only``: how restore will load this
 run's snapshots. True (default): every snapshot is checked to load under
 ``torch.load(weights_only=True)`` and the plugin's safe globals before it is written
-(``loading.LoadCheck``; UnrestorableStateError otherwise). False: no check; the snapshots must
+(``format.objects.LoadCheck``; UnrestorableStateError otherwise). False: no check; the snapshots must
 then be restored with ``weights_only=False``. ``metric``: the adapter's source of the monitored
 metric (best-k retention, ``config.best``): called on the training thread only when a snapshot
 is taken, returns (name, value) or None (the snapshot is then saved without a metric); the value
@@ -59,30 +64,28 @@ from tnt_snapshot_plugin.app_state import (
     RESERVED_KEYS,
     RNG_STATE_KEY,
     RNGState,
-    Stager,
     check_collisions,
-    freeze_without_copy,
     replicated_patterns,
 )
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
-from tnt_snapshot_plugin.errors import (
-    SnapshotFailedWarning,
-)
+from tnt_snapshot_plugin.errors import ConfigError, SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.format.objects import LoadCheck
 from tnt_snapshot_plugin.hooks import new_plugin_manager
+from tnt_snapshot_plugin.metrics import MetricsReporter
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.saving import run_guard
-from tnt_snapshot_plugin.saving.jobs import STORAGE_CAUSE, Job, JobTracking, is_ddp, uncopyable
+from tnt_snapshot_plugin.saving.jobs import Job, JobRunner, SnapshotStats, is_ddp, uncopyable
 from tnt_snapshot_plugin.saving.run_guard import RunGuard
-from tnt_snapshot_plugin.saving.saver_hooks import SaverPlugins
-from tnt_snapshot_plugin.saving.trigger import Collect, SaverEvents
+from tnt_snapshot_plugin.saving.saver_hooks import SaverHooks
+from tnt_snapshot_plugin.saving.staging import Stager, freeze_without_copy
+from tnt_snapshot_plugin.saving.trigger import StepOutcome, Trigger
 from tnt_snapshot_plugin.saving.writer import SnapshotWriter
-from tnt_snapshot_plugin.stores import DirLock, Store, open_store
-from tnt_snapshot_plugin.stores.ownership import live_runs, new_run_id
+from tnt_snapshot_plugin.stores import Store, open_store
 
 logger = logging.getLogger(__name__)
 
+#: ``collect(intra_epoch) -> {key: Stateful}``: the framework's state, collected when a snapshot is taken
+Collect = Callable[[bool], Mapping[str, Any]]
 
 #: The events whose snapshot is skipped, rather than waited for, when the previous snapshot is
 #: still being written after ``storage_timeout_s``: the cadences. A final or preemption snapshot
@@ -90,7 +93,7 @@ logger = logging.getLogger(__name__)
 _BOUNDED_EVENTS = frozenset({"step", "epoch", "eval_epoch"})
 
 
-class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
+class Snapshotter:
     """Cadence, naming, async bookkeeping, commit and retention for one snapshot directory."""
 
     def __init__(
@@ -107,49 +110,82 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         metric: Optional[Callable[[], Optional[tuple[str, float]]]] = None,
     ) -> None:
         self.config = config
-        #: this saver's hooks: a manager of its own (entry-point plugins loaded) unless one is given
-        self.plugin_manager = plugin_manager if plugin_manager is not None else new_plugin_manager()
-        self._init_events(config, clock, on_preempted)
+        #: the plugin hooks: a manager of this saver's own (entry-point plugins loaded) unless given
+        self.hooks = SaverHooks(
+            plugin_manager if plugin_manager is not None else new_plugin_manager(), on_change=self._regate
+        )
+        #: is this moment due? and the step gate the adapters read (:meth:`Trigger.quiet`)
+        self.trigger = Trigger(config, self.hooks, clock)
         self._process_group = process_group
         self._never_replicated = tuple(never_replicated)
         self._metric = metric
+        self._on_preempted = on_preempted
         # Under torch.distributed only rank 0's dirpath counts (the others may pass anything,
         # "" included): it is opened once broadcast, in attach(), on every rank alike.
         self._dirpath_arg = dirpath
-        self._store: Store = (
-            None  # type: ignore[assignment]
-            if is_initialized()
-            else open_store(dirpath, config.storage_options, timeout_s=config.storage_timeout_s)
+        self._store: Optional[Store] = (
+            None if is_initialized() else open_store(dirpath, config.storage_options, timeout_s=config.storage_timeout_s)
         )
         self._coll: Optional[Collectives] = None
+        self._flag_coll: Collectives = Collectives(None)
         self._stager = Stager()
         self._load_check = LoadCheck(weights_only=weights_only)
+        #: the progress (``epoch_E_step_S[_eval_V]``) of the last snapshot taken: saved once
         self._last_name: Optional[str] = None
-        self._init_jobs()
-        self._metrics: Optional[Any] = None
-        #: identifies this saver's run in its writes (staging names, markers, the index), so a
-        #: leftover can be told from a live write; renewed at each train start
-        self._run_id = new_run_id()
-        self._lock: Optional[DirLock] = None
-        self._warned_ahead = False
-        self._writes = 0
-        self._writer: SnapshotWriter = None  # type: ignore[assignment]  # made by attach()
+        #: prepare()'s second pass, at the run's first step that does not snapshot
+        self._prepare_again: Optional[Callable[[], Mapping[str, Any]]] = None
+        #: the one snapshot in flight
+        self.jobs = JobRunner(config, self._child, self.hooks.committed, on_change=self._regate)
         #: names of snapshots in dirpath that retention never deletes (an adapter adds the one
         #: the run resumed from, as Lightning's ModelCheckpoint keeps it)
         self.protected: set[str] = set()
+        self._writer: Optional[SnapshotWriter] = None  # made by attach()
+        self._guard: Optional[RunGuard] = None  # made by attach()
         self.attach()
 
-    # -- set-up -----------------------------------------------------------------------------
+    # -- what the adapters read ----------------------------------------------------------------
 
     @property
     def dirpath(self) -> str:
-        return self._store.url
+        return self.store.url
+
+    @property
+    def store(self) -> Store:
+        assert self._store is not None
+        return self._store
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        """This saver's pluggy manager."""
+        return self.hooks.manager
+
+    @property
+    def stats(self) -> SnapshotStats:
+        """The figures of the snapshots taken so far."""
+        return self.jobs.stats
 
     @property
     def collectives(self) -> Collectives:
         self.attach()
         assert self._coll is not None
         return self._coll
+
+    @property
+    def guard(self) -> RunGuard:
+        self.attach()
+        assert self._guard is not None
+        return self._guard
+
+    @property
+    def writer(self) -> SnapshotWriter:
+        self.attach()
+        assert self._writer is not None
+        return self._writer
+
+    def _child(self, name: str) -> str:
+        return self.store.child(name)
+
+    # -- set-up -----------------------------------------------------------------------------
 
     def attach(self) -> None:
         """Join torch.distributed if it is initialised now (collective); idempotent.
@@ -159,25 +195,38 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         if self._coll is not None and (self._coll.distributed or not is_initialized()):
             return
         self._coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
-        self._flag_coll = (
-            Collectives.create(self._process_group, self.config.collective_timeout_s)
-            if self.config.preemption_signals or self._wall_s is not None
-            else Collectives(None)
-        )
+        if self.trigger.needs_flags:
+            self._flag_coll = Collectives.create(self._process_group, self.config.collective_timeout_s)
         own = self._store.url if self._store is not None else self._dirpath_arg
         dirpath = self._coll.broadcast(own)
         if self._store is None or dirpath != self._store.url:
             # Every rank opens rank 0's dirpath: a bad one raises the same error on every rank.
-            self._store = open_store(
-                dirpath, self.config.storage_options, timeout_s=self.config.storage_timeout_s
-            )
+            self._store = open_store(dirpath, self.config.storage_options, timeout_s=self.config.storage_timeout_s)
         self._coll.on_rank0(self._store.check_writable)
         self._writer = SnapshotWriter(self._store, self._coll, self.config, self._load_check)
         self._writer.protected = self.protected
+        self._guard = RunGuard(self._store, self._coll, self._writer, self.hooks.name, self._metric)
 
-    def train_start(
-        self, unit_keys: Iterable[str], epoch: Optional[int] = None, step: Optional[int] = None
-    ) -> None:
+    def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
+        """Register ``plugin`` on this saver only (:meth:`SaverHooks.register`)."""
+        return self.hooks.register(plugin, name)
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove a plugin registered on this saver."""
+        self.hooks.unregister(plugin)
+
+    def report_metrics(self, sink: Optional[Callable[[dict[str, float], int], None]]) -> None:
+        """Send each committed snapshot's figures (:func:`metrics.snapshot_metrics`) to
+        ``sink(metrics, step)`` on rank 0, until training ends; None stops. Adapters pass the
+        framework's logger here."""
+        reporter = None if sink is None else MetricsReporter(sink, self.jobs.stats, lambda: self.collectives.rank)
+        self.hooks.report_metrics(sink, reporter)
+
+    def _regate(self) -> None:
+        """The step gate, from what the saver holds open: a snapshot in flight, buffers to prepare."""
+        self.trigger.hold(self.jobs.pending is not None or self._prepare_again is not None)
+
+    def train_start(self, unit_keys: Iterable[str], epoch: Optional[int] = None, step: Optional[int] = None) -> None:
         """Check the app state keys, take the dirpath for this run, clear leftovers of writers
         that are gone, warn once about snapshots ahead of (epoch, step), watch for preemption.
 
@@ -186,20 +235,14 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         self.attach()
         from tnt_snapshot_plugin.format.torchsnapshot import writer  # noqa: F401  (imported now, not during the first snapshot's stall)
 
-        check_collisions(unit_keys, self._extra_state_sources("train_start", -1, -1))
-        self._start_run_jobs()  # waits, warnings and the storage's budget of this run from zero
-        self.last_step = -1  # the run's first step end tells its step count (step_gate)
-        self._regate()
-        if self._lock is None:
-            live_runs.discard(self._run_id)
-            self._run_id = new_run_id()
-            self._writer.new_run()
+        check_collisions(unit_keys, self.hooks.extra_state_sources("train_start", -1, -1))
+        self.jobs.start_run()  # waits, warnings and the storage's budget of this run from zero
         try:
-            ahead = self.collectives.on_rank0(functools.partial(self._start_on_rank0, epoch, step))
+            self.guard.start(epoch, step)
         except OSError as exc:  # the storage is unreachable now (StorageUnavailableError is one)
             if self.config.on_save_error == "raise":
                 raise
-            self._warned_causes.add(STORAGE_CAUSE)  # one warning until a snapshot commits
+            self.jobs.storage_failing()  # one warning until a snapshot commits
             warnings.warn(
                 f"could not prepare {self.dirpath} for snapshots (its lock, the leftovers of "
                 f"interrupted snapshots): {type(exc).__name__}: {exc}; snapshots are still attempted "
@@ -207,11 +250,7 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
                 SnapshotFailedWarning,
                 stacklevel=3,
             )
-            ahead = []
-        if ahead and self.collectives.rank == 0 and not self._warned_ahead:
-            self._warned_ahead = True
-            run_guard.warn_ahead(self.dirpath, epoch, step, ahead)
-        self._start_watching()
+        self.trigger.start(self._flag_coll, self.collectives.rank)
 
     def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
         """Allocate and touch the staging buffers of asynchronous snapshots now, for the state
@@ -224,10 +263,11 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         if not self.config.async_snapshot:
             return
         self._prepare_again = app_state
+        self._regate()
         self._stage_for_prepare(app_state)
 
     def _stage_for_prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
-        if self._pending is not None:
+        if self.jobs.pending is not None:
             return  # a write is reading the buffers
         try:
             self._stager.stage(app_state())
@@ -236,7 +276,69 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         finally:
             self._stager.take_sources()  # let go of the training's tensors (not a snapshot's stall)
 
-    # -- events (the hot path: a step that does not snapshot costs a few attribute reads) ----
+    # -- events (the adapters skip a step end whose trigger.quiet(step) is True) -----------------
+
+    def step_end(self, epoch: int, step: int, collect: Collect) -> None:
+        """A train step ended: reap a finished write, poll preemption and the clock, snapshot if due."""
+        trigger = self.trigger
+        if trigger.quiet(step):
+            return
+        outcome: Optional[StepOutcome] = None
+        try:
+            if self.jobs.pending is not None:
+                self._reap_if_done()
+            outcome, moment = trigger.at_step_end(epoch, step)
+            if outcome is StepOutcome.PREEMPTED:
+                self._preempt(epoch, step, collect)
+            elif outcome is StepOutcome.SNAPSHOT:
+                self._take(moment.event, epoch, step, functools.partial(collect, True))
+            elif outcome is StepOutcome.NOTHING:
+                self._prepare_if_asked()
+        finally:
+            trigger.ran(step, outcome)
+
+    def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
+        """A train epoch ended: snapshot if the epoch cadence (or a plugin) says so."""
+        self._reap_if_done()
+        from tnt_snapshot_plugin.policies import Moment
+
+        if self.trigger.due(Moment("epoch", epoch, step)):
+            self._take("epoch", epoch, step, functools.partial(collect, False))
+        else:
+            self._prepare_if_asked()
+
+    def eval_epoch_end(self, epoch: int, step: int, eval_epoch: int, eval_step: int, collect: Collect) -> None:
+        """An eval epoch ended while training (``eval_epoch`` eval epochs and ``eval_step`` eval
+        steps completed): snapshot if the eval cadence (or a plugin) says so. The snapshot is named
+        ``epoch_E_step_S_eval_V``: after the train snapshot of the same step, never the same name."""
+        self._reap_if_done()
+        from tnt_snapshot_plugin.policies import Moment
+
+        if self.trigger.due(Moment("eval_epoch", epoch, step, eval_epoch=eval_epoch)):
+            self.save(epoch, step, functools.partial(collect, False), event="eval_epoch", eval_step=eval_step)
+
+    def _take(self, event: str, epoch: int, step: int, app_state: Callable[[], Mapping[str, Any]]) -> None:
+        self._prepare_again = None  # the snapshot stages everything
+        self.save(epoch, step, app_state, event=event)
+
+    def _prepare_if_asked(self) -> None:
+        if self._prepare_again is not None and self.jobs.pending is None:
+            again, self._prepare_again = self._prepare_again, None
+            self._regate()
+            self._stage_for_prepare(again)
+
+    def _preempt(self, epoch: int, step: int, collect: Collect) -> None:
+        logger.warning("tnt_snapshot_plugin: preemption signal received; snapshotting step %d", step)
+        self.save(epoch, step, functools.partial(collect, True), event="preemption")
+        self.wait()
+        preemption = self.trigger.preempted()
+        assert preemption is not None
+        if self._on_preempted is None:
+            preemption.finish()
+            return
+        signum = preemption.received_signal
+        preemption.uninstall()
+        self._on_preempted(signum)
 
     def train_end(self, epoch: int, step: int, collect: Collect) -> None:
         """Take the final snapshot unless this state is already saved, and wait for it.
@@ -251,35 +353,48 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
                 self.save(epoch, step, functools.partial(collect, False), event="train_end")
             self.wait()
         finally:
-            self._stop_watching()
+            self._stop()
 
     def exception(self) -> None:
         """Training failed: let the pending snapshot finish; never raise over the user's error."""
         try:
             self.wait(raise_errors=False)
         finally:
-            self._stop_watching()
+            self._stop()
 
-    def _stop_watching(self) -> None:
+    def _stop(self) -> None:
         """Training is over (the pending snapshot waited for): stop watching for preemption, let
         go of dirpath, and hand back the staging copy (1x the state), which a later snapshot
         allocates again."""
-        if self._lock is not None and self._pending is None:
-            lock, self._lock = self._lock, None
-            lock.release()
-            # this run is over: what it left behind is a leftover now
-            live_runs.discard(self._run_id)
-            self._run_id = new_run_id()
-            self._writer.new_run()
-        self._stop_triggers()
+        if self.jobs.pending is None and self._guard is not None:
+            self._guard.release()
+        self.trigger.stop()
         self.report_metrics(None)
         self._prepare_again = None
-        if self._pending is None:
+        if self.jobs.pending is None:
             self._stager = Stager()
-            self._writer.close()
-            self._worker.close()
+            if self._writer is not None:
+                self._writer.close()
+            self.jobs.close()
+        self._regate()
 
     # -- saving --------------------------------------------------------------------------------
+
+    def wait(self, *, warn_busy: bool = False, raise_errors: bool = True, timeout: Optional[float] = None) -> bool:
+        """Block until the pending snapshot (if any) is committed or failed, and reap it
+        (:meth:`JobRunner.wait`); False if ``timeout`` passed first."""
+        try:
+            return self.jobs.wait(warn_busy=warn_busy, raise_errors=raise_errors, timeout=timeout)
+        except UnrestorableStateError:
+            self._last_name = None
+            raise
+
+    def _reap_if_done(self) -> None:
+        try:
+            self.jobs.reap_if_done()
+        except UnrestorableStateError:
+            self._last_name = None
+            raise
 
     def save(
         self,
@@ -298,25 +413,32 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         ``app_state`` may be a function returning it, called only when the snapshot is taken
         (collecting a framework's state can be costly or run user hooks).
         """
-        if self._wall is not None:
-            self._wall.restart()
+        self.trigger.snapshot_taken()
         # The same progress is one state: saved once, whatever the metric says meanwhile (and
         # every rank decides alike, whatever its own metric).
         progress = SnapshotName.of(epoch, step, eval_step).text
         if progress == self._last_name:
             return False
-        # Without a metric every rank names it alike; with one, rank 0 reads it (below).
-        name = self._name(epoch, step, eval_step, None)
+        # Without a metric every rank names it alike; with one, rank 0 reads it (RunGuard.claim).
+        name = self.hooks.name(epoch, step, eval_step, None)
         # In one process, the cadences' snapshots wait for the previous ones at most
         # storage_timeout_s in all between two commits; past that, one due while a write is
         # still pending is skipped. Under torch.distributed every rank waits (the ranks would have
         # to agree to skip; each storage request is bounded all the same).
         bounded = event in _BOUNDED_EVENTS and self.collectives.world_size == 1
         if not self.wait(warn_busy=True, timeout=self.config.storage_timeout_s if bounded else None):
-            self._skip(name)
+            self.jobs.skip(name)
             return False
         self._last_name = progress
-        claimed = self._claim(name, epoch, step, eval_step)
+        try:
+            claimed = self.guard.claim(name, epoch, step, eval_step)
+        except ConfigError:
+            self._last_name = None
+            raise  # a metric missing or not a number: the user must fix it, whatever on_save_error says
+        except Exception as exc:  # the storage is unreachable (botocore retried), dirpath lost
+            self._last_name = None
+            self.jobs.fail(name, exc)
+            return False
         if claimed is None:
             return False
         self._start(claimed[0], claimed[1], event, epoch, step, app_state)
@@ -337,36 +459,30 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
             app_state = app_state()
         # The unit's own keys were checked at train start; the adapter may add reserved entries
         # (the train dataloader), so only plugin entries are checked against everything here.
-        extra = self._extra_state(
-            event, epoch, step, [k for k in app_state if k not in RESERVED_KEYS]
-        )
+        extra = self.hooks.extra_state(event, epoch, step, [k for k in app_state if k not in RESERVED_KEYS])
         entries = {**app_state, **extra, RNG_STATE_KEY: RNGState()}
         started = time.perf_counter()
         frozen, sources = self._freeze(name, entries)
         auto = [key for key, obj in app_state.items() if is_ddp(obj)]
         job = Job(
-            waited_s=self._waited_s,
+            waited_s=self.jobs.waited_s,
             name=name,
-            path=self._store.child(name.text),
+            path=self.store.child(name.text),
             staging=staging,
             frozen=frozen,
-            replicated=replicated_patterns(
-                self.config.replicated, frozen, auto, self._never_replicated
-            ),
+            replicated=replicated_patterns(self.config.replicated, frozen, auto, self._never_replicated),
             sources=sources,
         )
         del sources
         job.stall_s = time.perf_counter() - started
-        self._pending = job
-        if self.config.async_snapshot:
-            self._worker.submit(job, self._write)
-        else:
-            self._worker.run_here(job, self._write)
-            job.stall_s = time.perf_counter() - started
-            self._reap()
-        logger.debug("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
-        if self._wall is not None:
-            self._wall.restart()  # the interval counts training time, not this stall
+        try:
+            self.jobs.submit(job, self._write, background=self.config.async_snapshot, started=started)
+        except UnrestorableStateError:
+            self._last_name = None
+            raise
+        finally:
+            logger.debug("snapshot %s: training blocked %.3fs", name.text, job.stall_s)
+            self.trigger.snapshot_taken()  # the interval counts training time, not this stall
 
     def _freeze(self, name: SnapshotName, entries: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """``entries``' state dicts as the write reads them: copied into the staging buffers
@@ -381,7 +497,7 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
             if refused is None:
                 raise
             self._last_name = None
-            self.stats.failures += 1
+            self.jobs.stats.failures += 1
             raise refused from exc
 
     # -- the background write -----------------------------------------------------------------
@@ -392,5 +508,5 @@ class Snapshotter(SaverEvents, JobTracking, SaverPlugins, RunGuard):
         # thread running Python keeps for the whole switch interval (5 ms).
         time.sleep(0)
         job.sources = None  # the training's tensors copied from: freed here, not in the stall
-        self._writer.write(job, self._run_id, locked=self._lock is not None)
-
+        guard = self.guard
+        self.writer.write(job, guard.run_id, locked=guard.locked)
