@@ -57,7 +57,7 @@ import torch
 import xxhash
 
 from tnt_snapshot_plugin.app_state import RNGState
-from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format import listing, verify
 from tnt_snapshot_plugin.format.checksums import record_whole
 from tnt_snapshot_plugin.format.index import (
     INDEX_FNAME,
@@ -358,7 +358,7 @@ def plan_restore(data: bytes, rank: int, new_world: int) -> int:
 def plan_restore_by_rank(
     read_range: Callable[[int, int], bytes], regions: mf.RankRegions, world: int, rank: int, new_world: int
 ) -> int:
-    """The same by ranked groups (``format.manifest.read_for_rank``): rank 0's, the rank's own and
+    """The same by ranked groups (``format.torchsnapshot.rank_regions.read_for_rank``): rank 0's, the rank's own and
     those of the ranks whose shards it reads; -1 where they do not cover it (whole parse then)."""
     boxes = None
     if new_world != world:
@@ -464,12 +464,12 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
         deltas = RecordDeltas()
         first = rank_part(layout, model, rank, world, 1, arena)
         sent = deltas.outgoing(first.entries)
-        first_b.append(len(pickle.dumps((sent, listing(first, world)))))
+        first_b.append(len(pickle.dumps((sent, rank_listing(first, world)))))
         deltas.settle()
         later = rank_part(layout, model, rank, world, 2, arena)
         sent = deltas.outgoing(later.entries)
         later_records.append(deltas.last_sent_records)
-        later_b.append(len(pickle.dumps((sent, listing(later, world)))))
+        later_b.append(len(pickle.dumps((sent, rank_listing(later, world)))))
         before_b.append(len(pickle.dumps((later.entries, later.sizes, later.sums))))
         records.append(len(first.entries))
         files.append(len(first.sizes))
@@ -490,7 +490,7 @@ def per_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena
     return first, later
 
 
-def listing(part: RankPart, world: int) -> Any:
+def rank_listing(part: RankPart, world: int) -> Any:
     """What a rank sends rank 0 of its files (writer_job): on several ranks, what the index lists
     of the part the rank wrote (its size and digest) and the bytes of its files."""
     if world == 1:
@@ -554,8 +554,14 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
     _, point.index_parse_s, point.index_parse_peak = measured(lambda data=index: parse_index(data, "scale"))
     point.directories = sum(1 for _ in os.walk(root / staging))
     if point.directories <= MAX_DIRECTORIES or not store_base:
+        fields = json.loads(index)
+        written = dict(fields["files"])  # and each rank's part of the index
+        written.update((part_rel(r), p[0]) for r, p in enumerate(fields.get("parts") or []))
         started = time.perf_counter()
-        store.commit(staging, final, metadata, index)  # checks every file's size, fsyncs, renames
+        store.commit(  # checks every file's size, fsyncs, renames
+            staging, final, metadata_file=METADATA_FNAME, metadata=metadata, index_file=INDEX_FNAME, index=index,
+            written=written,
+        )
         point.store_commit_s = time.perf_counter() - started
         store_base.append(point)
     else:  # in proportion to the directories fsynced, from the largest point measured
@@ -573,7 +579,7 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
 
     def latest() -> bool:
         store = open_store(str(root))
-        newest = store.listed()[-1]
+        newest = listing.listed(store)[-1]
         return verify.check(store, newest.text).intact
 
     intact, point.latest_s, point.latest_peak = measured(latest)
@@ -581,7 +587,7 @@ def whole(point: Point, layout: str, model: Decoder, world: int, arena: Arena, r
 
     def latest_ranked() -> bool:
         store = open_store(str(root))
-        newest = store.listed()[-1]
+        newest = listing.listed(store)[-1]
         return verify.check(store, newest.text, restoring_ranks=world).intact
 
     intact, point.latest_ranked_s, point.latest_ranked_peak = measured(latest_ranked)

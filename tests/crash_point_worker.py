@@ -69,6 +69,7 @@ from torchtnt.framework.callback import Callback  # noqa: E402
 from torchtnt.framework.train import train  # noqa: E402
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
+from tnt_snapshot_plugin.format import listing, verify  # noqa: E402
 from tnt_snapshot_plugin.stores import open_store  # noqa: E402
 from tnt_snapshot_plugin.stores import s3 as s3_store  # noqa: E402
 from toy import StatefulLoader, ToyUnit, make_data, seed_everything  # noqa: E402
@@ -192,8 +193,8 @@ def run_check(request: dict[str, Any]) -> dict[str, Any]:
     dirpath, options = request["dirpath"], request["options"]
     report: dict[str, Any] = {}
     store = open_store(dirpath, options)
-    report["complete"] = complete = [s.text for s in store.complete_snapshots()]
-    report["damaged"] = {name: why for name in complete if (why := store.verify(name)) is not None}
+    report["complete"] = complete = [s.text for s in listing.complete_snapshots(store)]
+    report["damaged"] = {name: why for name in complete if (why := verify.check(store, name).problem) is not None}
     unit, loader = fresh()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -19,10 +19,10 @@ from torchtnt.utils.checkpoint import BestCheckpointConfig
 
 from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, hookimpl
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.hooks import get_plugin_manager
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import retention
-from tnt_snapshot_plugin.stores import INDEX_FNAME
 from toy import StatefulLoader, ToyUnit, make_data
 
 # -- the core's ranking (pure) -----------------------------------------------------------------

@@ -287,7 +287,7 @@ def test_a_flipped_byte_in_a_pack_an_async_snapshot_wrote_as_one_run_falls_back(
         assert saver.save(0, step, {"layer": Holder(layer(step))})
         saver.wait()
     saver.train_end(0, 3, lambda intra_epoch: {})
-    assert saver._writer.plans.runs == 2  # steps 2 and 3: one pack each, written as one run
+    assert saver._writer.encoder.plans.runs == 2  # steps 2 and 3: one pack each, written as one run
     newest = tmp_path / "epoch_0_step_3"
     file, start, end = payload(newest, "0/layer/w17")
     assert json.loads((newest / INDEX).read_text())["checksums"][str(file.relative_to(newest))]["bounds"][17:19] == [

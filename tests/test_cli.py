@@ -27,10 +27,12 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.index import seal as seal_index
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import retention
-from tnt_snapshot_plugin.stores import INDEX_FNAME, LOCK_FNAME, METADATA_FNAME, WRITER_FNAME, open_store
+from tnt_snapshot_plugin.stores import LOCK_FNAME, WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 

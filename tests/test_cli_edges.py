@@ -30,7 +30,9 @@ from torchtnt.framework.train import train
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
 from tnt_snapshot_plugin.errors import StorageUnavailableError
-from tnt_snapshot_plugin.stores import INDEX_FNAME, LOCK_FNAME, METADATA_FNAME, open_store
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
+from tnt_snapshot_plugin.stores import LOCK_FNAME, open_store
 from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tnt_snapshot_plugin import ConfigError, KeyCollisionError, SnapshotName
-from tnt_snapshot_plugin.app_state import Frozen, check_collisions, replicated_patterns
+from tnt_snapshot_plugin.app_state import Frozen, check_collisions
 from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.format.torchsnapshot.encoding import replicated_patterns
 from tnt_snapshot_plugin.hooks import adapters, new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name, staging_name
 

@@ -36,6 +36,7 @@ from tnt_snapshot_plugin import (
     restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import is_staging_name
 from tnt_snapshot_plugin.stores import LocalStore, fileio
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
@@ -44,16 +45,16 @@ METADATA = ".snapshot_metadata"
 INDEX = ".tnt_snapshot_index.json"
 
 
-def listing(dirpath) -> list[str]:
+def entries(dirpath) -> list[str]:
     return sorted(os.listdir(dirpath))
 
 
 def staging_dirs(dirpath) -> list[str]:
-    return [n for n in listing(dirpath) if is_staging_name(n)]
+    return [n for n in entries(dirpath) if is_staging_name(n)]
 
 
 def complete(dirpath) -> list[str]:
-    return [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 class Record(Callback):
@@ -271,7 +272,7 @@ def test_retention_deletes_only_after_a_newer_commit_and_only_its_own_snapshots(
 
 def test_retention_alias_keep_last_n_checkpoints(tmp_path):
     run(tmp_path, 4, keep_last_n_checkpoints=2, save_on_train_end=False)
-    assert listing(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+    assert entries(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
 
 
 class Undeletable(Callback):

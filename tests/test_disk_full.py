@@ -22,6 +22,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import OutOfSpaceWarning, SnapshotFailedWarning
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import open_store
 from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
@@ -168,6 +169,6 @@ def test_a_snapshot_is_deleted_on_a_disk_with_no_room_left(tmp_path):
             (disk / "probe").write_bytes(b"x")
         (disk / "probe").unlink()  # empty: it held no page
         store = open_store(str(disk))
-        store.remove("epoch_0_step_1")
+        listing.remove(store, "epoch_0_step_1")
         assert committed(disk) == ["epoch_1_step_1"]
         assert sorted(os.listdir(disk)) == ["epoch_1_step_1", "filler"]

@@ -23,11 +23,12 @@ from tnt_snapshot_plugin.errors import (
     UnrestorableStateError,
 )
 from tnt_snapshot_plugin.format.checksums import record_views
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.torchsnapshot.common import flat_bytes
 from tnt_snapshot_plugin.restoring import restore
 from tnt_snapshot_plugin.saving.saver import Snapshotter
-from tnt_snapshot_plugin.stores import INDEX_FNAME, fileio
+from tnt_snapshot_plugin.stores import fileio
 from toy import Holder
 from varied import assert_identical, varied_state, zeros_like_state
 
@@ -79,7 +80,7 @@ def test_later_snapshots_of_an_unchanged_layout_reuse_the_plan_and_restore_their
         saver.wait()
         wanted[step] = state(step)
     saver.train_end(0, 3, lambda intra_epoch: {})
-    plans = saver._writer.plans
+    plans = saver._writer.encoder.plans
     assert plans.hits == 2 and plans.misses == 1
     # asynchronous: the packed tensors lie end to end in the staging arena, written as one run
     assert plans.runs == (2 if async_snapshot else 0)
@@ -115,7 +116,7 @@ def test_synchronous_packs_are_gathered_into_one_buffer_only_where_the_store_has
             assert saver.save(0, step, {"model": model})
             wanted[step] = {k: v.clone() for k, v in model.state_dict().items()}
         saver.train_end(0, 3, lambda intra_epoch: {})
-        plans = saver._writer.plans
+        plans = saver._writer.encoder.plans
         assert (plans.misses, plans.hits) == (1, 2)
         assert plans.gathered == (2 if where == "local disk" else 0)  # one pack a snapshot
         for step, want in wanted.items():

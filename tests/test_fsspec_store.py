@@ -24,8 +24,11 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotNotFoundError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing, verify
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.restoring import latest_snapshot
-from tnt_snapshot_plugin.stores import INDEX_FNAME, METADATA_FNAME, WRITER_FNAME, open_store
+from tnt_snapshot_plugin.stores import WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores.fsspec import FsspecStore
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
@@ -114,7 +117,7 @@ def test_train_then_restore_from_latest_resumes_bitwise(target):
     fs, root = filesystem(url, options)
     for name in names:  # published by the metadata, next to the plugin's index
         assert fs.exists(f"{root}/{name}/{METADATA_FNAME}") and fs.exists(f"{root}/{name}/{INDEX_FNAME}")
-        assert open_store(url, options).verify(name) is None
+        assert verify.check(open_store(url, options), name).problem is None
     assert latest_snapshot(url, storage_options=options) == f"{url}/epoch_1_step_12"
 
     seed_everything(99)
@@ -134,7 +137,7 @@ def test_retention_deletes_only_the_plugins_own_snapshots(target):
     saver = TorchSnapshotSaver(url, save_every_n_train_steps=2, keep_last_n_snapshots=2, storage_options=options)
     train(unit, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
     assert names_under(url, options) == ["epoch_0_step_4", "epoch_1_step_5", "epoch_7_step_70", "notes"]
-    assert [s.text for s in open_store(url, options).complete_snapshots()] == ["epoch_0_step_4", "epoch_1_step_5"]
+    assert [s.text for s in listing.complete_snapshots(open_store(url, options))] == ["epoch_0_step_4", "epoch_1_step_5"]
     fresh = ToyUnit(seed=5)
     assert TorchSnapshotSaver.restore_from_latest(url, fresh, storage_options=options)
     assert_bitwise_equal(weights(fresh), weights(unit))

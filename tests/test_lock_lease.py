@@ -61,9 +61,11 @@ from tnt_snapshot_plugin import (
     hookimpl,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.hooks import new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, LocalStore
+from tnt_snapshot_plugin.stores import LEASE_FNAME, LOCK_FNAME, LocalStore
 from tnt_snapshot_plugin.stores import s3 as s3_mod
 from tnt_snapshot_plugin.stores.ownership import new_run_id, writer_identity
 from tnt_snapshot_plugin.stores.s3 import S3Store
@@ -401,7 +403,7 @@ def test_a_lock_file_removed_during_a_write_fails_its_commit_and_every_later_sna
     for step in (2, 3, 4):
         assert any(re.search(rf"epoch_0_step_{step} \(epoch 0, step {step}\) failed.*{lost}", m) for m in failures), failures
     store = LocalStore(str(dirpath))
-    assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_1"]
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_1"]
     assert [n for n in os.listdir(dirpath) if is_staging_name(n)] == []  # the refused write removed
 
 

@@ -22,7 +22,7 @@ from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as Lightni
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
 from tnt_snapshot_plugin.errors import SnapshotBusyWarning
-from tnt_snapshot_plugin.stores import INDEX_FNAME
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data
 
 pytestmark = pytest.mark.slow

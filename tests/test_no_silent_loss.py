@@ -34,11 +34,13 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.format import listing
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.restoring import restore_from_latest
 from tnt_snapshot_plugin.saving.saver import Snapshotter
-from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, LocalStore
+from tnt_snapshot_plugin.stores import WRITER_FNAME, LocalStore
 from tnt_snapshot_plugin.stores import ownership as writers
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
@@ -47,7 +49,7 @@ TESTS = Path(__file__).resolve().parent
 
 def complete(dirpath) -> list[str]:
     """Complete snapshots, oldest first in commit order."""
-    return [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 def index_of(dirpath, name) -> dict:
@@ -214,7 +216,7 @@ def test_retention_and_cleanup_never_delete_directories_the_plugin_did_not_write
     store = LocalStore(str(dirpath))
     for name in ("epoch_0_step_0", "epoch_0_step_2", look_alike.name, ".tnt_staging.epoch_0_step_3.abc123"):
         with pytest.raises(SnapshotError, match="did not write it"):
-            store.remove(name)
+            listing.remove(store, name)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import is_staging_name
 from tnt_snapshot_plugin.stores import LocalStore
 from toy import ToyUnit
@@ -128,7 +129,7 @@ def test_signal_finishes_the_step_drains_snapshots_saves_and_exits_by_the_signal
     # snapshots still being written: counted, and warned only past SnapshotBusyWarning's
     # threshold, which tests/test_quiet_warnings.py covers.)
     assert f"preemption signal received; snapshotting step {last}" in err, err
-    names = [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+    names = [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
     assert names == [f"epoch_0_step_{k}" for k in range(1, last + 1)]
     assert not [n for n in os.listdir(dirpath) if is_staging_name(n)]
 

@@ -38,11 +38,12 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.format import listing, verify
 from tnt_snapshot_plugin.format.checksums import record_views
-from tnt_snapshot_plugin.format.index import parse, parse_part, part_rel
+from tnt_snapshot_plugin.format.index import INDEX_FNAME, parse, parse_part, part_rel
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.restoring import latest_snapshot
-from tnt_snapshot_plugin.stores import INDEX_FNAME, WRITER_FNAME, open_store
+from tnt_snapshot_plugin.stores import WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores import s3 as s3_mod
 from tnt_snapshot_plugin.stores.s3 import S3Store
 from toy import (
@@ -211,8 +212,8 @@ def test_train_into_s3_writes_every_snapshot(options, run_url):
     for name in EXPECTED_NAMES:
         assert f"{name}/.snapshot_metadata" in keys
         assert f"{name}/.tnt_snapshot_index.json" in keys
-        assert store.verify(name) is None  # every file present with the size written
-    assert [s.text for s in store.complete_snapshots()] == sorted(
+        assert verify.check(store, name).problem is None  # every file present with the size written
+    assert [s.text for s in listing.complete_snapshots(store)] == sorted(
         EXPECTED_NAMES, key=lambda n: (int(n.split("_")[1]), int(n.split("_")[3]))
     )
 
@@ -234,7 +235,7 @@ def test_restore_from_latest_on_s3_keeps_the_scheme_and_resumes_bitwise(options,
     )
     with pytest.raises(RuntimeError, match="injected failure at step 13"):
         train(interrupted, StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
-    assert (saver.snapshotter._writer.plans.runs > 0) is async_snapshot
+    assert (saver.snapshotter._writer.encoder.plans.runs > 0) is async_snapshot
 
     assert latest_snapshot(run_url, storage_options=options) == f"{run_url}/epoch_1_step_12"
     seed_everything(99)
@@ -309,7 +310,7 @@ def test_deleting_an_s3_snapshot_unpublishes_it_first(options, run_url, monkeypa
 
     monkeypatch.setattr(store.client, "delete_objects", killed_while_deleting_data)
     with pytest.raises(OSError, match="injected"):
-        store.remove("epoch_1_step_2")
+        listing.remove(store, "epoch_1_step_2")
     remaining = keys_under(options, f"{run_url}/epoch_1_step_2")
     assert remaining and ".snapshot_metadata" not in remaining  # data left, metadata gone
     assert latest_snapshot(run_url, storage_options=options) is None
@@ -337,18 +338,18 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     """keep_last_n_snapshots deletes an old snapshot only once a newer one is committed; when the
     newer writes fail, nothing is deleted and the partial uploads are cleaned up."""
     events: list[tuple[str, str]] = []
-    real_commit, real_remove = S3Store.commit, S3Store._remove
+    real_commit, real_delete = S3Store.commit, S3Store._delete
 
-    def commit(self: S3Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
-        real_commit(self, staging, final, metadata, index)
+    def commit(self: S3Store, staging: str, final: str, **kwargs: Any) -> None:
+        real_commit(self, staging, final, **kwargs)
         events.append(("commit", final))
 
-    def remove(self: S3Store, name: str) -> None:
+    def delete(self: S3Store, name: str, unpublish: tuple[str, ...]) -> None:
         events.append(("remove", name))
-        real_remove(self, name)
+        real_delete(self, name, unpublish)
 
     monkeypatch.setattr(S3Store, "commit", commit)
-    monkeypatch.setattr(S3Store, "_remove", remove)
+    monkeypatch.setattr(S3Store, "_delete", delete)
 
     unit = ToyUnit()
     loader = StatefulLoader(make_data(20))
@@ -374,7 +375,7 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     assert unit.train_progress.num_steps_completed == 10  # training went on
     assert not [e for e in events if e[0] == "commit"]
     assert names_under(options, run_url) == ["epoch_0_step_4", "epoch_1_step_5"]
-    assert [s.text for s in open_store(run_url, options).complete_snapshots()] == [
+    assert [s.text for s in listing.complete_snapshots(open_store(run_url, options))] == [
         "epoch_0_step_4",
         "epoch_1_step_5",
     ]

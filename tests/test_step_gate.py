@@ -23,13 +23,14 @@ import torch
 from tnt_snapshot_plugin import hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import SnapshotFailedWarning
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.policies import AnySave, EveryNSteps
 from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore
 
 
 def committed(dirpath) -> list[str]:
-    return [s.text for s in LocalStore(str(dirpath)).complete_snapshots()]
+    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 def gated_steps(snap: Snapshotter, steps, state) -> list[int]:

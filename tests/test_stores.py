@@ -17,15 +17,11 @@ from typing import Any
 import pytest
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
-from tnt_snapshot_plugin.stores import (
-    INDEX_FNAME,
-    METADATA_FNAME,
-    AtomicRename,
-    LocalStore,
-    MetadataWrittenLast,
-    Store,
-    open_store,
-)
+from tnt_snapshot_plugin.format import listing, verify
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
+from tnt_snapshot_plugin.stores import LocalStore, Store, open_store
+from tnt_snapshot_plugin.stores.commit import AtomicRename, MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fsspec import FsspecStore
 from tnt_snapshot_plugin.stores.ownership import new_run_id, staging_token, writer_identity
 from tnt_snapshot_plugin.stores.s3 import S3Store
@@ -112,11 +108,19 @@ def contents(parts: list[Any]) -> bytes:
     return b"".join(memoryview(p).cast("B") for p in parts)
 
 
+def commit(store: Store, staging: str, final: str, metadata: bytes, index: bytes) -> None:
+    """Commit as the saver does: every file the index lists checked, the index, then the metadata."""
+    store.commit(
+        staging, final, metadata_file=".snapshot_metadata", metadata=metadata, index_file=INDEX_FNAME,
+        index=index, written=json.loads(index)["files"],
+    )
+
+
 def write_snapshot(store: Store, final: str = "epoch_0_step_1") -> None:
     staging = begin(store, final)
     for rel, parts in FILES.items():
         store.write_payload(staging, rel, parts)
-    store.commit(staging, final, TINY_METADATA, index_of(store, staging, list(FILES)))
+    commit(store, staging, final, TINY_METADATA, index_of(store, staging, list(FILES)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ def test_strategy_matches_the_store(store):
 def test_payloads_round_trip_through_read_into(store):
     write_snapshot(store)
     name = "epoch_0_step_1"
-    assert store.complete_snapshots()[0].text == name
+    assert listing.complete_snapshots(store)[0].text == name
     for rel, parts in FILES.items():
         assert store.read_file(name, rel) == contents(parts)
         assert store.file_size(name, rel) == len(contents(parts))
@@ -163,7 +167,7 @@ def test_a_started_payload_is_complete_once_its_step_has_run_on_another_thread(s
     finishes = [store.start_payload(staging, rel, parts) for rel, parts in FILES.items()]
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda finish: finish(), finishes)) == [None] * len(FILES)
-    store.commit(staging, "epoch_0_step_1", TINY_METADATA, index_of(store, staging, list(FILES)))
+    commit(store, staging, "epoch_0_step_1", TINY_METADATA, index_of(store, staging, list(FILES)))
     for rel, parts in FILES.items():
         assert store.read_file("epoch_0_step_1", rel) == contents(parts)
 
@@ -226,34 +230,34 @@ def test_a_symlink_out_of_a_local_snapshot_is_refused(tmp_path):
 
 
 def test_begin_commit_list_verify_remove(store):
-    assert store.complete_snapshots() == []
+    assert listing.complete_snapshots(store) == []
     write_snapshot(store, "epoch_0_step_1")
     write_snapshot(store, "epoch_0_step_2")
-    assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_1", "epoch_0_step_2"]
-    assert store.is_complete("epoch_0_step_2")
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert listing.is_complete(store, "epoch_0_step_2")
     assert store.read_file("epoch_0_step_2", METADATA_FNAME) == TINY_METADATA
-    assert store.read_index("epoch_0_step_2")["files"]["batched/abc"] == 16
-    assert store.read_writer("epoch_0_step_2")["run_id"] == "0123456789ab"
-    assert store.occupant("epoch_0_step_2") == "ours" and store.occupant("epoch_9_step_9") is None
-    assert store.verify("epoch_0_step_2") is None
+    assert listing.read_index(store, "epoch_0_step_2")["files"]["batched/abc"] == 16
+    assert listing.read_writer(store, "epoch_0_step_2")["run_id"] == "0123456789ab"
+    assert listing.occupant(store, "epoch_0_step_2") == "ours" and listing.occupant(store, "epoch_9_step_9") is None
+    assert verify.check(store, "epoch_0_step_2").problem is None
     # a file of the wrong size (the index remembers what was written)
     store.write_payload("epoch_0_step_2", "batched/abc", [b"short"])
-    assert store.verify("epoch_0_step_2") == "file batched/abc has 5 bytes, 16 were written"
+    assert verify.check(store, "epoch_0_step_2").problem == "file batched/abc has 5 bytes, 16 were written"
     # a committed snapshot written again under the same name (another run's) is replaced
     write_snapshot(store, "epoch_0_step_2")
-    assert store.verify("epoch_0_step_2") is None
-    store.remove("epoch_0_step_1")
-    assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_2"]
+    assert verify.check(store, "epoch_0_step_2").problem is None
+    listing.remove(store, "epoch_0_step_1")
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_2"]
     assert "epoch_0_step_1" not in store.list_names()
     for bad in ("..", "a/b", "not_a_snapshot", ""):
         with pytest.raises(SnapshotError, match="refusing to delete"):
-            store.remove(bad)
+            listing.remove(store, bad)
 
 
 def test_a_foreign_directory_is_never_removed_or_replaced(store):
     store.write_payload("epoch_0_step_3", "theirs", [b"not the plugin's"])
     with pytest.raises(SnapshotError, match="neither the plugin's index"):
-        store.remove("epoch_0_step_3")
+        listing.remove(store, "epoch_0_step_3")
     assert store.read_file("epoch_0_step_3", "theirs") == b"not the plugin's"
     if store.atomic_rename:
         with pytest.raises(SnapshotWriteError, match="was not written by the plugin"):
@@ -267,20 +271,20 @@ def test_a_write_interrupted_before_commit_leaves_nothing_restore_would_pick(sto
     for rel, parts in FILES.items():
         store.write_payload(staging, rel, parts)
     # the process dies here: no index, no metadata
-    assert not store.is_complete("epoch_0_step_2")
-    assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_1"]
-    assert store.provably_ours(staging)  # its writer marker: the next run may clean it up
+    assert not listing.is_complete(store, "epoch_0_step_2")
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_1"]
+    assert listing.provably_ours(store, staging)  # its writer marker: the next run may clean it up
     if store.atomic_rename:
         assert staging != "epoch_0_step_2" and "epoch_0_step_2" not in store.list_names()
     else:
         assert staging == "epoch_0_step_2"  # written in place, not published
-    store.remove(staging)
+    listing.remove(store, staging)
     assert staging not in store.list_names()
     # the commit itself fails after the index (the metadata is what publishes)
     staging = begin(store, "epoch_0_step_3")
     store.write_payload(staging, "data", [b"payload"])
     store.write_payload(staging, INDEX_FNAME, [index_of(store, staging, ["data"])])
-    assert [s.text for s in store.complete_snapshots()] == ["epoch_0_step_1"]
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_1"]
 
 
 def test_a_file_lost_during_the_write_stops_the_rename_commit():
@@ -290,8 +294,8 @@ def test_a_file_lost_during_the_write_stops_the_rename_commit():
     index = index_of(store, staging, ["data"])
     store._tree.files.pop(f"{staging}/data")
     with pytest.raises(SnapshotWriteError, match="has None bytes, 7 were written"):
-        store.commit(staging, "epoch_0_step_1", b"{}", index)
-    assert store.complete_snapshots() == []
+        commit(store, staging, "epoch_0_step_1", b"{}", index)
+    assert listing.complete_snapshots(store) == []
 
 
 def test_write_payload_is_thread_safe_across_files(store):
@@ -299,7 +303,7 @@ def test_write_payload_is_thread_safe_across_files(store):
     rels = [f"t/{i % 7}/f{i}" for i in range(48)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda r: store.write_payload(staging, r, [r.encode(), b"|" * 1000]), rels))
-    store.commit(staging, "epoch_0_step_1", b"{}", index_of(store, staging, rels))
+    commit(store, staging, "epoch_0_step_1", b"{}", index_of(store, staging, rels))
     dests = {r: bytearray(len(r) + 1000) for r in rels}
     store.read_into("epoch_0_step_1", [(r, 0, memoryview(d)) for r, d in dests.items()])
     assert all(bytes(d) == r.encode() + b"|" * 1000 for r, d in dests.items())
@@ -350,7 +354,7 @@ def test_the_nth_write_fails_with_enospc_and_nothing_is_committed():
         faulty.write_payload(staging, "b", [b"b"])  # 2nd
     assert caught.value.errno == errno.ENOSPC and fault.fired == 1
     faulty.write_payload(staging, "b", [b"b"])  # once only (times=1)
-    assert faulty.complete_snapshots() == []
+    assert listing.complete_snapshots(faulty) == []
     assert ("write_payload", (staging, "b")) in faulty.calls
 
 
@@ -361,13 +365,13 @@ def test_a_failing_commit_leaves_no_complete_snapshot_on_either_strategy():
         staging = begin(faulty, "epoch_0_step_1")
         faulty.write_payload(staging, "data", [b"x"])
         with pytest.raises(SnapshotWriteError, match="injected"):
-            faulty.commit(staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
-        assert inner.complete_snapshots() == [] and faulty.complete_snapshots() == []
+            commit(faulty, staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
+        assert listing.complete_snapshots(inner) == [] and listing.complete_snapshots(faulty) == []
         faulty.inject("commit", RuntimeError("commit refused"))
         with pytest.raises(RuntimeError, match="commit refused"):
-            faulty.commit(staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
-        faulty.commit(staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
-        assert [s.text for s in inner.complete_snapshots()] == ["epoch_0_step_1"]
+            commit(faulty, staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
+        commit(faulty, staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
+        assert [s.text for s in listing.complete_snapshots(inner)] == ["epoch_0_step_1"]
 
 
 def test_faults_on_a_real_local_store(tmp_path):
@@ -376,8 +380,8 @@ def test_faults_on_a_real_local_store(tmp_path):
     staging = begin(faulty, "epoch_0_step_1")
     faulty.write_payload(staging, "data", [b"x" * 10])
     with pytest.raises(OSError, match="injected"):
-        faulty.commit(staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
-    assert LocalStore(str(tmp_path)).complete_snapshots() == []
+        commit(faulty, staging, "epoch_0_step_1", b"{}", index_of(faulty, staging, ["data"]))
+    assert listing.complete_snapshots(LocalStore(str(tmp_path))) == []
     assert (tmp_path / staging / "data").read_bytes() == b"x" * 10
 
 
@@ -418,7 +422,7 @@ def test_fakes_are_reached_from_a_dirpath():
         assert nested.url == "fake://stores-test-a/inner" and nested.list_names() == []
         write_snapshot(nested)
         assert "inner" in fresh.list_names()
-        assert [s.text for s in open_store("fake://stores-test-a/inner").complete_snapshots()] == [
+        assert [s.text for s in listing.complete_snapshots(open_store("fake://stores-test-a/inner"))] == [
             "epoch_0_step_1"
         ]
         with pytest.raises(ConfigError, match="already registered"):
@@ -464,7 +468,7 @@ def test_hooks_run_around_chosen_operations_and_can_hold_a_write():
     assert log[-1] == ("after", "c") and hook.seen == 3  # after ran although the write failed
 
     faulty.hook("remove", before=lambda name: log.append(("remove", name)))
-    faulty.remove(staging)
+    listing.remove(faulty, staging)
     assert log[-1] == ("remove", staging)
     faulty.clear()
     faulty.write_payload(begin(faulty, "epoch_0_step_2"), "d", [b"d"])
@@ -499,7 +503,7 @@ def test_a_real_saver_runs_on_a_faulty_store_reached_by_its_dirpath(tmp_path):
         failed = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
         assert len(failed) == 1 and "epoch_0_step_2 (epoch 0, step 2) failed" in failed[0]
         assert "Input/output error (injected)" in failed[0]
-        assert [s.text for s in LocalStore(str(tmp_path / "run")).complete_snapshots()] == [
+        assert [s.text for s in listing.complete_snapshots(LocalStore(str(tmp_path / "run")))] == [
             "epoch_0_step_1",
             "epoch_0_step_3",
         ]

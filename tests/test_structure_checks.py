@@ -41,7 +41,7 @@ from tnt_snapshot_plugin.format.torchsnapshot.manifest import (
     rank_number,
 )
 from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import Groups, RankRegions
-from tnt_snapshot_plugin.restoring.world_size import _Comparison
+from tnt_snapshot_plugin.format.torchsnapshot.world_size import _Comparison
 from tnt_snapshot_plugin.stores import LocalStore
 from tnt_snapshot_plugin.testing import FaultyStore
 from toy import Holder

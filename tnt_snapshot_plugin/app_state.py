@@ -11,7 +11,6 @@ plugin's own entries:
 
 from __future__ import annotations
 
-import fnmatch
 import random
 from typing import Any, Iterable, Mapping, Optional
 
@@ -175,46 +174,3 @@ class Value:
 
     def load_state_dict(self, state: Any) -> None:
         self.value = state
-
-
-def replicated_patterns(
-    patterns: Optional[list[str]],
-    frozen: Mapping[str, Frozen],
-    auto_replicated: Iterable[str] = (),
-    never_replicated: Iterable[str] = (),
-) -> list[str]:
-    """The ``replicated`` globs of this snapshot (matched against logical manifest paths).
-
-    The user's globs are matched against every saved path, but the RNG, the dataloader and the
-    progress entries are never marked replicated: they differ between ranks, and marking them would
-    restore rank 0's copy everywhere; nor are the ``never_replicated`` keys an adapter names (a
-    framework's loop state holding per-rank loader positions, say). An entry matched whole becomes
-    ``key/**``; a partly matched one lists its matched paths.
-    """
-    from tnt_snapshot_plugin.format.torchsnapshot.writer import flatten
-
-    auto_replicated = list(auto_replicated)
-    never = set(never_replicated)
-    out = [f"{_escape(key)}/**" for key in auto_replicated if key in frozen]
-    if not patterns:
-        return out
-    for key, entry in frozen.items():
-        if (
-            key in RESERVED_KEYS
-            or key.endswith(NEVER_REPLICATED_SUFFIX)
-            or key in auto_replicated
-            or key in never
-        ):
-            continue
-        _, flat = flatten(key, entry.state_dict())
-        paths = list(flat)
-        matched = [p for p in paths if any(fnmatch.fnmatch(p, g) for g in patterns)]
-        if matched and len(matched) == len(paths):
-            out.append(f"{_escape(key)}/**")
-        else:
-            out.extend(_escape(p) for p in matched)
-    return out
-
-
-def _escape(path: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in path)

@@ -195,6 +195,9 @@ class SnapshotConfig:
     #: users' own preservation policies (policies.PreservationPolicy), beside keep_last_n and
     #: best: retention keeps what any of them keeps
     preservation_policies: tuple[Any, ...] = ()
+    #: the on-disk format snapshots are written in: a format's name (``format.registry``) or a
+    #: Format object; checked when the saver is made
+    format: Any = "torchsnapshot"
 
     @classmethod
     def build(
@@ -210,7 +213,7 @@ class SnapshotConfig:
         storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S, knob_options: Any = None,
         best_metric: Any = None, best_mode: Any = "min", best_k: Any = None,
         save_policies: Any = None, preservation_policies: Any = None,
-        names: Optional[Mapping[str, str]] = None,
+        format: Any = "torchsnapshot", names: Optional[Mapping[str, str]] = None,
     ) -> "SnapshotConfig":
         """The configuration of these keyword arguments, validated (the class docstring says
         what the aliases, ``names`` and the policies are); ConfigError naming a bad one."""
@@ -248,6 +251,7 @@ class SnapshotConfig:
             preservation_policies=policies.checked(
                 "preservation_policies", preservation_policies, policies.PreservationPolicy
             ),
+            format=_format(format),
         )
 
 
@@ -268,6 +272,19 @@ def _check_plain(
             "storage_timeout_s must be a positive, finite number of seconds (the longest "
             f"training waits on the storage at a due snapshot), got {storage_timeout_s!r}"
         )
+
+
+def _format(value: Any) -> Any:
+    """``format``: a non-empty name, or an object with a name and a metadata file (the registry
+    checks, when the saver is made, that the name is one it knows)."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(getattr(value, "name", None), str) and isinstance(getattr(value, "metadata_file", None), str):
+        return value
+    raise ConfigError(
+        f"format must be the name of an on-disk format ('torchsnapshot') or a Format object "
+        f"(tnt_snapshot_plugin.format.base.Format), got {value!r}"
+    )
 
 
 def collective_timeout(value: Any) -> float:

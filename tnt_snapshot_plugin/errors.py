@@ -50,6 +50,16 @@ class SnapshotWriteError(SnapshotError, RuntimeError):
     delete some early (named then)."""
 
 
+def as_write_error(exc: BaseException, what: str) -> BaseException:
+    """``exc``, met writing ``what`` (a snapshot), as the plugin's error: a SnapshotError as it
+    is, anything else as a SnapshotWriteError naming ``what`` and caused by ``exc``."""
+    if isinstance(exc, SnapshotError):
+        return exc
+    error = SnapshotWriteError(f"writing {what} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 class DistributedError(SnapshotError, RuntimeError):
     """Another rank failed in a checkpoint collective; raised on every rank instead of hanging."""
 

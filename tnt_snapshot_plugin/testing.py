@@ -44,21 +44,10 @@ from tnt_snapshot_plugin.errors import (
     SnapshotNotFoundError,
     SnapshotWriteError,
 )
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.stores.base import (
-    INDEX_FNAME,
-    METADATA_FNAME,
-    WRITER_FNAME,
-    AtomicRename,
-    Buffer,
-    CommitProtocol,
-    DirLock,
-    Done,
-    MetadataBytes,
-    MetadataWrittenLast,
-    Read,
-    Store,
-)
+from tnt_snapshot_plugin.stores.base import WRITER_FNAME, Buffer, DirLock, Done, Read, Store
+from tnt_snapshot_plugin.stores.commit import AtomicRename, CommitProtocol, MetadataBytes, MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fileio import byte_views
 from tnt_snapshot_plugin.stores.ownership import busy_error, writer_of_token
 from tnt_snapshot_plugin.stores.registry import register_store
@@ -199,7 +188,7 @@ class MemoryStore(Store):
             if source not in self._tree.dirs:
                 raise SnapshotWriteError(f"{self.child(staging)} is gone; the snapshot was not committed")
             if target in self._tree.dirs:
-                if not self.provably_ours(final):
+                if not self.holds_proof(final):
                     raise SnapshotWriteError(
                         f"{self.child(final)} exists and was not written by the plugin (no "
                         f"{INDEX_FNAME} or {WRITER_FNAME}); move it out of dirpath. The snapshot "
@@ -234,11 +223,12 @@ class MemoryStore(Store):
             self._tree.holders[self._path] = dict(holder)
         return _MemoryLock(self._tree, self._path)
 
-    def _remove(self, name: str) -> None:
+    def _delete(self, name: str, unpublish: tuple[str, ...]) -> None:
         with self._tree.lock:
             path = self._dir(name)
             # unpublished first, the proof that it is the plugin's last (as on disk and S3)
-            self._tree.files.pop(f"{path}/{METADATA_FNAME}", None)
+            for metadata in unpublish:
+                self._tree.files.pop(f"{path}/{metadata}", None)
             self._drop(path)
 
 
@@ -417,9 +407,6 @@ class FaultyStore(Store):
     def has_file(self, name: str, rel: str) -> bool:
         return self._call("has_file", (name, rel), lambda _f: self.inner.has_file(name, rel))
 
-    def is_complete(self, name: str) -> bool:
-        return self.inner.is_complete(name)
-
     def read_file(self, name: str, rel: str) -> bytes:
         return self._call("read_file", (name, rel), lambda _f: self.inner.read_file(name, rel))
 
@@ -454,9 +441,16 @@ class FaultyStore(Store):
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self._call("begin", (staging,), lambda _f: self.inner.begin(staging, writer))
 
-    def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
+    def commit(
+        self, staging: str, final: str, *, metadata_file: str, metadata: MetadataBytes, index_file: str,
+        index: bytes, written: dict[str, int],
+    ) -> None:
         self._call(
-            "commit", (staging, final), lambda _f: self.protocol.commit(self, staging, final, metadata, index)
+            "commit", (staging, final),
+            lambda _f: self.protocol.commit(
+                self, staging, final, metadata_file=metadata_file, metadata=metadata, index_file=index_file,
+                index=index, written=written,
+            ),
         )
 
     def publish(self, staging: str, final: str) -> None:
@@ -468,14 +462,11 @@ class FaultyStore(Store):
     def lock(self, holder: dict[str, Any]) -> DirLock:
         return self._call("lock", (), lambda _f: self.inner.lock(holder))
 
-    def remove(self, name: str) -> None:
-        self._call("remove", (name,), lambda _f: self.inner.remove(name))
+    def delete(self, name: str, *, unpublish: Sequence[str] = ()) -> None:
+        self._call("remove", (name,), lambda _f: self.inner.delete(name, unpublish=unpublish))
 
-    def _remove(self, name: str) -> None:
-        self.inner._remove(name)
-
-    def verify(self, name: str) -> Optional[str]:
-        return self._call("verify", (name,), lambda _f: self.inner.verify(name))
+    def holds_proof(self, name: str) -> bool:
+        return self.inner.holds_proof(name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import ConfigError, MonitorNotLoggedWarning
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.stores import LocalStore, open_store
 
 
@@ -110,7 +111,7 @@ class BestSnapshots:
         from tnt_snapshot_plugin.policies import retention
 
         store = open_store(str(dirpath), self._config.storage_options)
-        ranked = retention.ranked(store.listed(), best.metric, best.mode)
+        ranked = retention.ranked(listing.listed(store), best.metric, best.mode)
         if best.k is not None:
             ranked = ranked[: best.k]
         found = []
@@ -126,7 +127,7 @@ class BestSnapshots:
         if dirpath is None:
             return ""
         store = open_store(str(dirpath), self._config.storage_options)
-        for record in reversed(store.listed()):
+        for record in reversed(listing.listed(store)):
             if record.problem is None:
                 return store.child(record.text)
         return ""

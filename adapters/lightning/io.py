@@ -15,13 +15,15 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RNG_STATE_KEY, RNGState
 from tnt_snapshot_plugin.config import collective_timeout
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotNotFoundError, StateMismatchError
+from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.restoring import RestoreRequest
-from tnt_snapshot_plugin.stores import METADATA_FNAME, split_snapshot_path
+from tnt_snapshot_plugin.stores import split_snapshot_path
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ class SnapshotCheckpointIO(CheckpointIO):
             return snapshot, request.restore(snapshot)
         dirpath, name = split_snapshot_path(snapshot)
         keys: list[str] = []  # the RNG state's only if restored (not on another world size)
-        restored = request.restore_from_latest(dirpath, newest=name, loaded_keys=keys)
+        restored = restoring.restore_from_latest(dirpath, request=request, newest=name, loaded_keys=keys)
         if restored is None:
             raise SnapshotNotFoundError(f"snapshot {snapshot} is gone; pass an existing ckpt_path")
         return restored, keys
@@ -219,7 +221,7 @@ def snapshot_path(path: Any) -> Optional[str]:
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     text = text.rstrip("/")
     head, _, name = text.rpartition("/")
-    if name == METADATA_FNAME:
+    if name in metadata_files():
         text = head
         name = head.rpartition("/")[2]
     if SnapshotName.parse(name) is None:

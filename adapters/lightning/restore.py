@@ -8,6 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pluggy
 
+from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.errors import StateMismatchError
 from tnt_snapshot_plugin.restoring import RestoreRequest
 
@@ -65,7 +66,7 @@ def restore_from_latest(
     """
     request = module_request(module, optimizers, lr_schedulers, storage_options, plugin_manager, strict, weights_only)
     with request.on_ranks(process_group, collective_timeout_s) as request:
-        restored = request.restore_from_latest(dirpath, fallback=fallback)
+        restored = restoring.restore_from_latest(dirpath, request=request, fallback=fallback)
     _raise_mismatch(request.app_state)
     return restored is not None
 

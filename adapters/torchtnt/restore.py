@@ -115,7 +115,7 @@ def restore_from_latest(
         restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
-        restored = request.restore_from_latest(dirpath, fallback=fallback)
+        restored = restoring.restore_from_latest(dirpath, request=request, fallback=fallback)
         rank = request.collectives.rank if request.collectives is not None else 0
     if restored is not None:
         options.hand_rng_to_saver(unit)

@@ -38,6 +38,7 @@ from torchtnt.framework.unit import TrainUnit  # noqa: E402
 
 from tnt_snapshot_plugin import hookimpl  # noqa: E402
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver  # noqa: E402
+from tnt_snapshot_plugin.format import listing, verify  # noqa: E402
 from tnt_snapshot_plugin.hooks import new_plugin_manager  # noqa: E402
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name  # noqa: E402
 from tnt_snapshot_plugin.stores import LOCK_FNAME, LocalStore  # noqa: E402
@@ -134,8 +135,8 @@ def run_checker(dirpath: str) -> None:
     """Restore the latest snapshot into a unit filled with -1 and report what it holds."""
     store = LocalStore(dirpath)
     names = sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else []
-    complete = [s.text for s in store.complete_snapshots()]
-    problems = {name: store.verify(name) for name in complete}
+    complete = [s.text for s in listing.complete_snapshots(store)]
+    problems = {name: verify.check(store, name).problem for name in complete}
     damaged = {name: why for name, why in problems.items() if why is not None}
     staging = [n for n in names if is_staging_name(n)]
     # A SIGKILLed saver's lock file stays behind (the kernel dropped the lock itself).

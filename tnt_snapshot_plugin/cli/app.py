@@ -17,8 +17,9 @@ from tnt_snapshot_plugin.errors import (
     SnapshotNotFoundError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.format import holdings
-from tnt_snapshot_plugin.stores import METADATA_FNAME, Store, open_store
+from tnt_snapshot_plugin.format import holdings, listing
+from tnt_snapshot_plugin.format.registry import metadata_files
+from tnt_snapshot_plugin.stores import Store, open_store
 from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for, s3_error
 
 #: How S3 errors met by a command name the connection's settings: the command's options and the
@@ -67,8 +68,10 @@ def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tupl
     scheme, sep, rest = target.partition("://")
     if sep and not rest.strip("/"):
         raise UsageProblem(f"{target!r} names no {'bucket' if scheme == 's3' else 'path'}, not a snapshot")
-    if text.endswith("/" + METADATA_FNAME):
-        text = text[: -len(METADATA_FNAME) - 1]
+    for metadata in metadata_files():  # a snapshot's metadata file: that snapshot
+        if text.endswith("/" + metadata):
+            text = text[: -len(metadata) - 1]
+            break
     head, sep, name = text.rpartition("/")
     if not name or name in (".", ".."):
         raise UsageProblem(f"{target!r} does not name a snapshot (expected DIRPATH/epoch_E_step_S)")
@@ -90,7 +93,7 @@ def _not_a_directory_of_snapshots(
 ) -> None:
     """A command that reads one snapshot was given a directory of them (a dirpath): say so,
     naming the newest, rather than "not a complete snapshot"."""
-    if store.is_complete(name):
+    if listing.is_complete(store, name):
         return
     inner = open_target(store.child(name), storage_options)
     names = holdings.complete_names(inner)

@@ -8,9 +8,11 @@ from typing import Any, Optional
 from tnt_snapshot_plugin.cli.app import UsageProblem
 from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
 from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.format.torchsnapshot import manifest
+from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
-from tnt_snapshot_plugin.stores import METADATA_FNAME, Store
+from tnt_snapshot_plugin.stores import Store
 
 #: The plugin's reserved entries (app_state.RESERVED_KEYS; not imported: that module imports torch).
 RESERVED = ("rng_state", "train_dataloader")
@@ -146,17 +148,17 @@ class _Side:
         self.meta = require_metadata(store, name)
         self.leaves = {p: e for p, e in self.meta.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
         self.payloads = _Payloads(store, name)
-        self._io: Any = None  # restoring.ReadingIO: the index read once, at the first value
+        self._files: Any = None  # format.files.SnapshotFiles: the index read once, at the first value
 
     def value(self, path: str) -> Any:
         """The value of manifest entry ``path`` (``RANK/KEY/...``)."""
+        from tnt_snapshot_plugin.format.files import SnapshotFiles
         from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
-        from tnt_snapshot_plugin.restoring import reading_io
 
-        if self._io is None:
-            self._io = reading_io(self.store, self.name, self.store.child(self.name))
-        io = self._io
-        return fmt.read_value(self.meta.manifest, path, io.read_into, file_size=io.file_size, verifier=io.verifier)
+        if self._files is None:
+            self._files = SnapshotFiles.open(self.store, self.name, self.store.child(self.name))
+        files = self._files
+        return fmt.read_value(self.meta.manifest, path, files.read_into, file_size=files.file_size, verifier=files.verifier)
 
 
 def diff_snapshots(
@@ -243,7 +245,7 @@ def checked_metadata(store: Store, name: str) -> tuple[Metadata, Optional[dict[s
             f"{store.child(name)} is not a complete snapshot (it holds no {METADATA_FNAME}: an "
             "interrupted write, or not a snapshot)"
         )
-    index, problem = store.checked_index(name, parts=True)
+    index, problem = listing.checked_index(store, name, parts=True)
     if problem is not None:
         raise SnapshotCorruptError(f"{store.child(name)}: {problem}; the snapshot is damaged")
     data = store.read_file(name, METADATA_FNAME)
@@ -271,13 +273,13 @@ def weight_keys(metadata: Metadata) -> list[str]:
 
 def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
+    from tnt_snapshot_plugin.format.files import SnapshotFiles
     from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
-    from tnt_snapshot_plugin.restoring import read_metadata, reading_io
 
-    io = reading_io(store, name, store.child(name))
-    meta = manifest.parse_metadata(read_metadata(store, name, io.verifier), store.child(name))
+    files = SnapshotFiles.open(store, name, store.child(name))
+    meta = manifest.parse_metadata(files.read_checked(METADATA_FNAME), store.child(name))
     return fmt.read_state_dict(
-        manifest.rank_view(meta, 0), key, None, io.read_into, file_size=io.file_size, verifier=io.verifier
+        manifest.rank_view(meta, 0), key, None, files.read_into, file_size=files.file_size, verifier=files.verifier
     )
 
 

@@ -11,9 +11,9 @@ from tnt_snapshot_plugin.cli.app import cli, json_flag, s3_flags, s3_options, sp
 from tnt_snapshot_plugin.cli.entries import checked_metadata, entry_row, entry_rows, summarize, summary_lines
 from tnt_snapshot_plugin.cli.output import console, emit_json, new_table, num, print_table, say
 from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.manifest import CONTAINER_TYPES, Metadata
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.stores import INDEX_FNAME
 
 
 @cli.command("inspect")

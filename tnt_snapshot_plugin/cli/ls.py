@@ -35,7 +35,7 @@ from tnt_snapshot_plugin.cli.survey import (
     snapshot_info,
     survey,
 )
-from tnt_snapshot_plugin.stores import METADATA_FNAME
+from tnt_snapshot_plugin.format.registry import metadata_files
 
 
 @cli.command("ls")
@@ -52,7 +52,7 @@ def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region:
     restore_from_latest would restore: the same check decides both.
     """
     opts = s3_options(endpoint_url, region)
-    if dirpath.rstrip("/").endswith("/" + METADATA_FNAME):  # a snapshot's metadata: that snapshot
+    if dirpath.rstrip("/").endswith(tuple("/" + m for m in metadata_files())):  # a snapshot's metadata: that snapshot
         return _ls_snapshot(dirpath, opts, as_json)
     store = open_target(dirpath, opts)
     listing = list_directory(store)

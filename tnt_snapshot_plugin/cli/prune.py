@@ -40,9 +40,11 @@ from tnt_snapshot_plugin.cli.survey import (
     survey,
 )
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
+from tnt_snapshot_plugin.format import listing
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import retention
-from tnt_snapshot_plugin.stores import INDEX_FNAME, LEASE_FNAME, LOCK_FNAME, Store
+from tnt_snapshot_plugin.stores import LEASE_FNAME, LOCK_FNAME, Store
 from tnt_snapshot_plugin.stores.s3 import S3Store
 
 
@@ -232,7 +234,7 @@ def _prune(store: Store, keep_last: int, keep_best: Optional[str], mode: Optiona
     if not dry_run:
         for name in doomed:
             try:
-                store.remove(name)
+                listing.remove(store, name)
                 deleted.append(name)
             except (OSError, SnapshotError) as exc:
                 failed.append(f"{name}: {exc}")

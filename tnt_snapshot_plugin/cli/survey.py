@@ -21,19 +21,11 @@ from tnt_snapshot_plugin.cli.output import (
 )
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError, SnapshotNotFoundError
 from tnt_snapshot_plugin.format import holdings, verify
-from tnt_snapshot_plugin.format.index import PARTS_DIR
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
+from tnt_snapshot_plugin.format.index import INDEX_FNAME, PARTS_DIR
+from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retention
-from tnt_snapshot_plugin.stores import (
-    INDEX_FNAME,
-    LEASE_FNAME,
-    LOCK_FNAME,
-    METADATA_FNAME,
-    WRITER_FNAME,
-    LocalStore,
-    Store,
-)
+from tnt_snapshot_plugin.stores import LEASE_FNAME, LOCK_FNAME, WRITER_FNAME, LocalStore, Store
 from tnt_snapshot_plugin.stores.ownership import holder_text, writer_gone
 from tnt_snapshot_plugin.stores.s3 import S3Store, s3_errors
 
@@ -154,7 +146,7 @@ class SnapshotInfo:
         return self.verdict.index if self.verdict is not None else None
 
     @property
-    def metadata(self) -> Optional[Metadata]:
+    def metadata(self) -> Any:
         return self.verdict.metadata if self.verdict is not None else None
 
     @property
@@ -169,14 +161,15 @@ class SnapshotInfo:
     def world_size(self) -> Optional[int]:
         if self.index is not None and type(self.index.get("world_size")) is int:
             return int(self.index["world_size"])
-        return self.metadata.world_size if self.metadata is not None else None
+        size = getattr(self.metadata, "world_size", None)
+        return size if type(size) is int else None
 
     @property
     def committed_at(self) -> Optional[float]:
         value = (self.index or {}).get("committed_at")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        meta = self.files.get(METADATA_FNAME)
+        meta = next((self.files[m] for m in metadata_files() if m in self.files), None)
         return meta.mtime if meta is not None and self.kind == "snapshot" else None
 
     @property
@@ -238,7 +231,7 @@ def _listed(info: SnapshotInfo) -> retention.Listed:
 
 def commit_order(infos: Iterable[SnapshotInfo]) -> list[SnapshotInfo]:
     """Oldest first, in the core's commit order (``retention.commit_order``, which
-    ``Store.listed()`` and ``restore_from_latest`` use)."""
+    ``format.listing.listed`` and ``restore_from_latest`` use)."""
     by_name = {i.name: i for i in infos if i.parsed is not None}
     return [by_name[r.text] for r in retention.commit_order(_listed(i) for i in by_name.values())]
 
@@ -248,7 +241,7 @@ def holds_one_snapshot(name: str, listing: Listing) -> bool:
     of snapshots): it holds a snapshot's own files (the metadata, the plugin's index or writer
     record), or it is named like a snapshot and none of its children is (an interrupted write,
     or on an object store a snapshot that does not exist)."""
-    if {METADATA_FNAME, INDEX_FNAME, WRITER_FNAME} & set(listing.files):
+    if {*metadata_files(), INDEX_FNAME, WRITER_FNAME} & set(listing.files):
         return True
     if SnapshotName.parse(name) is None:
         return False
@@ -261,18 +254,27 @@ def snapshot_info(
     """One snapshot given by path, judged by ``verify.check`` (with its checksums if asked)."""
     files, modified = snapshot_files(store, name)
     parsed = SnapshotName.parse(name)
-    if METADATA_FNAME not in files:
+    if not _committed(files):
         return SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
-                            problems=[f"{METADATA_FNAME} is missing: the snapshot is incomplete"])
+                            problems=[f"{_metadata_names()} is missing: the snapshot is incomplete"])
     verdict = check_snapshot(store, name, files, checksums=checksums, progress=progress)
     return SnapshotInfo(name, "snapshot", STATUS_COMPLETE if verdict.intact else STATUS_DAMAGED,
                         parsed=parsed, files=files, modified_at=modified, verdict=verdict,
                         problems=list(verdict.problems), note="; ".join(verdict.notes), checksummed=checksums)
 
 
+def _committed(files: dict[str, FileInfo]) -> bool:
+    """Whether a snapshot's files hold the metadata of a format (its commit wrote it last)."""
+    return any(m in files for m in metadata_files())
+
+
+def _metadata_names() -> str:
+    return " or ".join(metadata_files())
+
+
 def file_role(rel: str) -> str:
     """What one file of a snapshot is: "metadata", "index", "writer" (the writer's record) or "payload"."""
-    if rel == METADATA_FNAME:
+    if rel in metadata_files():
         return "metadata"
     if rel == INDEX_FNAME or rel.startswith(PARTS_DIR + "/"):
         return "index"
@@ -317,10 +319,10 @@ def survey(
             )
         elif parsed is None:
             foreign.append(SnapshotInfo(name, "foreign", STATUS_FOREIGN, files=files, modified_at=modified, note="directory"))
-        elif METADATA_FNAME not in files:
+        elif not _committed(files):
             snapshots.append(
                 SnapshotInfo(name, "snapshot", STATUS_INCOMPLETE, parsed=parsed, files=files, modified_at=modified,
-                             note=f"no {METADATA_FNAME}: an interrupted write, or one in progress")
+                             note=f"no {_metadata_names()}: an interrupted write, or one in progress")
             )
         else:
             verdict = check_snapshot(store, name, files, checksums=checksums, progress=progress)

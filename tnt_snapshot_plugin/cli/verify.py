@@ -31,8 +31,8 @@ from tnt_snapshot_plugin.cli.output import (
     say,
 )
 from tnt_snapshot_plugin.cli.survey import SnapshotInfo, snapshot_info, survey
+from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.stores import METADATA_FNAME
 
 
 @cli.command("verify")
@@ -48,8 +48,10 @@ def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], regi
     damaged file.
     """
     opts = s3_options(endpoint_url, region)
-    single = SnapshotName.parse(target.rstrip("/").rpartition("/")[2]) is not None or target.rstrip("/").endswith(METADATA_FNAME)
-    if not single and "://" not in target and os.path.isfile(os.path.join(target, METADATA_FNAME)):
+    single = SnapshotName.parse(target.rstrip("/").rpartition("/")[2]) is not None or target.rstrip("/").endswith(
+        tuple(metadata_files())
+    )
+    if not single and "://" not in target and any(os.path.isfile(os.path.join(target, m)) for m in metadata_files()):
         single = True
     err = console(err=True)
     with Progress(err, enabled=err.is_terminal and not as_json) as advance:

@@ -1,10 +1,10 @@
-"""torchsnapshot's on-disk format, written and read by the plugin itself.
+"""The bytes a snapshot holds: its on-disk formats, and what the plugin adds to every format.
 
-A snapshot is a directory: payload files, and ``.snapshot_metadata`` (JSON) holding the manifest,
-one record per saved value, in torchsnapshot's own schema. Stock torchsnapshot (and torchtnt's
-saver) read what the plugin writes, and the plugin reads what they write.
-
-* :mod:`.common`: what writer and reader share (path encoding, dtype names, tensor bytes).
-* :mod:`.writer`: state dicts -> manifest records and payloads (small tensors packed).
-* :mod:`.reader`: manifest records + payload bytes -> state dicts, read into the target tensors.
+* :mod:`.base`: the format seam (``Format``: write, check, read); :mod:`.registry`: which formats
+  there are, and a snapshot's; :mod:`.torchsnapshot`: torchsnapshot's format (the default).
+* The plugin's own, whatever the format: :mod:`.index` (each snapshot's sealed index: its files'
+  sizes and checksums, its commit sequence number), :mod:`.checksums`, :mod:`.verify` (whether a
+  snapshot is intact), :mod:`.listing` (what a dirpath holds), :mod:`.files` (a snapshot's files
+  as a format reads them), :mod:`.objects` (how pickled objects are loaded), :mod:`.structure`
+  (whether pieces of a tensor tile it), :mod:`.holdings` (a dirpath described in words).
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tnt_snapshot_plugin.format import listing
+
 if TYPE_CHECKING:
     from tnt_snapshot_plugin.stores import Store
 
@@ -20,7 +22,7 @@ def complete_names(store: Store) -> list[str]:
     """The complete snapshots in ``store``'s directory, oldest first in commit order; [] when
     the directory cannot be listed (missing, not a directory, unreachable)."""
     try:
-        return [s.text for s in store.complete_snapshots()]
+        return [s.text for s in listing.complete_snapshots(store)]
     except Exception:  # a message about another problem must not fail on this one
         return []
 

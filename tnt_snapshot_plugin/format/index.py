@@ -37,9 +37,9 @@ import xxhash
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
 from tnt_snapshot_plugin.format.structure import MAX_INT64
 from tnt_snapshot_plugin.format.torchsnapshot.manifest import MAX_WORLD_SIZE, escapes
+from tnt_snapshot_plugin.stores.base import INDEX_FNAME
 
 #: The index file of every snapshot the plugin commits.
-INDEX_FNAME = ".tnt_snapshot_index.json"
 #: The field holding the index's own digest.
 SEAL_FIELD = "seal"
 #: The directory of the index's parts (a snapshot of several ranks).

@@ -253,11 +253,20 @@ class LoadCheck:
         if signature in self._ok:
             return
         buf = io.BytesIO()
-        torch.save(value, buf)
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        try:
+            torch.save(value, buf)
+        except Exception as exc:
+            raise UnrestorableStateError(
+                f"the app-state entry {path!r} holds a {kind} that cannot be encoded into a "
+                f"snapshot ({type(exc).__name__}: {exc}). Nothing was committed, and training stops "
+                "whatever on_save_error says: every snapshot of this state would fail the same way. "
+                "Store it as tensors or plain values (numbers, strings, lists, dicts), or make it "
+                "picklable (a class defined at module level, a function by name, not a lambda)"
+            ) from exc
         try:
             loaded = load_object(buf.getbuffer(), weights_only=True)
         except Exception as exc:
-            kind = f"{type(value).__module__}.{type(value).__qualname__}"
             raise UnrestorableStateError(
                 f"the snapshot entry {path!r} holds a {kind} that restore could not load: "
                 f"torch.load(weights_only=True) refuses it ({refusal(exc)}). Nothing was written. "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from tnt_snapshot_plugin.errors import CleanupWarning, OutOfSpaceWarning
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.policies import retention
 
 logger = logging.getLogger("tnt_snapshot_plugin.saving.writer")
@@ -85,7 +86,7 @@ def free_early(writer: Any, job: Any) -> Optional[FreedEarly]:
     """Rank 0: delete what retention would delete once ``job`` commits, sparing the newest
     committed snapshot; what was deleted (None: nothing)."""
     store = writer.store
-    listed = [r for r in store.listed() if r.text != job.name.text]
+    listed = [r for r in listing.listed(store) if r.text != job.name.text]
     if not listed:
         return None
     newest = listed[-1]  # commit order: never freed, whatever retention would say
@@ -104,7 +105,7 @@ def free_early(writer: Any, job: Any) -> Optional[FreedEarly]:
     doomed = writer.preservation.to_delete(listed + [this], protect=[job.name.text, newest.text, *writer.protected])
     if not doomed:
         return None
-    problems = retention.apply(store, doomed)
+    problems = retention.apply(listing.Deletions(store), doomed)
     freed = [r.text for r in doomed if r.text not in store.list_names()]
     job.warnings.extend((CleanupWarning, problem) for problem in problems)
     if not freed:
@@ -133,7 +134,7 @@ def retain_after_commit(writer: Any, job: Any, listed: list[retention.Listed]) -
     if writer.preservation is None:
         return
     doomed = writer.preservation.to_delete(listed, protect=[job.name.text, *writer.protected])
-    job.warnings.extend((CleanupWarning, problem) for problem in retention.apply(writer.store, doomed))
+    job.warnings.extend((CleanupWarning, problem) for problem in retention.apply(listing.Deletions(writer.store), doomed))
 
 
 def retain_at_start(writer: Any) -> None:
@@ -144,11 +145,11 @@ def retain_at_start(writer: Any) -> None:
     if writer.preservation is None:
         return
     try:
-        doomed = writer.preservation.to_delete(writer.store.listed(), protect=list(writer.protected))
+        doomed = writer.preservation.to_delete(listing.listed(writer.store), protect=list(writer.protected))
     except Exception as exc:  # a listing that fails: the next commit's retention tries again
         logger.warning("retention at train start could not list %s: %s", writer.store.url, exc)
         return
-    for problem in retention.apply(writer.store, doomed):
+    for problem in retention.apply(listing.Deletions(writer.store), doomed):
         logger.warning("%s", problem)
 
 

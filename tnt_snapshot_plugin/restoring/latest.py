@@ -22,13 +22,14 @@ from tnt_snapshot_plugin.errors import (
     SnapshotCorruptError,
     SnapshotFallbackWarning,
 )
-from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format import listing, registry, verify
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.restoring.files import not_a_directory
 from tnt_snapshot_plugin.restoring.request import RestoreRequest
-from tnt_snapshot_plugin.stores import INDEX_FNAME, LocalStore, Store, open_store
-from tnt_snapshot_plugin.stores.base import LEASE_FNAME, LOCK_FNAME, METADATA_FNAME
+from tnt_snapshot_plugin.stores import LocalStore, Store, open_store
+from tnt_snapshot_plugin.stores.base import LEASE_FNAME, LOCK_FNAME
 from tnt_snapshot_plugin.stores.ownership import writer_gone
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
@@ -50,7 +51,7 @@ def latest_snapshot(
     store = open_store(dirpath, storage_options)
 
     def newest() -> Optional[str]:
-        for found in reversed(store.complete_snapshots()):
+        for found in reversed(listing.complete_snapshots(store)):
             problem = verify.check(store, found.text).problem if verified else None
             if problem is None:
                 return store.child(found.text)
@@ -82,7 +83,7 @@ def best_snapshot(
 
     def pick() -> Optional[str]:  # rank 0's dirpath only (the others may pass "")
         store = open_store(dirpath, storage_options)
-        found = retention.best(store.listed(), metric, mode)
+        found = retention.best(listing.listed(store), metric, mode)
         return store.child(found.text) if found is not None else None
 
     return coll.on_rank0(pick)
@@ -268,8 +269,8 @@ def found_in(store: Store) -> Found:
     )
     return Found(
         f"holds no snapshot to restore, only {held}",
-        f"restore reads snapshots in torchsnapshot's format (directories holding {METADATA_FNAME}) "
-        "only; pass the dirpath the saver wrote to",
+        f"restore reads snapshots in the formats {', '.join(registry.names())} (directories holding "
+        f"{' or '.join(registry.metadata_files())}) only; pass the dirpath the saver wrote to",
         False,
     )
 
@@ -283,9 +284,9 @@ def _kind(store: Store, name: str, is_dir: bool) -> str:
     if is_staging_name(name):
         return "interrupted snapshot writes, never restored"
     if SnapshotName.parse(name) is not None:
-        if store.is_complete(name):
+        if listing.is_complete(store, name):
             return "damaged snapshots"
-        return f"snapshots never committed, without {METADATA_FNAME}"
+        return f"snapshots never committed, without {' or '.join(registry.metadata_files())}"
     if store.has_file(name, ".metadata"):
         return "torch.distributed.checkpoint checkpoints"
     return "other directories"
@@ -297,7 +298,7 @@ def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[
     problem = coll.on_rank0(lambda: not_a_directory(store))
     if problem is not None:
         raise ConfigError(f"dirpath {dirpath!r} {problem}; pass the directory the saver wrote to")
-    candidates: list[str] = coll.on_rank0(lambda: [s.text for s in reversed(store.complete_snapshots())])
+    candidates: list[str] = coll.on_rank0(lambda: [s.text for s in reversed(listing.complete_snapshots(store))])
     if coll.rank == 0 and newest is None:
         for name in _uncommitted_after(store, candidates[0] if candidates else None):
             _warn_uncommitted(store, name, candidates[0] if candidates else None)
@@ -320,7 +321,7 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     )
     if store.protocol.renames:
         warnings.warn(
-            f"skipping damaged snapshot {path}: it holds the plugin's index but no {METADATA_FNAME}, "
+            f"skipping damaged snapshot {path}: it holds the plugin's index but no metadata, "
             f"so it was damaged after its commit (a file removed, or an incomplete copy); {instead}",
             SnapshotFallbackWarning,
             stacklevel=5,
@@ -328,11 +329,11 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
         return
     if before is None:
         return  # NothingToRestoreWarning names it among what the dirpath holds
-    gone = writer_gone(store.read_writer(name))
+    gone = writer_gone(listing.read_writer(store, name))
     writer = f"the writer is gone: {gone}" if gone is not None else "or one still in progress: the writer is not known to be gone"
     warnings.warn(
         f"snapshot {path} is an interrupted commit ({writer}; its index was written, its "
-        f"{METADATA_FNAME} never was): nothing committed is lost, and {instead}",
+        f"metadata never was): nothing committed is lost, and {instead}",
         InterruptedCommitWarning,
         stacklevel=5,
     )
@@ -381,7 +382,7 @@ def _uncommitted_after(store: Store, newest: Optional[str]) -> list[str]:
         name = SnapshotName.parse(text)
         if name is None or name.phase_aware or (after is not None and name.sort_key[:2] <= after):
             continue
-        if not store.is_complete(text) and store.has_file(text, INDEX_FNAME):
+        if not listing.is_complete(store, text) and store.has_file(text, INDEX_FNAME):
             found.append(text)
     return sorted(found)
 

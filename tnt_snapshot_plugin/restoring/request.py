@@ -13,7 +13,6 @@ rank makes every rank fall back together.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import warnings
@@ -32,9 +31,10 @@ from tnt_snapshot_plugin.errors import (
     StateMismatchError,
 )
 from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.base import FormatReader
+from tnt_snapshot_plugin.format.files import SnapshotFiles
 from tnt_snapshot_plugin.format.objects import allowed_globals
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata, rank_view, saved_keys
-from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import Groups, PartialView, RankRegions
+from tnt_snapshot_plugin.format.registry import format_of, get_format
 from tnt_snapshot_plugin.hooks import extra_state_sources, new_plugin_manager
 from tnt_snapshot_plugin.restoring.agreement import (
     StatefulError,
@@ -43,9 +43,7 @@ from tnt_snapshot_plugin.restoring.agreement import (
     is_users,
     raise_own_error,
 )
-from tnt_snapshot_plugin.restoring.checks import check_modules
-from tnt_snapshot_plugin.restoring.files import metadata_range, read_metadata, reading_io, require_complete
-from tnt_snapshot_plugin.restoring.world_size import fit_world_size, mark_same
+from tnt_snapshot_plugin.restoring.files import require_complete
 from tnt_snapshot_plugin.stores import Store, open_store, split_snapshot_path
 
 logger = logging.getLogger("tnt_snapshot_plugin.restoring")
@@ -96,25 +94,17 @@ class RestoreRequest:
         refused on every rank (SnapshotCorruptError) before anything is read into the state."""
         return _Restore(self, path, checked).run()
 
-    def restore_from_latest(self, dirpath: str, **kwargs: Any) -> Optional[str]:
-        """:func:`restoring.restore_from_latest` with this request."""
-        from tnt_snapshot_plugin.restoring.latest import restore_from_latest
-
-        return restore_from_latest(dirpath, request=self, **kwargs)
-
 
 @dataclass
 class _Checked:
-    """What the check phase found: what to load, from which view of the manifest."""
+    """What the check phase found: what to load, and the format's reader of the snapshot."""
 
-    meta: Metadata
-    view: dict[str, dict]
+    reader: FormatReader
     present: set[str]
     load: dict[str, Any]
     currents: dict[str, Any] = field(default_factory=dict)  # state dicts already asked for
     sinks: dict[str, Value] = field(default_factory=dict)
     restore_rng: bool = True
-    view_rank: int = 0
 
 
 class _Restore:
@@ -127,8 +117,6 @@ class _Restore:
         self.path = path
         self.verdict = checked
         self.started = time.perf_counter()
-        self.groups: Optional[Groups] = None  # the groups of the metadata read, where read by rank
-        self.same: list[str] = []  # per-rank entries equal on every saved rank (another world size)
 
     def run(self) -> list[str]:
         store, name = self.resolve()
@@ -158,17 +146,26 @@ class _Restore:
         require_complete(store, name, self.path, self.coll)
         if not checked:
             self.verdict = self.checked(store, name)
+        # every rank learns the format of rank 0's verdict (the others read the index themselves)
+        fmt_name = self.coll.broadcast(self.verdict.format.name if self.verdict is not None and self.verdict.format else None)
         # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
-        self.io = reading_io(store, name, self.path, self.request.io_concurrency, checked=self.verdict)
+        self.files = SnapshotFiles.open(
+            store, name, self.path, concurrency=self.request.io_concurrency,
+            index=self.verdict.index if self.verdict is not None else None,
+            read_index=self.verdict is None,
+        )
+        self.format = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
+        if self.format is None:
+            raise verify.damaged(self.path, "it holds the metadata of no format this version reads")
         self.store, self.name = store, name
         return store, name
 
     def checked(self, store: Store, name: str) -> Optional[verify.Verdict]:
         """Rank 0's ``verify.check`` of the snapshot, the check restore_from_latest makes before
         it restores one (the verdict on rank 0, None on the others); a damaged snapshot raises
-        SnapshotCorruptError on every rank. Restored on several ranks from its groups of records,
-        rank 0 leaves the metadata's whole-file checksum out: each rank checks the digest of the
-        groups it reads (``format.rank_regions.Groups``)."""
+        SnapshotCorruptError on every rank. Restored on several ranks from the parts of its
+        metadata each reads, rank 0 leaves the metadata's whole-file checksum out: each rank
+        checks the digest of the parts it reads."""
         found: list[verify.Verdict] = []
 
         def check() -> Optional[str]:
@@ -195,62 +192,21 @@ class _Restore:
             wanted.update(entries)
         return wanted
 
-    def metadata(self, store: Store, name: str) -> tuple[Metadata, Optional[dict[str, dict]]]:
-        """The snapshot's metadata, and this rank's view where it was read by rank.
-
-        A rank of several reads rank 0's records and its own (those of saved rank 0 on a rank
-        the snapshot did not have), not every rank's (``format.rank_regions.Groups``: ranged
-        reads of the groups the index locates, each checked against its digest); the groups of
-        other ranks whose shards a target needs are read when the key is (:meth:`read`). Rank 0
-        of a restore on another world size compares every saved rank's entries
-        (``world_size.fit_world_size``), and one rank, or a snapshot without ranked groups,
-        reads the whole metadata, checked against its checksum."""
-        if self.verdict is not None and self.verdict.metadata is not None:
-            return self.verdict.metadata, None  # read and checked by restore_from_latest, on this rank
-        regions = RankRegions.from_index(self.io.snapshot_index) if self.coll.world_size > 1 else None
-        if regions is not None and (len(regions.regions) == self.coll.world_size or self.coll.rank != 0):
-            saved = len(regions.regions)
-            view_rank = self.coll.rank if self.coll.rank < saved else 0
-            self.groups = Groups(functools.partial(metadata_range, store, name), regions, self.path)
-            self.groups.load(0)
-            self.groups.load(view_rank)
-            return self.groups.meta, self.groups.view(view_rank)
-        return self.whole_metadata(), None
-
-    def whole_metadata(self) -> Metadata:
-        from tnt_snapshot_plugin.format.torchsnapshot.manifest import parse_metadata
-
-        regions = RankRegions.from_index(self.io.snapshot_index)
-        shapes = regions.shapes if regions is not None else None
-        try:
-            return parse_metadata(read_metadata(self.store, self.name, self.io.verifier), self.path, shapes)
-        except SnapshotError:
-            raise  # damaged metadata, or the storage is unreachable
-        except Exception as exc:
-            raise SnapshotCorruptError(f"snapshot {self.path} has unreadable metadata: {exc}") from exc
-
     def check(self, store: Store, name: str) -> _Checked:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
-        request, coll, path = self.request, self.coll, self.path
+        request, coll = self.request, self.coll
         wanted = self.wanted()
-        meta, view = self.metadata(store, name)
-        # A rank the snapshot did not have checks against rank 0's entries; the world-size check
-        # decides what it may load.
-        view_rank = coll.rank if coll.rank < meta.world_size else 0
-        if view is None:
-            view = rank_view(meta, view_rank)
-        if not view:
-            raise SnapshotCorruptError(f"snapshot {path} has an empty manifest: it holds no entries")
-        present = saved_keys(view)
+        verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
+        reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+        present = reader.keys()
         restore_rng = True
-        if meta.world_size != coll.world_size:
+        if reader.world_size != coll.world_size:
             mapped = present if request.rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
-            io = self.io
-            restore_rng, self.same = fit_world_size(path, meta, io.read_into, io.file_size, io.verifier, mapped, coll)
+            restore_rng = reader.fit_world_size(mapped)
         load = self.select(wanted, present)
-        checked = _Checked(meta, view, present, load, restore_rng=restore_rng, view_rank=view_rank)
+        checked = _Checked(reader, present, load, restore_rng=restore_rng)
         if request.strict:
-            checked.currents = check_modules(path, load, view)
+            checked.currents = reader.check_modules(load)
         if request.rest is not None:
             checked.sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
             load.update(checked.sinks)
@@ -294,9 +250,7 @@ class _Restore:
 
     def read(self, checked: _Checked, order: list[str]) -> tuple[dict[str, Any], Optional[StatefulError]]:
         """Every entry's state dict, read; the ranks agree on the reads before anything loads."""
-        view = checked.view
-        if checked.view_rank != self.coll.rank:  # a rank the snapshot did not have
-            view = self.groups.view(self.coll.rank) if self.groups is not None else rank_view(checked.meta, self.coll.rank)
+        reader = checked.reader
         states: dict[str, Any] = {}
         read_errors: list[tuple[str, BaseException]] = []
         own_error: Optional[StatefulError] = None
@@ -311,40 +265,11 @@ class _Restore:
                     own_error = own_error or StatefulError(key, "state_dict", target, exc)
                     continue
                 try:
-                    view, states[key] = self.read_widening(view, key, current)
+                    states[key] = reader.read(key, current)
                 except Exception as exc:  # agreed on below, on every rank
                     read_errors.append((key, exc))
         agree_on_read_errors(self.path, read_errors, self.coll)
         return states, own_error
-
-    def read_widening(self, view: dict[str, dict], key: str, current: Any) -> tuple[dict[str, dict], Any]:
-        """The view the key was read with, and its state dict. A view read by rank that lacks
-        shards a target needs (found as the read is planned, before anything is read) gets the
-        groups of the ranks whose shards overlap those targets, then, if still short, the whole
-        metadata."""
-        try:
-            return view, self.read_key(view, key, current)
-        except PartialView as partial:
-            assert self.groups is not None
-            self.groups.load_overlapping(partial.boxes)
-            view = self.groups.view(self.coll.rank)
-        try:
-            return view, self.read_key(view, key, current)
-        except PartialView as partial:
-            logger.info("restoring %s: %s needs shards of more ranks; reading the whole metadata", self.path, partial)
-            whole = self.whole_metadata()
-            mark_same(whole, self.same)
-            view = rank_view(whole, self.coll.rank)
-        return view, self.read_key(view, key, current)
-
-    def read_key(self, view: dict[str, dict], key: str, current: Any) -> Any:
-        from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
-
-        io = self.io
-        return fmt.read_state_dict(
-            view, key, current, io.read_into,
-            verifier=io.verifier, file_size=io.file_size, weights_only=bool(self.request.weights_only),
-        )
 
     # -- load ---------------------------------------------------------------------------------
 

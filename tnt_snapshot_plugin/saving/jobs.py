@@ -38,7 +38,9 @@ class Job:
     path: str
     staging: str
     frozen: dict[str, Any]
-    replicated: list[str]
+    #: which entries are the same on every rank: (the ``replicated`` globs, the keys of DDP
+    #: modules, the keys never so), for the format to resolve
+    replicas: tuple[Optional[list[str]], tuple[str, ...], tuple[str, ...]]
     #: the write's outcome: its exception, or None once it committed
     future: Optional[Future] = None
     #: what to warn about at the reap, on the training thread: (category, message)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from tnt_snapshot_plugin.distributed import Collectives
 from tnt_snapshot_plugin.errors import CleanupWarning, SnapshotError, SnapshotsAheadWarning
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retaining, retention
 from tnt_snapshot_plugin.stores import DirLock, Store
@@ -41,7 +42,7 @@ def prepare(store: Store, epoch: Optional[int], step: Optional[int]) -> list[str
     if epoch is None or step is None:
         return []
     try:
-        return [r.text for r in retention.ahead_of(store.listed(), epoch, step)]
+        return [r.text for r in retention.ahead_of(listing.listed(store), epoch, step)]
     except Exception as exc:
         logger.warning("could not list %s: %s", store.url, exc)
         return []
@@ -63,7 +64,7 @@ def remove_leftovers(store: Store) -> None:
         if why is None:
             continue
         try:
-            store.remove(name)
+            listing.remove(store, name)
             logger.info("removed %s left by an interrupted snapshot (%s)", name, why)
         except (OSError, SnapshotError) as exc:
             warnings.warn(
@@ -78,11 +79,11 @@ def _abandoned(store: Store, name: str) -> Optional[str]:
     parsed = SnapshotName.parse(name)
     if is_staging_name(name):
         token = name.rsplit(".", 1)[1]
-        if token.startswith("del") and store.provably_ours(name):
+        if token.startswith("del") and listing.provably_ours(store, name):
             return "a deletion was interrupted"
-        why = writer_gone(store.read_writer(name) or store.bare_staging_writer(name))
-    elif parsed is not None and not parsed.phase_aware and not store.is_complete(name):
-        why = writer_gone(store.read_writer(name)) if store.provably_ours(name) else None
+        why = writer_gone(listing.read_writer(store, name) or store.bare_staging_writer(name))
+    elif parsed is not None and not parsed.phase_aware and not listing.is_complete(store, name):
+        why = writer_gone(listing.read_writer(store, name)) if listing.provably_ours(store, name) else None
     else:
         return None
     if why is None:
@@ -203,6 +204,6 @@ class RunGuard:
         this). Another run's snapshot of that name is replaced: it is not this run's state."""
         if name not in self.writer.committed:
             return False
-        index = self.store.read_index(name)
+        index = listing.read_index(self.store, name)
         writer = index.get("writer") if index is not None else None
-        return isinstance(writer, dict) and writer.get("run_id") == self.run_id and self.store.is_complete(name)
+        return isinstance(writer, dict) and writer.get("run_id") == self.run_id and listing.is_complete(self.store, name)

@@ -65,7 +65,6 @@ from tnt_snapshot_plugin.app_state import (
     RNG_STATE_KEY,
     RNGState,
     check_collisions,
-    replicated_patterns,
 )
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
@@ -470,7 +469,7 @@ class Snapshotter:
             path=self.store.child(name.text),
             staging=staging,
             frozen=frozen,
-            replicated=replicated_patterns(self.config.replicated, frozen, auto, self._never_replicated),
+            replicas=(self.config.replicated, tuple(auto), self._never_replicated),
             sources=sources,
         )
         del sources

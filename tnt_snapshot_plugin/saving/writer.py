@@ -3,25 +3,23 @@
 :class:`SnapshotWriter` runs on the saver's writer thread (or on the training thread for a
 synchronous snapshot). For each snapshot, on every rank:
 
-1. check that restore could load every object entry (``loading.LoadCheck``; the ranks agree);
+1. check that restore could load every object of the state (``format.objects.LoadCheck``; the
+   ranks agree);
 2. rank 0 marks the staging directory as the plugin's (its writer marker);
-3. flatten the frozen state into manifest records and payloads (``format.writer``) and write the
-   payloads through the store, several files at once, each as soon as it is complete (while the
-   rest is still being planned), each file's checksum computed from the bytes in hand
-   (``checksums``);
+3. the snapshot's format encodes the state (``format.base.FormatWriter.encode``) and hands each
+   payload file to this writer as soon as it is complete: it is written through the store,
+   several files at once, each file's checksum computed from the bytes in hand (``checksums``);
 4. on several ranks, each rank writes its files' sizes and checksums as its part of the index
    (``index.part_bytes``);
-5. one collective gathers every rank's records (on several ranks, what changed since the last
-   snapshot: ``coordination.py``) and outcome, with its part's size and digest (one rank: its
-   file sizes and checksums);
-6. rank 0 commits: ``.snapshot_metadata`` (the manifest, from each rank's group of it) and the
-   plugin's index, by the store's
-   commit strategy (a rename on disk, the metadata written last on an object store); then
-   retention deletes older snapshots, never before.
+5. one collective gathers every rank's records (what the format sends) and outcome, with its
+   part's size and digest (one rank: its file sizes and checksums);
+6. rank 0 commits: the format's metadata and the plugin's index, by the store's commit strategy
+   (a rename on disk, the metadata written last on an object store); then retention deletes
+   older snapshots, never before.
 
 A failure on any rank is raised on every rank, and the staging directory is removed: nothing
 that restore would pick is left behind. Cadence, staging copies and reaping stay in
-``snapshotter.py``.
+``saving/saver.py``.
 """
 
 from __future__ import annotations
@@ -43,25 +41,15 @@ from tnt_snapshot_plugin.errors import (
     SnapshotWriteError,
     StorageUnavailableError,
     UnrestorableStateError,
+    as_write_error,
 )
 from tnt_snapshot_plugin.format import index as index_file
+from tnt_snapshot_plugin.format import listing
+from tnt_snapshot_plugin.format.base import Format, Payload
 from tnt_snapshot_plugin.format.checksums import new_hasher, record_views, record_whole
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.objects import LoadCheck
-from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
-from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
-from tnt_snapshot_plugin.format.torchsnapshot.coordination import (
-    RecordDeltas,
-    grouped_metadata,
-    sharded_shapes,
-)
-from tnt_snapshot_plugin.format.torchsnapshot.encoding import (
-    agree_replicated,
-    check_loadable,
-    flatten,
-    unencodable,
-    write_error,
-)
+from tnt_snapshot_plugin.format.registry import DEFAULT, get_format
 from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.policies.retaining import (
     chain,
@@ -70,6 +58,7 @@ from tnt_snapshot_plugin.policies.retaining import (
     retain_after_commit,
 )
 from tnt_snapshot_plugin.stores import DirLock, Store
+from tnt_snapshot_plugin.stores.commit import buffers
 from tnt_snapshot_plugin.stores.ownership import writer_identity
 
 logger = logging.getLogger(__name__)
@@ -81,7 +70,8 @@ DEFAULT_IO_THREADS = 4
 
 
 class SnapshotWriter:
-    """Writes snapshots of one dirpath, one at a time, and commits them in order.
+    """Writes snapshots of one dirpath, one at a time, in the configured format, and commits
+    them in order.
 
     ``last_seq``: the commit sequence number of this run's last snapshot (None until the first
     commit of a run lists the directory); ``committed``: the names this run committed (rank 0).
@@ -93,6 +83,9 @@ class SnapshotWriter:
         self.coll = collectives
         self.config = config
         self.load_check = load_check
+        #: the format snapshots are written in, and its writer for this saver
+        self.format: Format = get_format(config.format)
+        self.encoder = self.format.writer(collectives, config)
         self.last_seq: Optional[int] = None
         self.committed: set[str] = set()
         #: names retention never deletes (Snapshotter.protected)
@@ -101,22 +94,15 @@ class SnapshotWriter:
         self.preservation = policies.preservation(config)
         #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
         self._pool: Optional[ThreadPoolExecutor] = None
-        #: the last plan's tensor layout, reused while the state's layout is unchanged
-        self.plans = fmt.PlanCache()
-        #: where a reused plan gathers packs of tensors apart in memory (fmt.PackBuffer)
-        self._pack_buffer = fmt.PackBuffer()
         #: whether this run has warned that it deleted snapshots early to make room
         self._space_warned = False
-        #: the records rank 0 holds from the last snapshot: later ones send what changed
-        self.deltas = RecordDeltas(enabled=collectives.world_size > 1)
-        self._shapes: dict[str, list[int]] = {}
         #: the run's hold on dirpath (rank 0; RunGuard sets it), checked before each commit
         self.lock: Optional[DirLock] = None
 
     def close(self) -> None:
-        """Let the I/O threads and the pack buffer go (training is over); a later snapshot
+        """Let the I/O threads and the format's buffers go (training is over); a later snapshot
         makes them again."""
-        self._pack_buffer = fmt.PackBuffer()
+        self.encoder.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
@@ -125,14 +111,13 @@ class SnapshotWriter:
         """Forget the last run: its next commit lists the directory again."""
         self.last_seq = None
         self.committed = set()
-        self.plans.clear()
+        self.encoder.new_run()
         self._space_warned = False
-        self.deltas.reset()
 
     # -- one snapshot -----------------------------------------------------------------------
 
     def write(self, job: Any, run_id: str, *, locked: bool) -> None:
-        """Write and commit ``job`` (snapshotter._Job); raise on every rank if any rank failed.
+        """Write and commit ``job`` (``saving.jobs.Job``); raise on every rank if any rank failed.
 
         ``locked``: this run holds the dirpath lock (no one else commits meanwhile).
 
@@ -154,60 +139,52 @@ class SnapshotWriter:
             note_written_again(self, job, freed)
 
     def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
-        coll, store = self.coll, self.store
-        check_loadable(self.load_check, self.coll, job)
+        coll, store, encoder = self.coll, self.store, self.encoder
+        check_loadable(self.load_check, coll, job)
         writer = writer_identity(run_id)
         coll.on_rank0(lambda: self._begin(job, writer))
-        entries: dict[str, str] = {}  # manifest path -> record (JSON text)
-        sizes: dict[str, int] = {}
-        sums: dict[str, dict[str, Any]] = {}
-        containers, leaves, error = flatten(job)
-        # Collective, made by every rank whatever happened above.
-        replicated = agree_replicated(self.coll, job, leaves if error is None else {})
-        if error is None:
-            entries, sizes, sums, error = self._write_payloads(job, containers, leaves, replicated)
-        listing: Any = (sizes, sums)  # what rank 0 puts in the index for this rank's files
+        writes = _Writes(self, job.staging)
+        records, error = encoder.encode(job, writes)
+        try:  # every write submitted is waited for, even after a failure (then discarded)
+            sizes, sums = writes.finish()
+        except Exception as exc:
+            sizes, sums = {}, {}
+            error = error or as_write_error(exc, f"snapshot {job.name}")
+        listing_: Any = (sizes, sums)  # what rank 0 puts in the index for this rank's files
         if error is None and coll.world_size > 1:
-            listing, error = _write_part(self.store, self.coll.rank, job, sizes, sums)
-        # Every rank's records (those that changed since the last snapshot: coordination.py)
-        # and its files' listing, to rank 0, which alone commits: one collective, and no rank
-        # but rank 0 holds the others' records.
-        deltas = self.deltas
-        gathered = coll.gather((deltas.outgoing(entries), listing) if error is None else None)
+            listing_, error = _write_part(store, coll.rank, job, sizes, sums)
+        # Every rank's records (what its format sends) and its files' listing, to rank 0, which
+        # alone commits: one collective, and no rank but rank 0 holds the others' records.
+        gathered = coll.gather((encoder.outgoing(records), listing_) if error is None else None)
         try:
             # the state's own fault on every rank that failed: the same on every rank
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
         except SnapshotError as failure:
-            deltas.reset()  # on every rank: the next snapshot sends every record again
+            encoder.aborted()
             if coll.rank == 0 and self._may_clean_up(failure):
                 try:
-                    store.remove(job.staging)
+                    listing.remove(store, job.staging)
                 except Exception as exc:  # the failed write stays invisible to restore anyway
                     job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
             raise
 
-        # the whole shape of each sharded tensor, for the index's "ranks" (coordination.py)
-        self._shapes = sharded_shapes(leaves) if coll.rank == 0 and coll.world_size > 1 else {}
-
         def commit() -> int:
             assert gathered is not None  # rank 0
-            zeros = [deltas.incoming(rank, part[0]) for rank, part in enumerate(gathered) if part is not None]
-            listings = [part[1] for part in gathered if part is not None]
-            return self._commit(job, writer, zeros, deltas.groups(len(zeros)), listings, locked)
+            return self._commit(job, writer, [part[0] for part in gathered], [part[1] for part in gathered], locked)
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
         try:
             job.bytes_written = coll.on_rank0(commit)
         except BaseException:
-            deltas.reset()  # raised on every rank (on_rank0)
+            encoder.aborted()  # raised on every rank (on_rank0)
             raise
-        deltas.settle()
+        encoder.settled()
 
     def _begin(self, job: Any, writer: dict[str, Any]) -> None:
         """Rank 0: the staging directory of ``job``, marked as the plugin's; a name a foreign
         directory holds is refused."""
         store = self.store
-        occupant = store.occupant(job.name.text)
+        occupant = listing.occupant(store, job.name.text)
         if occupant == "foreign":
             raise SnapshotWriteError(
                 f"{store.child(job.name.text)} exists and was not written by the plugin (it "
@@ -215,45 +192,8 @@ class SnapshotWriter:
                 "snapshot cannot take its name: move it out of dirpath"
             )
         if occupant == "ours" and job.staging == job.name.text:
-            store.remove(job.staging)  # written in place (object stores): clear the old first
+            listing.remove(store, job.staging)  # written in place (object stores): clear the old first
         store.begin(job.staging, {**writer, "started_at": time.time()})
-
-    def _write_payloads(
-        self, job: Any, containers: dict[str, dict[str, Any]], leaves: dict[str, Any], replicated: set[str]
-    ) -> tuple[dict[str, str], dict[str, int], dict[str, dict[str, Any]], Optional[BaseException]]:
-        """Plan this rank's part and write its files: (records, sizes, checksums, error)."""
-        coll, store = self.coll, self.store
-        entries: dict[str, str] = {}
-        sizes: dict[str, int] = {}
-        sums: dict[str, dict[str, Any]] = {}
-        error: Optional[BaseException] = None
-        writes = _Writes(self, job.staging)
-        # A pack is gathered into one buffer, reused by the next pack, only where nothing
-        # reads it after submit() returns: written at once, or the store's start_payload
-        # has copied it (local disk: into the page cache).
-        gather = writes.pool is None or store.start_payload_copies
-        try:
-            entries = fmt.plan(
-                containers,
-                leaves,
-                rank=coll.rank,
-                world_size=coll.world_size,
-                replicated=replicated,
-                emit=writes.submit,
-                cache=self.plans,
-                pack_buffer=self._pack_buffer if gather else None,
-            ).entries
-        except Exception as exc:
-            # A failure of the storage comes out of writes.submit, and writes.finish raises the
-            # write that failed first (not a write refused after it); any other is the
-            # format's, encoding the state.
-            if exc is not writes.failed:
-                error = unencodable(job, exc, leaves)
-        try:  # every write submitted is waited for, even after a failure (then discarded)
-            sizes, sums = writes.finish()
-        except Exception as exc:
-            error = error or write_error(job, exc)
-        return entries, sizes, sums, error
 
     def _may_clean_up(self, failure: BaseException) -> bool:
         """Whether to remove what a failed write left, now. Not when the storage did not answer
@@ -273,7 +213,7 @@ class SnapshotWriter:
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
         return self._pool
 
-    def _write_payload(self, staging: str, payload: fmt.Payload) -> tuple[str, int, dict[str, Any]]:
+    def _write_payload(self, staging: str, payload: Payload) -> tuple[str, int, dict[str, Any]]:
         """Write one payload file; (its name, size, checksum record)."""
         store = self.store
         # From the bytes in hand: a file of one payload hashed piece by piece as it is written
@@ -303,7 +243,7 @@ class SnapshotWriter:
         if not (retaining or self.last_seq is None or not locked):
             return [], retaining, self.last_seq + 1
         try:
-            listed = store.listed()
+            listed = listing.listed(store)
             return listed, retaining, retention.next_seq(listed)
         except Exception as exc:
             if self.last_seq is None:
@@ -317,40 +257,35 @@ class SnapshotWriter:
             ))
             return [], False, self.last_seq + 1
 
-    def _commit_or_clean_up(self, job: Any, metadata: Any, index: Any) -> None:
+    def _commit_or_clean_up(self, job: Any, metadata: Any, index: Any, written: dict[str, int]) -> None:
         """Commit ``job`` by the store's strategy; a commit that failed leaves nothing behind."""
         store = self.store
         try:
             if self.lock is not None:
                 self.lock.check()  # never commit into a dirpath this run no longer holds
-            store.commit(job.staging, job.name.text, metadata, index)
+            store.commit(
+                job.staging, job.name.text, metadata_file=self.format.metadata_file, metadata=metadata,
+                index_file=index_file.INDEX_FNAME, index=index, written=written,
+            )
         except Exception as failure:
             if not self._may_clean_up(failure):
                 raise
             # Not committed: nothing restore would ever read; do not leave it behind (on an
             # object store it is written under its final name: only if still incomplete).
             try:
-                committed = job.staging == job.name.text and store.is_complete(job.staging)
+                committed = job.staging == job.name.text and listing.is_complete(store, job.staging)
                 if not committed and job.staging in store.list_names():
-                    store.remove(job.staging)
+                    listing.remove(store, job.staging)
             except Exception as exc:
                 job.warnings.append((CleanupWarning, f"could not remove the failed write {job.staging}: {exc}"))
             raise
 
-    def _commit(
-        self,
-        job: Any,
-        writer: dict[str, Any],
-        zeros: list[dict[str, str]],
-        groups: list[tuple[Any, str]],
-        listings: list[Any],
-        locked: bool,
-    ) -> int:
-        """Commit the snapshot of each rank's ``0/`` records and ``groups`` (coordination.py)
-        and ``listings`` (each rank's files: (sizes, checksums) on one rank, (part entry, bytes)
-        on several); its bytes."""
-        # each rank's records together, and where they lie in the index (coordination.py)
-        metadata, regions = grouped_metadata(zeros, groups, self.coll.world_size)
+    def _commit(self, job: Any, writer: dict[str, Any], records: list[Any], listings: list[Any], locked: bool) -> int:
+        """Commit the snapshot of every rank's ``records`` (what its format sent) and
+        ``listings`` (each rank's files: (sizes, checksums) on one rank, (part entry, bytes) on
+        several); its bytes."""
+        made, extra = self.encoder.metadata(records)
+        metadata = buffers(made)  # the format's bytes, or its buffers to write one after another
         listed, retaining, seq = self._listed_and_seq(job, locked)
         files, checksums, nbytes = _listed(self.coll.world_size, listings)
         fields: dict[str, Any] = {
@@ -362,17 +297,22 @@ class SnapshotWriter:
             "committed_at": time.time(),
             "writer": writer,
             "world_size": self.coll.world_size,
+            **extra,
         }
-        if regions is not None:
-            fields["ranks"] = {"regions": regions, "shapes": self._shapes}
+        if self.format.name != DEFAULT:
+            fields["snapshot_format"] = self.format.name
         if self.coll.world_size > 1:
-            fields["parts"] = [listing[0] for listing in listings]
-        # the metadata too: it holds the primitive values (numbers, strings) themselves
-        fields["checksums"] = {**checksums, METADATA_FNAME: record_whole(metadata)}
+            fields["parts"] = [listing_[0] for listing_ in listings]
+        # the metadata too: it may hold values (torchsnapshot's: numbers, strings) itself
+        fields["checksums"] = {**checksums, self.format.metadata_file: record_whole(metadata)}
         if job.name.metric is not None and job.name.metric_value is not None:
             value = job.name.metric_value
             fields["metric"] = {"name": job.name.metric, "value": value if math.isfinite(value) else None}
-        self._commit_or_clean_up(job, metadata, seal_index(fields))  # sealed: its own digest
+        # Every file written must still be there at the commit: this rank's files and, on
+        # several ranks, each rank's part of the index (written last of its rank's files).
+        written = dict(files)
+        written.update((index_file.part_rel(r), p[0][0]) for r, p in enumerate(listings) if self.coll.world_size > 1)
+        self._commit_or_clean_up(job, metadata, seal_index(fields), written)  # sealed: its own digest
         self.last_seq = seq
         self.committed.add(job.name.text)
         this = retention.Listed(
@@ -390,6 +330,25 @@ class SnapshotWriter:
         if retaining:
             retain_after_commit(self, job, [r for r in listed if r.text != job.name.text] + [this])
         return nbytes
+
+
+def check_loadable(load_check: LoadCheck, coll: Collectives, job: Any) -> None:
+    """Refuse to write a snapshot restore could not load (off the training thread; every rank
+    agrees before any writes): UnrestorableStateError naming the entry, on every rank."""
+    error: Optional[BaseException] = None
+    try:
+        load_check.check(job.frozen)
+    except SnapshotError as exc:
+        error = exc
+    if error is not None and not str(error).startswith("snapshot "):
+        error = UnrestorableStateError(f"snapshot {job.name}: {error}").with_traceback(error.__traceback__)
+    if coll.world_size > 1:
+        reports = coll.all_gather(None if error is None else str(error))
+        failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
+        if failed and (error is None or len(failed) > 1):
+            raise UnrestorableStateError("; ".join(failed)) from error
+    if error is not None:
+        raise error
 
 
 class _Writes:
@@ -413,7 +372,13 @@ class _Writes:
         self._broken: Optional[BaseException] = None
         self._lock = threading.Lock()
 
-    def submit(self, payload: fmt.Payload) -> None:
+    @property
+    def copies(self) -> bool:
+        """Whether nothing reads a payload's buffers once :meth:`submit` returns: written at once,
+        or the store's ``start_payload`` has copied them (local disk: into the page cache)."""
+        return self.pool is None or self._writer.store.start_payload_copies
+
+    def submit(self, payload: Payload) -> None:
         try:
             self._check_broken()
             self._submit(payload)
@@ -453,7 +418,7 @@ class _Writes:
         assert self.pool is not None
         return self.pool.submit(run)
 
-    def _submit(self, payload: fmt.Payload) -> None:
+    def _submit(self, payload: Payload) -> None:
         writer, staging = self._writer, self._staging
         if self.pool is None:
             self._done.append(writer._write_payload(staging, payload))
@@ -510,7 +475,7 @@ def _write_part(
         with _writing(store, job.staging, rel):
             store.write_payload(job.staging, rel, [memoryview(data)])
     except Exception as exc:
-        return None, write_error(job, exc)
+        return None, as_write_error(exc, f"snapshot {job.name}")
     return (index_file.part_entry(data), sum(sizes.values())), None
 
 

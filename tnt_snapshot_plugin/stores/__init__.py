@@ -15,17 +15,13 @@ from typing import Any, Optional
 
 from tnt_snapshot_plugin.errors import ConfigError
 from tnt_snapshot_plugin.stores.base import (
-    INDEX_FNAME,
     LEASE_FNAME,
     LOCK_FNAME,
-    METADATA_FNAME,
     WRITER_FNAME,
-    AtomicRename,
-    CommitProtocol,
     DirLock,
-    MetadataWrittenLast,
     Store,
 )
+from tnt_snapshot_plugin.stores.commit import AtomicRename, CommitProtocol, MetadataWrittenLast
 from tnt_snapshot_plugin.stores.local import LocalStore
 from tnt_snapshot_plugin.stores.registry import (
     opener_for,
@@ -65,10 +61,8 @@ def split_snapshot_path(path: str) -> tuple[str, str]:
 
 
 __all__ = [
-    "INDEX_FNAME",
     "LEASE_FNAME",
     "LOCK_FNAME",
-    "METADATA_FNAME",
     "WRITER_FNAME",
     "AtomicRename",
     "CommitProtocol",

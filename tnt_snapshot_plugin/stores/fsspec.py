@@ -27,16 +27,8 @@ from tnt_snapshot_plugin.errors import (
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.stores.base import (
-    INDEX_FNAME,
-    LEASE_FNAME,
-    METADATA_FNAME,
-    WRITER_FNAME,
-    Buffer,
-    DirLock,
-    MetadataWrittenLast,
-    Store,
-)
+from tnt_snapshot_plugin.stores.base import LEASE_FNAME, PROOF_FNAMES, WRITER_FNAME, Buffer, DirLock, Store
+from tnt_snapshot_plugin.stores.commit import MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fileio import byte_views
 from tnt_snapshot_plugin.stores.ownership import (
     LEASE_S,
@@ -262,19 +254,20 @@ class FsspecStore(RangedReads, Store):
     def lock(self, holder: dict[str, Any]) -> DirLock:
         return FsspecLease(self, holder)
 
-    def _remove(self, name: str) -> None:
+    def _delete(self, name: str, unpublish: tuple[str, ...]) -> None:
         # Unpublished first, the proof that it is the plugin's (index, writer marker) last: a
         # crash part-way leaves an incomplete snapshot that is still provably the plugin's.
         directory = self._dir(name)
         with fs_errors(self.child(name)):
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(f"{directory}/{METADATA_FNAME}")
+            for metadata in unpublish:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(f"{directory}/{metadata}")
             self.fs.invalidate_cache(directory)
             try:
                 found = [str(p) for p in self.fs.find(directory)]
             except FileNotFoundError:
                 found = []
-            proofs = {f"{directory}/{INDEX_FNAME}", f"{directory}/{WRITER_FNAME}"}
+            proofs = {f"{directory}/{proof}" for proof in PROOF_FNAMES}
             rest = [p for p in found if p not in proofs]
             if rest:
                 self.fs.rm(rest)

@@ -26,14 +26,15 @@ from tnt_snapshot_plugin.stores import fileio
 from tnt_snapshot_plugin.stores.base import (
     INDEX_FNAME,
     LOCK_FNAME,
+    PROOF_FNAMES,
     WRITER_FNAME,
-    AtomicRename,
     Buffer,
     DirLock,
     Done,
     Read,
     Store,
 )
+from tnt_snapshot_plugin.stores.commit import AtomicRename
 from tnt_snapshot_plugin.stores.ownership import busy_error, hold_lost, holder_text, writer_of_token
 
 
@@ -294,7 +295,7 @@ class LocalStore(Store):
         if os.path.lexists(target):
             # Another run's snapshot (or an interrupted write) of the plugin's under this name:
             # unpublished first, replaced, then deleted. Anything else is never touched.
-            if os.path.islink(target) or not self.provably_ours(final):
+            if os.path.islink(target) or not self.holds_proof(final):
                 raise SnapshotWriteError(
                     f"{self.child(final)} exists and was not written by the plugin (no "
                     f"{INDEX_FNAME} or {WRITER_FNAME}); move it out of dirpath. The snapshot "
@@ -309,7 +310,7 @@ class LocalStore(Store):
         if doomed is not None:
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def _remove(self, name: str) -> None:
+    def _delete(self, name: str, unpublish: tuple[str, ...]) -> None:
         path = os.path.join(self.root, name)
         if os.path.islink(path):
             raise SnapshotError(f"refusing to delete {path}: it is a symlink")
@@ -349,7 +350,7 @@ _NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", N
 
 def rmtree_proof_last(path: str) -> None:
     """Delete directory ``path``, its index and writer marker (the proof it is the plugin's) last."""
-    proofs = (WRITER_FNAME, INDEX_FNAME)
+    proofs = PROOF_FNAMES
     with os.scandir(path) as entries:
         rest = [e for e in entries if e.name not in proofs]
     for entry in rest:

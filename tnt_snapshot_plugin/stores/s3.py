@@ -28,17 +28,8 @@ from tnt_snapshot_plugin.errors import (
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.stores.base import (
-    LEASE_FNAME,
-    METADATA_FNAME,
-    WRITER_FNAME,
-    Buffer,
-    DirLock,
-    MetadataBytes,
-    MetadataWrittenLast,
-    Store,
-    is_missing_key,
-)
+from tnt_snapshot_plugin.stores.base import LEASE_FNAME, WRITER_FNAME, Buffer, DirLock, Store, is_missing_key
+from tnt_snapshot_plugin.stores.commit import MetadataBytes, MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fileio import byte_views
 from tnt_snapshot_plugin.stores.ownership import (
     LEASE_S,
@@ -606,17 +597,24 @@ class S3Store(RangedReads, Store):
             )
 
     @translated
-    def commit(self, staging: str, final: str, metadata: MetadataBytes, index: bytes) -> None:
-        super().commit(staging, final, metadata, index)
+    def commit(
+        self, staging: str, final: str, *, metadata_file: str, metadata: MetadataBytes, index_file: str,
+        index: bytes, written: dict[str, int],
+    ) -> None:
+        super().commit(
+            staging, final, metadata_file=metadata_file, metadata=metadata, index_file=index_file,
+            index=index, written=written,
+        )
 
     def lock(self, holder: dict[str, Any]) -> DirLock:
         return S3Lease(self, holder)
 
     @translated
-    def _remove(self, name: str) -> None:
+    def _delete(self, name: str, unpublish: tuple[str, ...]) -> None:
         # Unpublish first: a crash part-way then leaves an incomplete snapshot (ignored by
         # restore, cleared at the next train start), never a complete-looking one missing files.
-        self.client.delete_object(Bucket=self.bucket, Key=self._key(name, METADATA_FNAME))
+        for metadata in unpublish:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(name, metadata))
         prefix = self._key(name) + "/"
         for page in self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=prefix

@@ -31,29 +31,9 @@ def decode(component: str) -> str:
     return unquote(component)
 
 
-#: dtype -> its name in the manifest (every dtype torchsnapshot's format knows).
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    dtype: str(dtype)
-    for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex128, torch.complex64,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.qint32, torch.qint8, torch.quint8,
-    )
-}
-DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-#: dtypes stored as their raw bytes (serializer ``buffer_protocol``); every other tensor is
-#: stored with ``torch.save`` (serializer ``torch_save``).
-RAW_DTYPES: frozenset[torch.dtype] = frozenset(
-    (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-)
-# The primitive types stored inline in the manifest (exact types: a subclass is an object), and
-# the serializers' names: format/manifest.py, the metadata's one home.
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import (  # noqa: E402, F401
+# The dtype table's one home is format/torchsnapshot/manifest.py (names and element sizes, read
+# without torch); the torch dtypes here are those names looked up.
+from tnt_snapshot_plugin.format.torchsnapshot.manifest import (  # noqa: E402
     DTYPE_SIZES,
     PRIMITIVE_TYPES,
     RAW,
@@ -61,8 +41,18 @@ from tnt_snapshot_plugin.format.torchsnapshot.manifest import (  # noqa: E402, F
     TORCH_SAVE,
 )
 
-assert set(DTYPE_SIZES) == set(DTYPES_BY_NAME), "manifest.DTYPE_SIZES and DTYPE_NAMES disagree"
-assert RAW_DTYPE_NAMES == {DTYPE_NAMES[d] for d in RAW_DTYPES}, "manifest.RAW_DTYPE_NAMES and RAW_DTYPES disagree"
+#: name in the manifest -> dtype (every dtype torchsnapshot's format knows).
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: getattr(torch, name[len("torch."):]) for name in DTYPE_SIZES}
+#: dtype -> its name in the manifest.
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+#: dtypes stored as their raw bytes (serializer ``buffer_protocol``); every other tensor is
+#: stored with ``torch.save`` (serializer ``torch_save``).
+RAW_DTYPES: frozenset[torch.dtype] = frozenset(DTYPES_BY_NAME[name] for name in RAW_DTYPE_NAMES)
+__all__ = [
+    "DTYPES_BY_NAME", "DTYPE_NAMES", "DTYPE_SIZES", "FORMAT_VERSION", "METADATA_FNAME", "PRIMITIVES",
+    "PRIMITIVE_TYPES", "RAW", "RAW_DTYPES", "RAW_DTYPE_NAMES", "TORCH_SAVE", "decode", "encode",
+    "flat_bytes", "tensor_nbytes",
+]
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -5,39 +5,25 @@ the entry, or a write error). Used by :class:`~tnt_snapshot_plugin.saving.writer
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
+from tnt_snapshot_plugin.app_state import NEVER_REPLICATED_SUFFIX, RESERVED_KEYS, Frozen
 from tnt_snapshot_plugin.distributed import Collectives
-from tnt_snapshot_plugin.errors import SnapshotError, SnapshotWriteError, UnrestorableStateError
+from tnt_snapshot_plugin.errors import UnrestorableStateError, as_write_error
 from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
 from tnt_snapshot_plugin.format.torchsnapshot.coordination import agree_on_paths
-
-
-def check_loadable(load_check: Any, coll: Collectives, job: Any) -> None:
-    """Refuse to write a snapshot restore could not load (off the training thread; every
-    rank agrees before any writes)."""
-    error: Optional[BaseException] = None
-    try:
-        load_check.check(job.frozen)
-    except SnapshotError as exc:
-        error = exc
-    except Exception as exc:  # an object torch.save cannot even encode (pickle refuses it)
-        error = unencodable(job, exc, None)
-    if coll.world_size > 1:
-        reports = coll.all_gather(None if error is None else str(error))
-        failed = [f"rank {rank}: {msg}" for rank, msg in enumerate(reports) if msg is not None]
-        if failed and (error is None or len(failed) > 1):
-            raise UnrestorableStateError("; ".join(failed)) from error
-    if error is not None:
-        raise error
 
 
 def agree_replicated(coll: Collectives, job: Any, leaves: dict[str, Any]) -> set[str]:
     """The logical paths written once for all ranks: those the ``replicated`` globs match
     that every rank has (one collective under torch.distributed, made on every rank)."""
-    if not job.replicated:
+    globs, auto, never = job.replicas
+    patterns = replicated_patterns(globs, job.frozen, auto, never)
+    if not patterns:
         return set()
-    return agree_on_paths(coll, fmt.replicable(leaves, job.replicated))
+    return agree_on_paths(coll, fmt.replicable(leaves, patterns))
 
 
 def flatten(job: Any) -> tuple[dict[str, dict[str, Any]], dict[str, Any], Optional[BaseException]]:
@@ -64,7 +50,7 @@ def unencodable(job: Any, exc: BaseException, leaves: Optional[dict[str, Any]]) 
         return exc
     found = _culprit(job, leaves)
     if found is None:
-        return write_error(job, exc)
+        return as_write_error(exc, f"snapshot {job.name}")
     path, value, cause = found
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
     error = UnrestorableStateError(
@@ -102,10 +88,42 @@ def _culprit(job: Any, leaves: Optional[dict[str, Any]]) -> Optional[tuple[str, 
     return None
 
 
-def write_error(job: Any, exc: BaseException) -> BaseException:
-    if isinstance(exc, SnapshotError):
-        return exc
-    error = SnapshotWriteError(f"writing snapshot {job.name} failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
+def replicated_patterns(
+    patterns: Optional[list[str]],
+    frozen: Mapping[str, Frozen],
+    auto_replicated: Iterable[str] = (),
+    never_replicated: Iterable[str] = (),
+) -> list[str]:
+    """The ``replicated`` globs of this snapshot (matched against logical manifest paths).
 
+    The user's globs are matched against every saved path, but the RNG, the dataloader and the
+    progress entries are never marked replicated: they differ between ranks, and marking them would
+    restore rank 0's copy everywhere; nor are the ``never_replicated`` keys an adapter names (a
+    framework's loop state holding per-rank loader positions, say). An entry matched whole becomes
+    ``key/**``; a partly matched one lists its matched paths.
+    """
+    auto_replicated = list(auto_replicated)
+    never = set(never_replicated)
+    out = [f"{_escape(key)}/**" for key in auto_replicated if key in frozen]
+    if not patterns:
+        return out
+    for key, entry in frozen.items():
+        if (
+            key in RESERVED_KEYS
+            or key.endswith(NEVER_REPLICATED_SUFFIX)
+            or key in auto_replicated
+            or key in never
+        ):
+            continue
+        _, flat = fmt.flatten(key, entry.state_dict())
+        paths = list(flat)
+        matched = [p for p in paths if any(fnmatch.fnmatch(p, g) for g in patterns)]
+        if matched and len(matched) == len(paths):
+            out.append(f"{_escape(key)}/**")
+        else:
+            out.extend(_escape(p) for p in matched)
+    return out
+
+
+def _escape(path: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)

@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 import xxhash
 
 from tnt_snapshot_plugin.errors import SnapshotError
+from tnt_snapshot_plugin.format.torchsnapshot.merging import json_str as _json_str
 from tnt_snapshot_plugin.format.torchsnapshot.merging import metadata_head, yaml_safe
-from tnt_snapshot_plugin.format.torchsnapshot.writer import _json_str
 
 
 def _item(path: str, record: str) -> bytes:

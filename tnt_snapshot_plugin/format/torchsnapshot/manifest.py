@@ -90,6 +90,10 @@ MAX_NDIM = 64
 #: largest element size)
 _NUMEL_CHECKED = MAX_INT64 // 16
 
+#: The key under which a view read by rank (``rank_regions.read_for_rank``) puts a sharded entry's
+#: whole shape (from the index).
+GLOBAL_SHAPE = "global_shape"
+
 _INT_TEXT = re.compile(r"[+-]?[0-9]{1,4300}\Z")
 
 
@@ -609,14 +613,5 @@ __all__ = [
     "CONTAINER_TYPES", "DTYPE_SIZES", "EntryInfo", "KNOWN_TYPES", "MAX_NDIM", "MAX_WORLD_SIZE", "Metadata", "OBJECT_TYPE",
     "PRIMITIVE_TYPES", "RAW", "SHARDED_TYPES", "TENSOR_TYPES", "TORCH_SAVE", "corrupt", "describe",
     "escapes", "global_shape", "locations", "parse_metadata", "primitive_value", "rank_view",
-    "rank_number", "saved_keys", "GLOBAL_SHAPE", "RankRegions", "covers", "read_for_rank",
+    "rank_number", "saved_keys", "GLOBAL_SHAPE",
 ]
-
-
-# One rank's view read by ranked groups (format/rank_regions.py), under the names it had here.
-from tnt_snapshot_plugin.format.torchsnapshot.rank_regions import (  # noqa: E402
-    GLOBAL_SHAPE,
-    RankRegions,
-    covers,
-    read_for_rank,
-)

@@ -13,7 +13,7 @@ from tnt_snapshot_plugin.format.torchsnapshot.common import FORMAT_VERSION
 
 #: A str as a JSON string literal, non-ASCII kept as is (``json.dumps(text, ensure_ascii=False)``,
 #: in C, without the call's overhead: it runs once per entry).
-_json_str = json.encoder.encode_basestring  # type: ignore[attr-defined]
+json_str = json.encoder.encode_basestring  # type: ignore[attr-defined]
 
 
 def merge(parts: Sequence[Mapping[str, str]]) -> dict[str, str]:
@@ -65,7 +65,7 @@ def records_text(manifest: Mapping[str, str]) -> bytearray:
     items = iter(manifest.items())
     separator = ""
     while chunk := list(islice(items, METADATA_CHUNK)):
-        text = separator + ", ".join([f"{_json_str(path)}: {record}" for path, record in chunk])
+        text = separator + ", ".join([f"{json_str(path)}: {record}" for path, record in chunk])
         out += yaml_safe(text).encode()
         separator = ", "
     return out

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 from tnt_snapshot_plugin.format.structure import MAX_INT64
 from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases
 from tnt_snapshot_plugin.format.torchsnapshot.manifest import (
+    GLOBAL_SHAPE,
     MAX_ENTRIES,
     MAX_NDIM,
     MAX_WORLD_SIZE,
@@ -28,9 +29,6 @@ from tnt_snapshot_plugin.format.torchsnapshot.manifest import (
     corrupt,
     rank_view,
 )
-
-#: The key under which :func:`read_for_rank` puts a sharded entry's whole shape (from the index).
-GLOBAL_SHAPE = "global_shape"
 
 
 @dataclass(frozen=True)

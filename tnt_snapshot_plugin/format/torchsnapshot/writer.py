@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tnt_snapshot_plugin.errors import ConfigError, UnrestorableStateError
+from tnt_snapshot_plugin.format.base import Payload
 from tnt_snapshot_plugin.format.torchsnapshot.common import (
     DTYPE_NAMES,
     RAW,
@@ -68,6 +69,7 @@ from tnt_snapshot_plugin.format.torchsnapshot.common import (
 from tnt_snapshot_plugin.format.torchsnapshot.common import PRIMITIVES as _PRIMITIVES
 from tnt_snapshot_plugin.format.torchsnapshot.common import distributed_types as _distributed_types
 from tnt_snapshot_plugin.format.torchsnapshot.common import is_distributed as _is_distributed
+from tnt_snapshot_plugin.format.torchsnapshot.merging import json_str as _json_str
 from tnt_snapshot_plugin.format.torchsnapshot.merging import merge, metadata_bytes  # noqa: F401  (re-exported: the writer's whole API)
 from tnt_snapshot_plugin.format.torchsnapshot.mesh_aliases import MeshNames
 from tnt_snapshot_plugin.format.torchsnapshot.plan_cache import PackBuffer, PlanCache, _Recorder, byte_runs  # noqa: F401  (byte_runs re-exported)
@@ -82,9 +84,7 @@ MAX_COMPONENT_BYTES = 200
 
 _STRIDED = torch.strided
 
-#: A str as a JSON string literal, non-ASCII kept as is (``json.dumps(text, ensure_ascii=False)``,
-#: in C, without the call's overhead: it runs once per entry).
-_json_str = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
 
 
 def _text(record: Mapping[str, Any]) -> str:
@@ -140,26 +140,6 @@ def _is_flattenable(mapping: Mapping[Any, Any]) -> bool:
 
 
 # --- plan -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Payload:
-    """One file to write: ``rel`` (relative to the snapshot directory, ``/``-separated) holds the
-    concatenation of ``views``: flat byte buffers (``uint8`` numpy arrays over tensors, which keep
-    their memory alive, or memoryviews over serialized bytes), each with ``nbytes``.
-
-    A pack's views are its tensors, one each; or, where tensors lie end to end in memory (an
-    asynchronous snapshot's staging arena), runs of several, and ``bounds`` then says where each
-    tensor ends in the file (``[0, end_1, ..., end_n]``)."""
-
-    rel: str
-    views: list[Any]
-    bounds: Optional[list[int]] = None
-
-    @property
-    def packed(self) -> bool:
-        """Whether the file holds several tensors (each read, and verified, on its own)."""
-        return self.bounds is not None or len(self.views) > 1
 
 
 @dataclass
