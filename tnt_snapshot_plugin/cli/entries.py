@@ -1,5 +1,7 @@
-"""A snapshot's entries for ``inspect``, ``diff`` and ``export``: read through ``format.manifest``
-(the reader restore uses) and, for values, the plugin's format reader (torch, imported lazily)."""
+"""A snapshot's entries for ``inspect``, ``diff`` and ``export``, whatever its format: the
+format lists them (``Format.entries``: each entry's kind, dtype, shape, bytes) and reads their
+values (``Format.read_entry``, ``Format.read_key``; torch, imported lazily), from a snapshot the
+check restore makes (``format.verify.check``) finds intact."""
 
 from __future__ import annotations
 
@@ -8,33 +10,68 @@ from typing import Any, Optional
 from tnt_snapshot_plugin.cli.app import UsageProblem
 from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
 from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError
-from tnt_snapshot_plugin.format import listing
-from tnt_snapshot_plugin.format.torchsnapshot import manifest
-from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.base import EntryInfo
+from tnt_snapshot_plugin.format.files import SnapshotFiles
+from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.stores import Store
 
 #: The plugin's reserved entries (app_state.RESERVED_KEYS; not imported: that module imports torch).
 RESERVED = ("rng_state", "train_dataloader")
 
 
-# --------------------------------------------------------------------------------------------
-# Manifest entries (format.manifest, the one reader restore uses too).
+class Snapshot:
+    """One snapshot as the commands read it: its verdict (format, parsed metadata), its leaf
+    entries by path ``RANK/KEY/...``, and its files, read as restore reads them (checksums)."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store, self.name = store, name
+        files, _ = snapshot_files(store, name)
+        if not any(m in files for m in metadata_files()):
+            raise UsageProblem(
+                f"{store.child(name)} is not a complete snapshot (it holds no {' or '.join(metadata_files())}: "
+                "an interrupted write, or not a snapshot)"
+            )
+        self.verdict = verify.require_intact(store, name)
+        assert self.verdict.format is not None
+        self.format = self.verdict.format
+        self.entries = self.format.entries(self.verdict)
+        self._files: Optional[SnapshotFiles] = None
+
+    @property
+    def index(self) -> Optional[dict[str, Any]]:
+        return self.verdict.index
+
+    @property
+    def world_size(self) -> Optional[int]:
+        size = getattr(self.verdict.metadata, "world_size", None)
+        return size if type(size) is int else None
+
+    @property
+    def files(self) -> SnapshotFiles:
+        if self._files is None:  # the index read once, at the first value
+            self._files = SnapshotFiles(self.store, self.name, self.store.child(self.name), self.verdict.index)
+        return self._files
+
+    def value(self, path: str) -> Any:
+        """The value of leaf entry ``path``."""
+        return self.format.read_entry(self.files, self.verdict, path)
+
+    def key(self, key: str) -> Any:
+        """App-state entry ``key`` whole, as plain data."""
+        return self.format.read_key(self.files, self.verdict, key)
+
+    def top_keys(self) -> set[str]:
+        return {path.split("/")[1] for path in self.entries if path.startswith("0/")}
 
 
-def entry_rows(metadata: Metadata, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
-    """One row per leaf entry of the manifest (containers skipped), sorted by path."""
-    manifest_ = metadata.manifest
-    return [
-        entry_row(path, manifest_[path], files)
-        for path in sorted(manifest_)
-        if manifest_[path]["type"] not in manifest.CONTAINER_TYPES
-    ]
+def entry_rows(snapshot: Snapshot, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
+    """One row per leaf entry, sorted by path."""
+    return [entry_row(path, snapshot.entries[path], files) for path in sorted(snapshot.entries)]
 
 
-def entry_row(path: str, entry: dict, files: dict[str, FileInfo]) -> dict[str, Any]:
+def entry_row(path: str, info: EntryInfo, files: dict[str, FileInfo]) -> dict[str, Any]:
     """What ``inspect`` shows of one leaf entry."""
-    info = manifest.describe(entry)
     nbytes = info.nbytes
     if nbytes is None:
         nbytes = sum(
@@ -44,8 +81,7 @@ def entry_row(path: str, entry: dict, files: dict[str, FileInfo]) -> dict[str, A
     rank, _, logical = path.partition("/")
     row: dict[str, Any] = {
         "path": path, "rank": int(rank), "key": logical, "kind": info.kind, "type": info.type,
-        "dtype": info.dtype, "shape": info.shape, "bytes": nbytes,
-        "replicated": entry.get("replicated") is True,
+        "dtype": info.dtype, "shape": info.shape, "bytes": nbytes, "replicated": info.replicated,
     }
     if info.kind == "value":
         value = info.value
@@ -53,22 +89,26 @@ def entry_row(path: str, entry: dict, files: dict[str, FileInfo]) -> dict[str, A
     return row
 
 
-def summarize(metadata: Metadata) -> dict[str, Any]:
+def summarize(snapshot: Snapshot) -> dict[str, Any]:
     """The progress and RNG entries of rank 0, in a few words."""
     summary: dict[str, Any] = {}
-    for path, entry in metadata.manifest.items():
-        if not path.startswith("0/") or entry["type"] not in manifest.PRIMITIVE_TYPES:
-            continue
+    rng: list[str] = []
+    for path, info in snapshot.entries.items():
         parts = path.split("/")
+        if parts[0] != "0" or len(parts) < 2:
+            continue
         key = parts[1]
+        if key == "rng_state" and len(parts) > 2 and parts[2] not in rng:
+            rng.append(parts[2])
+        if info.kind != "value":
+            continue
         if key.endswith("progress") and len(parts) == 3:
-            summary.setdefault(key, {})[parts[2]] = manifest.primitive_value(entry)
+            summary.setdefault(key, {})[parts[2]] = info.value
         elif len(parts) == 2 and key in ("epoch", "global_step"):
-            summary.setdefault("lightning", {})[key] = manifest.primitive_value(entry)
-    rng = metadata.manifest.get("0/rng_state")
-    if rng is not None and isinstance(rng.get("keys"), list):
+            summary.setdefault("lightning", {})[key] = info.value
+    if rng:
         names = {"rng_state": "torch CPU", "cuda": "torch CUDA", "python": "python", "numpy": "numpy"}
-        summary["rng_state"] = [names.get(str(k), str(k)) for k in rng["keys"]]
+        summary["rng_state"] = [names.get(k, k) for k in rng]
     return summary
 
 
@@ -89,7 +129,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Loading entries (torch from here on).
+# Values (torch from here on).
 
 
 def _max_abs_diff(a: Any, b: Any) -> str:
@@ -114,9 +154,9 @@ class _Payloads:
         self.store, self.name = store, name
         self.cache: dict[str, bytes] = {}
 
-    def of(self, entry: dict) -> Optional[bytes]:
+    def of(self, info: EntryInfo) -> Optional[bytes]:
         """The bytes an entry is stored as (one file or a range of one), or None if several."""
-        found = list(manifest.locations(entry))
+        found = info.locations
         if len(found) != 1:
             return None
         rel, byte_range = found[0]
@@ -140,64 +180,45 @@ class _Payloads:
 _OPAQUE_KEYS = frozenset({"rng_state"})
 
 
-class _Side:
-    """One snapshot of a diff: its validated metadata, its payloads and its values."""
-
-    def __init__(self, store: Store, name: str) -> None:
-        self.store, self.name = store, name
-        self.meta = require_metadata(store, name)
-        self.leaves = {p: e for p, e in self.meta.manifest.items() if e["type"] not in manifest.CONTAINER_TYPES}
-        self.payloads = _Payloads(store, name)
-        self._files: Any = None  # format.files.SnapshotFiles: the index read once, at the first value
-
-    def value(self, path: str) -> Any:
-        """The value of manifest entry ``path`` (``RANK/KEY/...``)."""
-        from tnt_snapshot_plugin.format.files import SnapshotFiles
-        from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
-
-        if self._files is None:
-            self._files = SnapshotFiles.open(self.store, self.name, self.store.child(self.name))
-        files = self._files
-        return fmt.read_value(self.meta.manifest, path, files.read_into, file_size=files.file_size, verifier=files.verifier)
-
-
-def diff_snapshots(
-    a: tuple[Store, str], b: tuple[Store, str], storage_options: Optional[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], int]:
+def diff_snapshots(a: tuple[Store, str], b: tuple[Store, str], storage_options: Optional[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """(differences, number of entries compared) between two snapshots' leaf entries."""
-    side_a, side_b = _Side(*a), _Side(*b)
+    side_a, side_b = Snapshot(*a), Snapshot(*b)
+    raw_a, raw_b = _Payloads(*a), _Payloads(*b)
     diffs: list[dict[str, Any]] = []
     sharded_seen: set[str] = set()  # logical paths of sharded entries compared (under any rank)
-    paths = sorted(set(side_a.leaves) | set(side_b.leaves))
+    paths = sorted(set(side_a.entries) | set(side_b.entries))
     for path in paths:
-        ea, eb = side_a.leaves.get(path), side_b.leaves.get(path)
+        ea, eb = side_a.entries.get(path), side_b.entries.get(path)
         if ea is None or eb is None:
             change, entry = ("added", eb) if ea is None else ("removed", ea)
             assert entry is not None
             diffs.append({"path": path, "change": change, "detail": _describe(entry)})
             continue
-        detail = _difference(path, ea, eb, side_a, side_b, sharded_seen)
+        detail = _difference(path, ea, eb, (side_a, raw_a), (side_b, raw_b), sharded_seen)
         if detail is not None:
             diffs.append({"path": path, "change": "changed", "detail": detail})
     return diffs, len(paths)
 
 
-def _difference(path: str, ea: dict, eb: dict, side_a: _Side, side_b: _Side, sharded_seen: set[str]) -> Optional[str]:
+def _difference(
+    path: str, ia: EntryInfo, ib: EntryInfo, a: tuple[Snapshot, _Payloads], b: tuple[Snapshot, _Payloads],
+    sharded_seen: set[str],
+) -> Optional[str]:
     """How entry ``path`` differs between the two snapshots, or None if it holds the same value."""
-    ia, ib = manifest.describe(ea), manifest.describe(eb)
+    (side_a, raw_a), (side_b, raw_b) = a, b
     opaque = path.split("/")[1] in _OPAQUE_KEYS
     if ia.type != ib.type:
         return f"type {ia.type} -> {ib.type}"
     if ia.kind == "value":
-        if ea["serialized_value"] == eb["serialized_value"]:
-            return None
+        if type(ia.value) is type(ib.value) and (ia.value == ib.value or ia.value != ia.value and ib.value != ib.value):
+            return None  # the same value (NaN, which is not == itself, included)
         return "differs" if opaque else f"{_shown(ia.value)} -> {_shown(ib.value)}"
     if ia.kind in ("tensor", "sharded") and ia.dtype != ib.dtype:
         return f"dtype {ia.dtype} -> {ib.dtype}"
     if ia.kind in ("tensor", "sharded") and ia.shape != ib.shape:
         return f"shape {ia.shape} -> {ib.shape}"
-    raw_a, raw_b = side_a.payloads.of(ea), side_b.payloads.of(eb)
-    if raw_a is not None and raw_a == raw_b:
+    bytes_a, bytes_b = raw_a.of(ia), raw_b.of(ib)
+    if bytes_a is not None and bytes_a == bytes_b:
         return None
     if ia.kind == "sharded":  # read whole (every rank's shards), once for all the ranks recording it
         logical = path.split("/", 1)[-1]
@@ -222,8 +243,7 @@ def _shown(value: Any) -> str:
     return f"<{len(value)} bytes>" if isinstance(value, bytes) else repr(value)
 
 
-def _describe(entry: dict) -> str:
-    info = manifest.describe(entry)
+def _describe(info: EntryInfo) -> str:
     if info.kind == "value":
         return f"{info.type} {_shown(info.value)}"
     if info.kind in ("tensor", "sharded"):
@@ -231,56 +251,15 @@ def _describe(entry: dict) -> str:
     return str(info.dtype or info.type)
 
 
-def require_metadata(store: Store, name: str) -> Metadata:
-    return checked_metadata(store, name)[0]
-
-
-def checked_metadata(store: Store, name: str) -> tuple[Metadata, Optional[dict[str, Any]]]:
-    """The validated metadata of snapshot ``name`` and its checked index (None for a snapshot
-    the plugin did not write), as restore reads them: the metadata checked against the index's
-    checksum where it has one. SnapshotCorruptError (exit status 2) if either is damaged."""
-    files, _ = snapshot_files(store, name)
-    if METADATA_FNAME not in files:
-        raise UsageProblem(
-            f"{store.child(name)} is not a complete snapshot (it holds no {METADATA_FNAME}: an "
-            "interrupted write, or not a snapshot)"
-        )
-    index, problem = listing.checked_index(store, name, parts=True)
-    if problem is not None:
-        raise SnapshotCorruptError(f"{store.child(name)}: {problem}; the snapshot is damaged")
-    data = store.read_file(name, METADATA_FNAME)
-    if index is not None:
-        from tnt_snapshot_plugin.format.checksums import check_file
-
-        check_file(store.child(name), METADATA_FNAME, index, data)
-    return manifest.parse_metadata(data, store.child(name)), index
-
-
-def weight_keys(metadata: Metadata) -> list[str]:
+def weight_keys(snapshot: Snapshot) -> list[str]:
     """Top-level keys of rank 0 whose leaf entries are all tensors (a module's state dict)."""
     kinds: dict[str, set[str]] = {}
-    for path, entry in metadata.manifest.items():
+    for path, info in snapshot.entries.items():
         parts = path.split("/")
         if parts[0] != "0":
             continue
-        etype = entry["type"]
-        if etype in manifest.CONTAINER_TYPES:
-            kinds.setdefault(parts[1], set())
-            continue
-        kinds.setdefault(parts[1], set()).add("tensor" if etype in manifest.TENSOR_TYPES else "other")
+        kinds.setdefault(parts[1], set()).add("tensor" if info.kind in ("tensor", "sharded") else "other")
     return sorted(k for k, found in kinds.items() if found == {"tensor"} and k not in RESERVED)
-
-
-def load_entry(store: Store, name: str, key: str, storage_options: Optional[dict[str, Any]]) -> Any:
-    """Top-level entry ``key`` of a snapshot as plain data (restored into a ``Value`` holder)."""
-    from tnt_snapshot_plugin.format.files import SnapshotFiles
-    from tnt_snapshot_plugin.format.torchsnapshot import reader as fmt
-
-    files = SnapshotFiles.open(store, name, store.child(name))
-    meta = manifest.parse_metadata(files.read_checked(METADATA_FNAME), store.child(name))
-    return fmt.read_state_dict(
-        manifest.rank_view(meta, 0), key, None, files.read_into, file_size=files.file_size, verifier=files.verifier
-    )
 
 
 def tensor_leaves(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[str]]:
@@ -307,10 +286,10 @@ def tensor_leaves(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[str]
     return tensors, others
 
 
-def tensor_keys(metadata: Metadata) -> list[str]:
+def tensor_keys(snapshot: Snapshot) -> list[str]:
     """Top-level keys of rank 0 holding at least one tensor (the reserved ones left out)."""
     return sorted({
         path.split("/")[1]
-        for path, entry in metadata.manifest.items()
-        if path.startswith("0/") and entry["type"] in manifest.TENSOR_TYPES | manifest.SHARDED_TYPES
+        for path, info in snapshot.entries.items()
+        if path.startswith("0/") and info.kind in ("tensor", "sharded")
     } - set(RESERVED))

@@ -17,18 +17,10 @@ from tnt_snapshot_plugin.cli.app import (
     s3_options,
     split_target,
 )
-from tnt_snapshot_plugin.cli.entries import (
-    load_entry,
-    require_metadata,
-    tensor_keys,
-    tensor_leaves,
-    weight_keys,
-)
+from tnt_snapshot_plugin.cli.entries import Snapshot, tensor_keys, tensor_leaves, weight_keys
 from tnt_snapshot_plugin.cli.output import console, emit_json, say
 from tnt_snapshot_plugin.errors import ConfigError
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import Metadata
-from tnt_snapshot_plugin.format.verify import require_intact
-from tnt_snapshot_plugin.stores import Store, fileio
+from tnt_snapshot_plugin.stores import fileio
 
 
 @cli.command("export")
@@ -60,16 +52,15 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
             import safetensors.torch  # noqa: F401
         except ImportError:
             raise ConfigError("--format safetensors needs safetensors: pip install 'tnt-snapshot-plugin[cli]'") from None
-    metadata = require_metadata(store, name)
-    require_intact(store, name)  # a damaged snapshot is refused, as restore refuses it
-    key, value = _entry_value(store, name, metadata, key, opts)
+    snap = Snapshot(store, name)  # a damaged snapshot is refused, as restore refuses it
+    key, value = _entry_value(snap, key)
     import torch
 
     if isinstance(value, torch.Tensor):
         value = {key.rstrip("/").rpartition("/")[2]: value}
     tensors, others = tensor_leaves(value)
     if not tensors:
-        holding = tensor_keys(metadata)
+        holding = tensor_keys(snap)
         raise UsageProblem(
             f"entry {key!r} of {store.child(name)} holds no tensors ({len(others)} other values); export "
             f"writes tensors: choose a --key that holds them ({', '.join(holding) or 'none in this snapshot'})"
@@ -78,7 +69,7 @@ def export_command(snapshot: str, out_path: str, key: Optional[str], fmt: str, f
         raise UsageProblem(
             f"cannot export {key!r} as safetensors: {others[0] or 'the entry'} is not a tensor (safetensors "
             f"holds tensors only, and {key!r} holds {len(others)} other values); write it with --format torch, "
-            f"or choose a --key holding only tensors ({', '.join(weight_keys(metadata)) or 'none in this snapshot'})"
+            f"or choose a --key holding only tensors ({', '.join(weight_keys(snap)) or 'none in this snapshot'})"
         )
     _write(out_path, fmt, value, tensors, {"source": store.child(name), "key": key})
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -109,14 +100,13 @@ def _check_out(out_path: str, force: bool) -> None:
         raise UsageProblem(f"{out_path} exists; pass --force to overwrite it")
 
 
-def _entry_value(
-    store: Store, name: str, metadata: Metadata, key: Optional[str], opts: Optional[dict[str, Any]]
-) -> tuple[str, Any]:
+def _entry_value(snap: Snapshot, key: Optional[str]) -> tuple[str, Any]:
     """(the key exported, its value): ``key`` (a top-level entry, or a path below one), or the one
     top-level entry holding only tensors."""
-    top = {p.split("/")[1] for p in metadata.manifest if p.startswith("0/")}
+    store, name = snap.store, snap.name
+    top = snap.top_keys()
     if key is None:
-        found = weight_keys(metadata)
+        found = weight_keys(snap)
         if len(found) != 1:
             raise UsageProblem(
                 f"{store.child(name)} has {len(found)} entries holding only tensors ({', '.join(found) or 'none'}); "
@@ -126,7 +116,7 @@ def _entry_value(
     head, _, sub = key.strip("/").partition("/")
     if head not in top:
         raise UsageProblem(f"{store.child(name)} has no entry {head!r} (entries: {', '.join(sorted(top))})")
-    value = load_entry(store, name, head, opts)
+    value = snap.key(head)
     for part in [p for p in sub.split("/") if p]:
         if isinstance(value, dict) and part in value:
             value = value[part]

@@ -8,11 +8,10 @@ import click
 from rich.filesize import decimal as human_size
 
 from tnt_snapshot_plugin.cli.app import cli, json_flag, s3_flags, s3_options, split_target
-from tnt_snapshot_plugin.cli.entries import checked_metadata, entry_row, entry_rows, summarize, summary_lines
+from tnt_snapshot_plugin.cli.entries import Snapshot, entry_row, entry_rows, summarize, summary_lines
 from tnt_snapshot_plugin.cli.output import console, emit_json, new_table, num, print_table, say
 from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
-from tnt_snapshot_plugin.format.torchsnapshot.manifest import CONTAINER_TYPES, Metadata
 from tnt_snapshot_plugin.naming import SnapshotName
 
 
@@ -24,21 +23,22 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
     """Every entry of SNAPSHOT: key path, kind, dtype, shape, bytes, replicated."""
     store, name = split_target(snapshot, s3_options(endpoint_url, region))
     files, _ = snapshot_files(store, name)
-    metadata, checked = checked_metadata(store, name)
-    index = checked or {}
-    summary = summarize(metadata)
+    snapshot = Snapshot(store, name)
+    index = snapshot.index or {}
+    summary = summarize(snapshot)
     parsed = SnapshotName.parse(name)
     head = {
         "snapshot": store.child(name),
         "epoch": index.get("epoch", parsed.epoch if parsed else None),
         "step": index.get("step", parsed.step if parsed else None),
-        "world_size": index.get("world_size", metadata.world_size),
+        "world_size": index.get("world_size", snapshot.world_size),
+        "format": snapshot.format.name,
         "bytes": sum(f.size for f in files.values()),
         "files": len(files),
         "writer": "tnt_snapshot_plugin" if INDEX_FNAME in files else ("torchtnt" if parsed and parsed.phase_aware else None),
     }
     if as_json:
-        emit_json({**head, "summary": summary, "entries": entry_rows(metadata, files)})
+        emit_json({**head, "summary": summary, "entries": entry_rows(snapshot, files)})
         return 0
     out = console()
     say(out,
@@ -47,7 +47,7 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
     for line in summary_lines(summary):
         say(out, line)
     table = new_table("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "BYTES", "REPLICATED", right=("BYTES",))
-    table.extend(_text_rows(metadata, files))
+    table.extend(_text_rows(snapshot, files))
     print_table(out, table)
     kinds: dict[str, int] = {}
     for row in table.rows:
@@ -56,23 +56,13 @@ def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], r
     return 0
 
 
-def _text_rows(metadata: Metadata, files: dict[str, FileInfo]) -> Iterator[tuple[str, ...]]:
-    """The cells of each leaf entry, sorted by path: what ``entry_rows`` holds, as text, without
-    a dict an entry (a manifest of 300,000 entries prints in about a second)."""
+def _text_rows(snapshot: Snapshot, files: dict[str, FileInfo]) -> Iterator[tuple[str, ...]]:
+    """The cells of each leaf entry, sorted by path: what ``entry_rows`` holds, as text."""
     shapes: dict[tuple[int, ...], str] = {(): "scalar"}  # a model has few distinct shapes and sizes
     sizes: dict[int, str] = {0: "-"}
-    manifest = metadata.manifest
-    for path in sorted(manifest):
-        entry = manifest[path]
-        kind = entry["type"]
-        byte_range = entry.get("byte_range")
-        if kind == "Tensor" and byte_range is not None:  # most entries
-            row = {"path": path, "kind": "tensor", "dtype": entry["dtype"][6:], "shape": entry["shape"],
-                   "bytes": byte_range[1] - byte_range[0], "replicated": entry.get("replicated") is True}
-        elif kind in CONTAINER_TYPES:
-            continue
-        else:
-            row = entry_row(path, entry, files)
+    entries = snapshot.entries
+    for path in sorted(entries):
+        row = entry_row(path, entries[path], files)
         if row["shape"] is not None:
             key = tuple(row["shape"])
             shape = shapes.get(key) or shapes.setdefault(key, "x".join(map(str, key)))

@@ -9,7 +9,8 @@ they hold:
   rank 0; on rank 0, the metadata the commit writes last;
 * checking (:meth:`Format.check`, :meth:`Format.check_payloads`): whether what a committed
   snapshot holds adds up, as ``verify`` reports it;
-* reading (:class:`FormatReader`, one per restore and rank).
+* reading (:class:`FormatReader`, one per restore and rank; :meth:`Format.entries`,
+  :meth:`Format.read_entry` and :meth:`Format.read_key` for the command line).
 
 Everything around them is the plugin's, the same for every format: staging names and the commit
 (``stores.commit``), the sizes and checksums of every file in the plugin's index, the ranks'
@@ -85,6 +86,8 @@ class EntryInfo:
     locations: list[tuple[str, Optional[list[int]]]] = field(default_factory=list)
     #: a primitive's decoded value
     value: Any = None
+    #: whether the entry was saved once for all ranks
+    replicated: bool = False
 
 
 class FormatWriter(Protocol):
@@ -187,5 +190,20 @@ class Format(Protocol):
     def reader(self, files: SnapshotFiles, collectives: Collectives, verdict: Optional[Verdict], *, weights_only: bool) -> FormatReader:
         """A reader of the snapshot for one restore on this rank (``verdict``: rank 0's check of
         it under restore_from_latest, whose parsed metadata is used instead of reading it again)."""
+        ...
+
+    def entries(self, verdict: Verdict) -> dict[str, EntryInfo]:
+        """Every leaf entry of the snapshot checked by ``verdict`` (its ``metadata`` parsed), by
+        path ``RANK/KEY/sub/...`` (rank 0 for an entry saved once for all ranks): what the
+        command line lists and compares."""
+        ...
+
+    def read_entry(self, files: SnapshotFiles, verdict: Verdict, path: str) -> Any:
+        """The value of leaf entry ``path`` (of :meth:`entries`), read without a target."""
+        ...
+
+    def read_key(self, files: SnapshotFiles, verdict: Verdict, key: str) -> Any:
+        """App-state entry ``key`` whole (every rank's pieces of a sharded tensor put together),
+        as plain data: what ``tnt-snapshot export`` writes."""
         ...
 

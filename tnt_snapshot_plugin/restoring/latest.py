@@ -314,6 +314,8 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     renaming a complete snapshot into place: its metadata was removed after the commit. On an
     object store with no complete snapshot before it, the fresh start's warning names it."""
     path = store.child(name)
+    fmt = registry.format_of(store, name, listing.read_index(store, name))
+    metadata = fmt.metadata_file if fmt is not None else "metadata"
     instead = (
         f"the newest complete snapshot before it, {store.child(before)}, is restored"
         if before is not None
@@ -321,7 +323,7 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     )
     if store.protocol.renames:
         warnings.warn(
-            f"skipping damaged snapshot {path}: it holds the plugin's index but no metadata, "
+            f"skipping damaged snapshot {path}: it holds the plugin's index but no {metadata}, "
             f"so it was damaged after its commit (a file removed, or an incomplete copy); {instead}",
             SnapshotFallbackWarning,
             stacklevel=5,
@@ -333,7 +335,7 @@ def _warn_uncommitted(store: Store, name: str, before: Optional[str]) -> None:
     writer = f"the writer is gone: {gone}" if gone is not None else "or one still in progress: the writer is not known to be gone"
     warnings.warn(
         f"snapshot {path} is an interrupted commit ({writer}; its index was written, its "
-        f"metadata never was): nothing committed is lost, and {instead}",
+        f"{metadata} never was): nothing committed is lost, and {instead}",
         InterruptedCommitWarning,
         stacklevel=5,
     )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.format.base import EntryInfo
     from tnt_snapshot_plugin.format.files import SnapshotFiles
     from tnt_snapshot_plugin.format.torchsnapshot.reading import TorchsnapshotReader
     from tnt_snapshot_plugin.format.torchsnapshot.writing import TorchsnapshotWriter
@@ -57,6 +58,28 @@ class TorchsnapshotFormat:
         from tnt_snapshot_plugin.format.torchsnapshot.reading import TorchsnapshotReader
 
         return TorchsnapshotReader(files, collectives, verdict, weights_only=weights_only)
+
+    def entries(self, verdict: Verdict) -> dict[str, EntryInfo]:
+        from tnt_snapshot_plugin.format.torchsnapshot.manifest import CONTAINER_TYPES, describe
+
+        manifest = verdict.metadata.manifest
+        return {path: describe(entry) for path, entry in manifest.items() if entry["type"] not in CONTAINER_TYPES}
+
+    def read_entry(self, files: SnapshotFiles, verdict: Verdict, path: str) -> Any:
+        from tnt_snapshot_plugin.format.torchsnapshot import reader
+
+        return reader.read_value(
+            verdict.metadata.manifest, path, files.read_into, file_size=files.file_size, verifier=files.verifier
+        )
+
+    def read_key(self, files: SnapshotFiles, verdict: Verdict, key: str) -> Any:
+        from tnt_snapshot_plugin.format.torchsnapshot import reader
+        from tnt_snapshot_plugin.format.torchsnapshot.manifest import rank_view
+
+        return reader.read_state_dict(
+            rank_view(verdict.metadata, 0), key, None, files.read_into, file_size=files.file_size,
+            verifier=files.verifier,
+        )
 
     def __repr__(self) -> str:
         return "TorchsnapshotFormat()"

@@ -37,10 +37,11 @@ import base64
 import binascii
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
+from tnt_snapshot_plugin.format.base import EntryInfo
 from tnt_snapshot_plugin.format.structure import (
     MAX_INT64,
     WHOLE_FILE,
@@ -107,26 +108,6 @@ class Metadata:
     manifest: dict[str, dict]
     #: the snapshot, as error messages name it
     where: str = ""
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """What one manifest entry holds, in a few typed fields."""
-
-    #: "container", "tensor", "sharded", "value" (a primitive) or "object"
-    kind: str
-    #: the entry's ``type`` as written ("Tensor", "int", "object", ...)
-    type: str
-    #: "float32", ... for tensors; the primitive's type; an object's class
-    dtype: Optional[str] = None
-    #: the whole tensor's shape (merged over shards)
-    shape: Optional[list[int]] = None
-    #: bytes stored, where byte ranges say (None: whole files, see ``locations``)
-    nbytes: Optional[int] = None
-    #: (file, byte range or None) of every payload the entry reads
-    locations: list[tuple[str, Optional[list[int]]]] = field(default_factory=list)
-    #: a primitive's decoded value
-    value: Any = None
 
 
 def corrupt(where: str, what: str) -> SnapshotCorruptError:
@@ -514,7 +495,7 @@ def describe(entry: dict) -> EntryInfo:
         return EntryInfo(
             "tensor", kind, dtype=entry["dtype"][6:], shape=entry["shape"],
             nbytes=None if byte_range is None else byte_range[1] - byte_range[0],
-            locations=[(rel, byte_range)],
+            locations=[(rel, byte_range)], replicated=entry.get("replicated") is True,
         )
     if kind in CONTAINER_TYPES:
         return EntryInfo("container", kind)
@@ -527,10 +508,16 @@ def describe(entry: dict) -> EntryInfo:
         nbytes += byte_range[1] - byte_range[0]  # type: ignore[operator]
     if kind in PRIMITIVE_TYPES:
         value = primitive_value(entry)
-        return EntryInfo("value", kind, dtype=kind, value=value, nbytes=len(entry["serialized_value"]))
+        return EntryInfo(
+            "value", kind, dtype=kind, value=value, nbytes=len(entry["serialized_value"]),
+            replicated=entry.get("replicated") is True,
+        )
     if kind == OBJECT_TYPE:
         obj_type = entry.get("obj_type")
-        return EntryInfo("object", kind, dtype=obj_type if isinstance(obj_type, str) else None, nbytes=nbytes, locations=locs)
+        return EntryInfo(
+            "object", kind, dtype=obj_type if isinstance(obj_type, str) else None, nbytes=nbytes, locations=locs,
+            replicated=entry.get("replicated") is True,
+        )
     return EntryInfo(
         "sharded" if kind in SHARDED_TYPES else "tensor",
         kind,
@@ -538,6 +525,7 @@ def describe(entry: dict) -> EntryInfo:
         shape=global_shape(entry),
         nbytes=nbytes,
         locations=locs,
+        replicated=entry.get("replicated") is True,
     )
 
 
