@@ -70,7 +70,7 @@ from tnt_snapshot_plugin.format.index import (
 )
 from tnt_snapshot_plugin.format.index import parse as parse_index
 from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
-from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases
+from tnt_snapshot_plugin.format.torchsnapshot import mesh_aliases, rank_regions
 from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
 from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.coordination import RecordDeltas, grouped_metadata
@@ -356,14 +356,14 @@ def plan_restore(data: bytes, rank: int, new_world: int) -> int:
 
 
 def plan_restore_by_rank(
-    read_range: Callable[[int, int], bytes], regions: mf.RankRegions, world: int, rank: int, new_world: int
+    read_range: Callable[[int, int], bytes], regions: rank_regions.RankRegions, world: int, rank: int, new_world: int
 ) -> int:
     """The same by ranked groups (``format.torchsnapshot.rank_regions.read_for_rank``): rank 0's, the rank's own and
     those of the ranks whose shards it reads; -1 where they do not cover it (whole parse then)."""
     boxes = None
     if new_world != world:
         boxes = {logical: box(shape, rank, new_world) for logical, shape in regions.shapes.items()}
-    got = mf.read_for_rank(read_range, regions, world, rank, "scale", boxes)
+    got = rank_regions.read_for_rank(read_range, regions, world, rank, "scale", boxes)
     if got is None:
         return -1
     return shard_reads(got[1], rank, new_world)
@@ -401,7 +401,7 @@ def by_rank(point: Point, layout: str, model: Decoder, world: int, arena: Arena)
         parts = [zero.entries if r == 0 else rank_part(layout, model, r, world, 1, arena).entries if r in ranks else {}
                  for r in range(world)]
         data, ranked = metadata_of(parts, world)
-        regions = mf.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": zero.shapes}})
+        regions = rank_regions.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": zero.shapes}})
         assert regions is not None
         reads, seconds, peak = measured(
             lambda t=target, m=new_world, r=regions, d=data: plan_restore_by_rank(lambda a, b: d[a:b], r, world, t, m)

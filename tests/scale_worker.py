@@ -110,7 +110,7 @@ def body(rank: int, world: int, record: dict[str, Any], out_dir: str) -> None:
     for step in (1, 2):
         train_step(model, optimizer)
         part = plan_save(model, optimizer, step, rank, world)
-        outgoing = (deltas.outgoing(part.entries), scale.listing(part, world))  # as writer_job sends
+        outgoing = (deltas.outgoing(part.entries), scale.rank_listing(part, world))  # as saving.writer sends
         sent.append(len(pickle.dumps(outgoing)))
         gathered = coll.gather(part.entries)  # every rank's records, for rank 0's commit
         if gathered is not None:
@@ -138,6 +138,7 @@ def saved_by_rank(model: torch.nn.Module, rank: int, world: int, out: str) -> di
     from tnt_snapshot_plugin import SnapshotConfig, Snapshotter
     from tnt_snapshot_plugin.format.index import INDEX_FNAME
     from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
+    from tnt_snapshot_plugin.format.torchsnapshot import rank_regions
 
     dirpath = os.path.join(out, f"run{world}")
     saver = Snapshotter(dirpath, SnapshotConfig.build(async_snapshot=False, collective_timeout_s=60))
@@ -147,11 +148,11 @@ def saved_by_rank(model: torch.nn.Module, rank: int, world: int, out: str) -> di
     saver.train_end(0, 2, lambda intra_epoch: {})
     snapshot = os.path.join(dirpath, "epoch_0_step_2")
     with open(os.path.join(snapshot, INDEX_FNAME), "rb") as f:
-        regions = mf.RankRegions.from_index(json.load(f))
+        regions = rank_regions.RankRegions.from_index(json.load(f))
     with open(os.path.join(snapshot, mf.METADATA_FNAME), "rb") as f:
         data = f.read()
     assert regions is not None, "the index has no 'ranks'"
-    got = mf.read_for_rank(lambda a, b: data[a:b], regions, world, rank, snapshot)
+    got = rank_regions.read_for_rank(lambda a, b: data[a:b], regions, world, rank, snapshot)
     assert got is not None
     whole = mf.rank_view(mf.parse_metadata(data, snapshot), rank)
     view = got[1]

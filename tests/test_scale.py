@@ -21,6 +21,7 @@ import xxhash
 
 from tnt_snapshot_plugin.errors import SnapshotError
 from tnt_snapshot_plugin.format.torchsnapshot import manifest as mf
+from tnt_snapshot_plugin.format.torchsnapshot import rank_regions
 from tnt_snapshot_plugin.format.torchsnapshot import writer as fmt
 from tnt_snapshot_plugin.format.torchsnapshot.coordination import (
     RecordDeltas,
@@ -93,7 +94,7 @@ def test_simulated_costs_agree_with_real_ranks_within_2x(worlds, world):
         sent = []
         for step in (1, 2):
             part = scale.rank_part("fsdp2", scale.TINY, got["rank"], world, step, arena)
-            sent.append(len(pickle.dumps((deltas.outgoing(part.entries), scale.listing(part, world)))))
+            sent.append(len(pickle.dumps((deltas.outgoing(part.entries), scale.rank_listing(part, world)))))
             deltas.settle()
         for simulated, real in zip(sent, got["sent"], strict=True):
             assert 0.5 <= simulated / real <= 2, (sent, got["sent"])
@@ -263,7 +264,7 @@ def _grouped_snapshot(world: int) -> tuple[bytes, Any, list[Any]]:
     arena = scale.Arena()
     parts = [scale.rank_part("fsdp2", scale.TINY, rank, world, 1, arena) for rank in range(world)]
     data, ranked = scale.metadata_of([p.entries for p in parts], world)
-    regions = mf.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": parts[0].shapes}})
+    regions = rank_regions.RankRegions.from_index({"ranks": {"regions": ranked, "shapes": parts[0].shapes}})
     assert regions is not None
     return data, regions, parts
 
@@ -277,7 +278,7 @@ def test_a_rank_reads_its_view_by_groups_as_the_whole_metadata_gives_it(new_worl
         boxes = None
         if new_world != world:
             boxes = {logical: scale.box(shape, rank, new_world) for logical, shape in regions.shapes.items()}
-        got = mf.read_for_rank(lambda a, b: data[a:b], regions, world, rank, "snap", boxes)
+        got = rank_regions.read_for_rank(lambda a, b: data[a:b], regions, world, rank, "snap", boxes)
         assert got is not None
         meta, view = got
         whole = mf.rank_view(full, rank)
@@ -309,7 +310,7 @@ def test_a_damaged_group_is_corruption():
     start, end, _digest = regions.regions[1]
     damaged = data[:start] + data[start:end].replace(b"Tensor", b"Tensxr", 1) + data[end:]
     with pytest.raises(SnapshotCorruptError, match="rank 1"):
-        mf.read_for_rank(lambda a, b: damaged[a:b], regions, 2, 1, "snap")
+        rank_regions.read_for_rank(lambda a, b: damaged[a:b], regions, 2, 1, "snap")
 
 
 def test_groups_that_do_not_cover_a_piece_ask_for_the_whole_metadata():
@@ -317,8 +318,8 @@ def test_groups_that_do_not_cover_a_piece_ask_for_the_whole_metadata():
     logical, shape = next(iter(regions.shapes.items()))
     # a piece the Shard(0) chunks do not predict: all of the tensor, on one rank
     boxes = {logical: ([0] * len(shape), list(shape))}
-    shifted = mf.RankRegions(regions.regions, regions.shapes)
-    got = mf.read_for_rank(lambda a, b: data[a:b], shifted, 4, 1, "snap", boxes)
+    shifted = rank_regions.RankRegions(regions.regions, regions.shapes)
+    got = rank_regions.read_for_rank(lambda a, b: data[a:b], shifted, 4, 1, "snap", boxes)
     assert got is not None  # the chunks of ranks 0-3 are read: covered
     # the index's groups do not match the world size: not used
-    assert mf.read_for_rank(lambda a, b: data[a:b], regions, 8, 1, "snap") is None
+    assert rank_regions.read_for_rank(lambda a, b: data[a:b], regions, 8, 1, "snap") is None

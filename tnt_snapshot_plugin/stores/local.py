@@ -180,7 +180,8 @@ class LocalStore(Store):
             return []
 
     def has_file(self, name: str, rel: str) -> bool:
-        return os.path.isfile(os.path.join(self.root, name, rel))
+        # A child that is a symlink holds nothing of ours (listing skips it too): never followed.
+        return not os.path.islink(os.path.join(self.root, name)) and os.path.isfile(os.path.join(self.root, name, rel))
 
     def is_complete(self, name: str) -> bool:
         # A symlink named like a snapshot is not one of ours (listing skips it too).
