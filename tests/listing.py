@@ -1,5 +1,5 @@
-"""What a snapshot directory holds, listed for the tests to assert on: on local disk by the
-names in it (under an ``s3://`` URL by its keys: tests/moto_s3.py).
+"""What a snapshot directory holds, listed for the tests to assert on: a local dirpath by the
+names in it, any dirpath in commit order (the keys under an ``s3://`` URL: tests/moto_s3.py).
 
 Each helper says its order in its name: ``_by_name`` (strings, as ``sorted`` orders them),
 ``_by_step`` (oldest first by epoch, step and eval step, as SnapshotName orders snapshot names)
@@ -57,7 +57,6 @@ def staging_by_name(dirpath: Any) -> list[str]:
     by a crash (and anything else that looks like one, so that an assertion that there are none
     misses nothing)."""
     return [n for n in everything_by_name(dirpath) if n.startswith(STAGING_PREFIX)]
-
 
 
 class CommitRecorder:

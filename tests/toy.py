@@ -13,11 +13,11 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+from listing import snapshots_by_step
 from torchtnt.framework.state import State
 from torchtnt.framework.unit import EvalUnit, TrainUnit
 
 from tnt_snapshot_plugin.demo_data import Batch, ResumableLoader, make_data  # noqa: F401  (re-exported)
-from tnt_snapshot_plugin.naming import SnapshotName
 
 # The tests' name for the package's resumable loader.
 StatefulLoader = ResumableLoader
@@ -151,12 +151,6 @@ def unit_with_payload(seed: int = 0) -> ToyUnit:
 
 def snapshot_footprint(tmp_path: Path) -> int:
     """The tmpfs footprint of one snapshot of unit_with_payload() (written on ordinary disk)."""
-    from torchtnt.framework.train import train
-
-    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-
     probe = tmp_path / "probe"
-    saver = TorchSnapshotSaver(str(probe), save_every_n_train_steps=1, async_snapshot=False)
-    train(unit_with_payload(), StatefulLoader(make_data(4)), max_epochs=1, callbacks=[saver])  # one step
-    names = [n for n in os.listdir(probe) if SnapshotName.parse(n) is not None]
-    return max(footprint(probe / name) for name in names)
+    train_toy(probe, unit_with_payload(), 1, save_every_n_train_steps=1, async_snapshot=False)
+    return max(footprint(probe / name) for name in snapshots_by_step(probe))
