@@ -84,3 +84,15 @@ def run_phase(worker: Path, phase: str, world: int, out: Path) -> list[dict[str,
         lambda rank: out / f"{phase}_rank{rank}.json",
         phase,
     )
+
+
+def run_scenario(worker: Path, scenario: str, world: int, out: Path) -> list[dict[str, Any]]:
+    """:func:`run_ranks` of a worker run as ``worker SCENARIO RANK WORLD RENDEZVOUS OUTDIR`` that
+    writes its record to ``OUTDIR/rank{RANK}.json`` (tests/dist_worker.py, failure_kinds_worker.py)."""
+    return run_ranks(
+        lambda rank: [str(worker), scenario, str(rank), str(world), str(out / "rendezvous"), str(out)],
+        world,
+        lambda rank: out / f"rank{rank}.log",
+        lambda rank: out / f"rank{rank}.json",
+        f"scenario {scenario!r}",
+    )

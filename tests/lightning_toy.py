@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from dir_listing import visible_by_name
 from torch.utils.data import DataLoader, TensorDataset
 
 from tnt_snapshot_plugin.demo_data import make_data
@@ -174,12 +175,6 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
-def snapshot_names(dirpath: Any) -> list[str]:
-    if not os.path.isdir(dirpath):
-        return []
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
@@ -362,8 +357,8 @@ def _ddp_best(out: str) -> None:
         "best_model_score": float(saver.best_model_score),
         "mc_best_model_path": mc.best_model_path,
         "mc_best_model_score": float(mc.best_model_score),
-        "kept": snapshot_names(snaps),
-        "mc_kept": snapshot_names(os.path.join(out, "mc")),
+        "kept": visible_by_name(snaps),
+        "mc_kept": visible_by_name(os.path.join(out, "mc")),
     }
 
     class Start(Callback):
@@ -377,12 +372,12 @@ def _ddp_best(out: str) -> None:
         resumed_from=str(again.ckpt_path),
         global_step=again.global_step,
         best_after_resume=resumer.best_model_path,
-        kept_after_resume=snapshot_names(snaps),
+        kept_after_resume=visible_by_name(snaps),
     )
     # no dirpath: every rank resolves ModelCheckpoint's default, rank 0's is used
     default = TorchSnapshotSaver(collective_timeout_s=60)
     trainer([default], max_epochs=1).fit(ScoredByEpoch(seed=0), loader(24), loader(8))
-    result.update(default_dirpath=default.dirpath, default_kept=snapshot_names(default.dirpath))
+    result.update(default_dirpath=default.dirpath, default_kept=visible_by_name(default.dirpath))
     with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
+from dir_listing import CommitRecorder, visible_by_name
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 from torchtnt.utils.checkpoint import BestCheckpointConfig
 
-from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, hookimpl
+from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.hooks import get_plugin_manager
@@ -106,22 +106,6 @@ class MetricUnit(ToyUnit):
         setattr(self, self.attribute, self.values[step])
 
 
-def snapshot_dirs(dirpath) -> list[str]:
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
-
-
-class CommitRecorder:
-    """After each commit (retention has run): the snapshots then on disk."""
-
-    def __init__(self, dirpath) -> None:
-        self.dirpath = dirpath
-        self.seen: list[tuple[str, list[str]]] = []
-
-    @hookimpl
-    def tnt_snapshot_plugin_snapshot_committed(self, path, epoch, step, record):
-        self.seen.append((os.path.basename(path), snapshot_dirs(self.dirpath)))
-
-
 def test_best_checkpoint_config_keeps_the_n_best_by_torchtnts_rules_and_restore_from_best(tmp_path):
     values = [0.9, 0.5, 0.7, torch.tensor(0.2, dtype=torch.float64), 0.5, float("nan"), 0.6, 0.1, 0.8, 0.3]
     unit = MetricUnit(values)
@@ -155,7 +139,7 @@ def test_best_checkpoint_config_keeps_the_n_best_by_torchtnts_rules_and_restore_
         expected = {committed[j] for _, j in ranked[:2]} | {name}
         assert on_disk == sorted(expected), (i, on_disk)
     # the end: 0.1 (step 8) and 0.2 (step 4) are the best two; step 10 (0.3) is the newest
-    assert snapshot_dirs(tmp_path) == sorted(
+    assert visible_by_name(tmp_path) == sorted(
         ["epoch_0_step_8_val_metric=0.1", "epoch_0_step_4_val_metric=0.2", "epoch_0_step_10_val_metric=0.3"]
     )
     with open(tmp_path / "epoch_0_step_4_val_metric=0.2" / INDEX_FNAME) as f:
@@ -182,7 +166,7 @@ def test_best_checkpoint_config_without_keep_last_n_keeps_all_and_none_saves_wit
         best_checkpoint_config=BestCheckpointConfig("val_metric", "max"),
     )
     train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
-    assert snapshot_dirs(tmp_path) == sorted(
+    assert visible_by_name(tmp_path) == sorted(
         [
             "epoch_0_step_1",
             "epoch_0_step_2_val_metric=2.0",
@@ -211,7 +195,7 @@ def test_a_missing_or_non_numeric_metric_is_a_config_error_at_the_first_save(tmp
     with pytest.raises(ConfigError, match=match):
         train(unit, StatefulLoader(make_data(32)), max_epochs=1, callbacks=[saver])
     assert unit.train_progress.num_steps_completed == 2  # raised at the first snapshot
-    assert snapshot_dirs(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def test_best_checkpoint_config_is_validated(tmp_path):

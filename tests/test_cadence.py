@@ -7,11 +7,11 @@ chosen steps and assert the snapshots those sleeps guarantee (never a timing upp
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import pytest
 import torch
+from dir_listing import visible_by_name
 
 from tnt_snapshot_plugin import ConfigError
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -113,10 +113,6 @@ SLEEPY_STEPS = (3, 7)
 INTERVAL_S = 0.05
 
 
-def _names(dirpath: str) -> set[str]:
-    return {n for n in os.listdir(dirpath) if not n.startswith(".")}
-
-
 @pytest.mark.frameworks
 def test_lightning_train_time_interval_in_a_real_fit(tmp_path):
     from lightning_toy import ResumableLoader, ToyModule, make_trainer
@@ -137,7 +133,7 @@ def test_lightning_train_time_interval_in_a_real_fit(tmp_path):
     )
     make_trainer(tmp_path, [saver], max_epochs=1).fit(Sleepy(), ResumableLoader(make_data(40)))
     # the steps that slept snapshot (others may too, on a slow machine: never asserted)
-    assert {f"epoch_0_step_{s}" for s in SLEEPY_STEPS} <= _names(str(tmp_path / "snaps"))
+    assert {f"epoch_0_step_{s}" for s in SLEEPY_STEPS} <= set(visible_by_name(tmp_path / "snaps"))
 
 
 @pytest.mark.frameworks
@@ -155,4 +151,4 @@ def test_torchtnt_save_every_n_seconds_in_a_real_train(tmp_path):
 
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_seconds=INTERVAL_S, save_on_train_end=False)
     train(Sleepy(), StatefulLoader(make_data(40)), max_epochs=1, callbacks=[saver])
-    assert {f"epoch_0_step_{s}" for s in SLEEPY_STEPS} <= _names(str(tmp_path))
+    assert {f"epoch_0_step_{s}" for s in SLEEPY_STEPS} <= set(visible_by_name(tmp_path))

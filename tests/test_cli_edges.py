@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_disk_full import small_disk
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
@@ -34,7 +33,7 @@ from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.stores import LOCK_FNAME, open_store
 from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, small_disk
 
 pytestmark = pytest.mark.slow
 

@@ -7,15 +7,13 @@ boto3's environment variables.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 
-import boto3
 import pytest
 import torch
 from click.testing import CliRunner
-from test_s3 import BUCKET, _start_moto, _stop
+from moto_s3 import BUCKET, create_bucket, moto_options, s3_client
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
@@ -28,27 +26,11 @@ from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weight
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, url = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
-    try:
-        yield url
-    finally:
-        _stop(proc)
-
-
-def test_every_command_on_s3(endpoint, tmp_path, monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    options = {"endpoint_url": endpoint, "region_name": "us-east-1",
-               "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-    client = boto3.session.Session().client("s3", **options)
-    client.create_bucket(Bucket=BUCKET)
+def test_every_command_on_s3(moto_endpoint, tmp_path, no_aws_environment):
+    endpoint = moto_endpoint
+    options = moto_options(endpoint)
+    create_bucket(options)
+    client = s3_client(options)
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     url = f"s3://{BUCKET}/{prefix}"
 
@@ -124,19 +106,15 @@ def test_every_command_on_s3(endpoint, tmp_path, monkeypatch):
     assert left == {"epoch_2_step_10", "epoch_3_step_12", "notes", "README.txt"}
 
 
-def test_cli_edges_on_s3(endpoint, monkeypatch):
+def test_cli_edges_on_s3(moto_endpoint, no_aws_environment, monkeypatch):
     """One snapshot's URL lists its files; a live run's lease is shown with its holder and keeps
     prune out (exit 2); a bucket that does not exist is one line naming --endpoint-url, exit 2."""
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    for key, value in {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    endpoint = moto_endpoint
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(key, value)
-    options = {"endpoint_url": endpoint, "region_name": "us-east-1"}
-    client = boto3.session.Session().client("s3", **options)
-    client.create_bucket(Bucket=BUCKET)
+    options = {"endpoint_url": endpoint, "region_name": "us-east-1"}  # credentials: the environment's
+    create_bucket(options)
     url = f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}"
     train(ToyUnit(), StatefulLoader(make_data(16)), max_epochs=1,
           callbacks=[TorchSnapshotSaver(url, save_every_n_epochs=1, storage_options=options)])

@@ -46,9 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import boto3
 import pytest
-from test_s3 import _start_moto, _stop
+from moto_s3 import DEAD_ENDPOINT, as_s3fs, create_bucket, moto_options, s3_client
 
 WORKER = Path(__file__).parent / "crash_point_worker.py"
 
@@ -58,8 +57,6 @@ if _SELECTION not in ("sample", "all"):
 
 S3_BUCKET, FSSPEC_BUCKET = "crash-points", "crash-points-fsspec"
 PREVIOUS, NEW = "epoch_0_step_1", "epoch_0_step_2"
-#: A loopback port nothing listens on: where the worker's environment points AWS clients.
-DEAD_ENDPOINT = "http://127.0.0.1:9"
 #: The most one run of the worker may take (a point is three runs); the server kills it then.
 RUN_TIMEOUT_S = 120
 
@@ -193,19 +190,11 @@ def reference(worker) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def moto_endpoint(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
-    client = boto3.session.Session().client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+def moto_buckets(moto_endpoint):
+    """The module's moto server, holding the buckets of the S3 and fsspec backends."""
     for bucket in (S3_BUCKET, FSSPEC_BUCKET):
-        client.create_bucket(Bucket=bucket)
-    try:
-        yield endpoint
-    finally:
-        _stop(proc)
+        create_bucket(moto_options(moto_endpoint), bucket)
+    return moto_endpoint
 
 
 class Dirpaths:
@@ -217,21 +206,9 @@ class Dirpaths:
         self.options: Optional[dict[str, Any]] = None
         self._client: Any = None
         self.template = ""
-        if backend == "s3":
-            self.options = {
-                "endpoint_url": endpoint, "region_name": "us-east-1",
-                "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-            }
-        elif backend == "fsspec":
-            self.options = {
-                "endpoint_url": endpoint, "key": "testing", "secret": "testing",
-                "client_kwargs": {"region_name": "us-east-1"},
-            }
         if endpoint is not None:
-            self._client = boto3.session.Session().client(
-                "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                aws_secret_access_key="testing",
-            )
+            self.options = moto_options(endpoint) if backend == "s3" else as_s3fs(moto_options(endpoint))
+            self._client = s3_client(moto_options(endpoint))
 
     def new(self) -> str:
         self._count += 1
@@ -388,7 +365,7 @@ def index_of(ops: list[list[Any]], op: tuple[str, str]) -> int:
 def test_a_kill_at_any_storage_operation_restores_the_previous_or_the_new_snapshot(
     backend, selection, worker, reference, tmp_path, request
 ):
-    endpoint = request.getfixturevalue("moto_endpoint") if backend != "local" else None
+    endpoint = request.getfixturevalue("moto_buckets") if backend != "local" else None
     dirpaths = Dirpaths(backend, tmp_path, endpoint)
     options = dirpaths.options
 

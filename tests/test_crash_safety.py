@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from dir_listing import complete_in_commit_order, everything_by_name, staging_by_name
 from torchtnt.framework.callback import Callback
 from torchtnt.framework.train import train
 
@@ -36,25 +37,11 @@ from tnt_snapshot_plugin import (
     restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.format import listing
-from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.stores import LocalStore, fileio
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+from tnt_snapshot_plugin.stores import fileio
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, train_toy, weights
 
 METADATA = ".snapshot_metadata"
 INDEX = ".tnt_snapshot_index.json"
-
-
-def entries(dirpath) -> list[str]:
-    return sorted(os.listdir(dirpath))
-
-
-def staging_dirs(dirpath) -> list[str]:
-    return [n for n in entries(dirpath) if is_staging_name(n)]
-
-
-def complete(dirpath) -> list[str]:
-    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 class Record(Callback):
@@ -70,11 +57,8 @@ class Record(Callback):
 def run(dirpath, steps: int, **saver_kwargs) -> tuple[ToyUnit, Record]:
     """Train ToyUnit for ``steps`` steps (one epoch, batches of 4) with an async saver."""
     saver_kwargs.setdefault("save_every_n_train_steps", 1)
-    saver = TorchSnapshotSaver(str(dirpath), **saver_kwargs)
     record = Record()
-    unit = ToyUnit()
-    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=1, callbacks=[saver, record])
-    return unit, record
+    return train_toy(dirpath, ToyUnit(), steps, callbacks=[record], **saver_kwargs), record
 
 
 def restored_weights(path_or_dir, latest: bool = True, **kwargs) -> tuple[ToyUnit, Any]:
@@ -95,7 +79,7 @@ def two_snapshots(tmp_path_factory):
     """epoch_0_step_2 and epoch_0_step_4 of a real run, and the weights at each step."""
     dirpath = tmp_path_factory.mktemp("two_snapshots")
     _, record = run(dirpath, 4, save_every_n_train_steps=2, save_on_train_end=False)
-    assert complete(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
     return dirpath, record.weights
 
 
@@ -208,8 +192,8 @@ class RetentionLog:
     def __init__(self, faulty) -> None:
         self.events: list[tuple[str, str, list[str]]] = []
         root = faulty.inner.root
-        faulty.hook("commit", after=lambda staging, final: self.events.append(("commit", final, complete(root))))
-        faulty.hook("remove", before=lambda name: self.events.append(("remove", name, complete(root))))
+        faulty.hook("commit", after=lambda staging, final: self.events.append(("commit", final, complete_in_commit_order(root))))
+        faulty.hook("remove", before=lambda name: self.events.append(("remove", name, complete_in_commit_order(root))))
 
 
 def plant_foreign_entries(dirpath: Path, outside: Path) -> dict[str, Any]:
@@ -263,16 +247,16 @@ def test_retention_deletes_only_after_a_newer_commit_and_only_its_own_snapshots(
         assert len(newer) >= keep and set(newer[-keep:]) <= set(on_disk), (name, on_disk)
         assert on_disk[-1] != name
 
-    assert [n for n in complete(dirpath) if n.startswith("epoch_") and "train" not in n] == ours[-keep:]
+    assert [n for n in complete_in_commit_order(dirpath) if n.startswith("epoch_") and "train" not in n] == ours[-keep:]
     for rel, text in planted.items():
         assert (dirpath / rel).read_text() == text, rel
     assert (dirpath / "epoch_0_step_1").is_symlink()
-    assert staging_dirs(dirpath) == []
+    assert staging_by_name(dirpath) == []
 
 
 def test_retention_alias_keep_last_n_checkpoints(tmp_path):
     run(tmp_path, 4, keep_last_n_checkpoints=2, save_on_train_end=False)
-    assert entries(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+    assert everything_by_name(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
 
 
 class Undeletable(Callback):
@@ -323,12 +307,12 @@ def test_failed_deletion_warns_and_training_goes_on(tmp_path):
         assert refuse.target is not None
         # The snapshot was unpublished before its files were deleted: what is left is a staging
         # directory, which restore never picks and the next run's train start removes.
-        assert complete(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
-        assert len(staging_dirs(tmp_path)) == 1
+        assert complete_in_commit_order(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4"]
+        assert len(staging_by_name(tmp_path)) == 1
     finally:
         refuse.allow()
     run(tmp_path, 1, save_every_n_train_steps=None, save_on_train_end=False)
-    assert staging_dirs(tmp_path) == []
+    assert staging_by_name(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,8 +364,8 @@ def test_async_write_error_warns_at_next_hook_with_its_step_and_training_goes_on
     (message,) = seen[4]
     assert "epoch_0_step_3 (epoch 0, step 3) failed and was not committed" in message
     assert "Input/output error (injected)" in message and "Older snapshots are intact" in message
-    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5", "epoch_0_step_6"]
-    assert staging_dirs(tmp_path) == []  # the failed write was removed
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5", "epoch_0_step_6"]
+    assert staging_by_name(tmp_path) == []  # the failed write was removed
 
 
 def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(tmp_path, faulty_local):
@@ -393,8 +377,8 @@ def test_async_write_error_with_raise_policy_stops_at_next_hook_naming_the_step(
     with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*Input/output error"):
         train(unit, StatefulLoader(make_data(24)), max_epochs=1, callbacks=[saver, record])
     assert unit.train_progress.num_steps_completed == 4  # raised at step 4's hook
-    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2"]
-    assert staging_dirs(tmp_path) == []
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert staging_by_name(tmp_path) == []
     fresh, restored = restored_weights(tmp_path)
     assert restored is True
     assert_bitwise_equal(weights(fresh), record.weights[2])
@@ -439,7 +423,7 @@ def test_directory_removed_during_a_save_is_not_committed(tmp_path, faulty_local
     assert len(warned) == 1, warned
     for step in (4, 5):
         assert any(re.search(rf"epoch_0_step_{step} \(epoch 0, step {step}\) failed.*" + lost, m) for m in messages), messages
-    assert not dirpath.exists() or (complete(dirpath) == [] and staging_dirs(dirpath) == [])
+    assert not dirpath.exists() or (complete_in_commit_order(dirpath) == [] and staging_by_name(dirpath) == [])
 
 
 class SmallDisk:
@@ -559,10 +543,10 @@ def test_disk_full_warns_once_until_a_snapshot_succeeds(small_disk, caplog):
     assert "epoch_0_step_4" in info[0] and "(2 failed and 0 skipped since the last commit)" in info[0]
     assert "epoch_0_step_5" in info[1] and "(3 failed and 0 skipped since the last commit)" in info[1]
     assert saver.snapshotter.stats.failures == 3
-    assert complete(dirpath) == [
+    assert complete_in_commit_order(dirpath) == [
         "epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_6", "epoch_0_step_7", "epoch_0_step_8", "epoch_1_step_8",
     ]
-    assert staging_dirs(dirpath) == []
+    assert staging_by_name(dirpath) == []
     # the snapshots from before the disk filled up are intact and restorable
     for step in (1, 2):
         fresh, _ = restored_weights(f"{small_disk.dirpath}/epoch_0_step_{step}", latest=False)
@@ -583,8 +567,8 @@ def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(sm
         )
     assert unit.train_progress.num_steps_completed == 4
     small_disk.free()
-    assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
-    assert staging_dirs(dirpath) == []
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert staging_by_name(dirpath) == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh, restored = restored_weights(dirpath)
@@ -633,7 +617,7 @@ def test_staging_leftovers_are_never_restored_and_only_ours_are_removed_at_train
     for name in not_ours:
         assert os.path.lexists(dirpath / name), name
     assert (outside / "precious.txt").read_text() == "keep me"
-    assert complete(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
 
 
 def test_a_symlink_named_like_a_snapshot_is_never_followed(tmp_path):
@@ -651,7 +635,7 @@ def test_a_symlink_named_like_a_snapshot_is_never_followed(tmp_path):
     # (never silently "already there"), and training goes on.
     with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_2"):
         run(dirpath, 3, save_every_n_train_steps=1, save_on_train_end=False)
-    assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_3"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_1", "epoch_0_step_3"]
     assert (dirpath / "epoch_0_step_2").is_symlink()
     assert sorted(p.name for p in target.rglob("*")) == before
     fresh, restored = restored_weights(dirpath)
@@ -709,7 +693,7 @@ def test_a_world_of_one_process_saves_and_restores_without_object_collectives(tm
 
         monkeypatch.setattr(world_of_one, name, recording)
     unit, record = run(tmp_path, steps=3, async_snapshot=async_snapshot)
-    assert complete(tmp_path)[:3] == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]  # + train end's
+    assert complete_in_commit_order(tmp_path)[:3] == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]  # + train end's
     fresh, restored = restored_weights(tmp_path)
     assert restored is True and fresh.train_progress.num_steps_completed == 3
     assert_bitwise_equal(weights(fresh), record.weights[3])

@@ -9,77 +9,29 @@ The disk is a real small tmpfs mounted for the test (the tests run as root); rea
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
 import warnings
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from dir_listing import complete_by_step, everything_by_name, staging_by_name
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import OutOfSpaceWarning, SnapshotFailedWarning
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.format import listing
-from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import open_store
-from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
-
-PAGE = 4096
-#: the payload that dominates a snapshot's size (1 MiB of float32)
-BIG = 256 * 1024
-
-
-def unit_with_payload(seed: int = 0) -> ToyUnit:
-    unit = ToyUnit(seed=seed)
-    unit.payload = Holder({"big": torch.randn(BIG, generator=torch.Generator().manual_seed(seed))})
-    return unit
-
-
-def footprint(path: Path) -> int:
-    """Bytes a directory tree takes on tmpfs: every file rounded up to whole pages."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            total += -(-os.path.getsize(os.path.join(root, name)) // PAGE) * PAGE
-    return total
-
-
-def snapshot_footprint(tmp_path: Path) -> int:
-    """The tmpfs footprint of one snapshot of unit_with_payload() (written on ordinary disk)."""
-    probe = tmp_path / "probe"
-    unit = unit_with_payload()
-    saver = TorchSnapshotSaver(str(probe), save_every_n_train_steps=1, async_snapshot=False)
-    train(unit, StatefulLoader(make_data(4)), max_epochs=1, callbacks=[saver])  # one step
-    names = [n for n in os.listdir(probe) if SnapshotName.parse(n) is not None]
-    return max(footprint(probe / name) for name in names)
-
-
-@contextlib.contextmanager
-def small_disk(where: Path, size: int) -> Iterator[Path]:
-    """A tmpfs of ``size`` bytes (whole pages) mounted at ``where``; unmounted afterwards."""
-    where.mkdir()
-    pages = -(-size // PAGE)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE // 1024}k", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"these tests mount a small tmpfs and need root: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def committed(dirpath: Path) -> list[str]:
-    return sorted(
-        (n for n in os.listdir(dirpath) if SnapshotName.parse(n) and (dirpath / n / ".snapshot_metadata").is_file()),
-        key=lambda n: SnapshotName.parse(n).sort_key,  # type: ignore[union-attr]
-    )
+from toy import (
+    PAGE,
+    StatefulLoader,
+    assert_bitwise_equal,
+    make_data,
+    seed_everything,
+    small_disk,
+    snapshot_footprint,
+    unit_with_payload,
+    weights,
+)
 
 
 @pytest.mark.parametrize("async_snapshot", [True, False], ids=["async", "sync"])
@@ -110,8 +62,8 @@ def test_room_for_exactly_n_snapshots_keeps_committing(tmp_path, async_snapshot)
         # ... and they had to make room: the disk holds no more than `keep`
         early = [str(w.message) for w in caught if issubclass(w.category, OutOfSpaceWarning)]
         assert len(early) == 1, [str(w.message) for w in caught]
-        assert committed(disk) == ["epoch_0_step_5", "epoch_0_step_6"]
-        assert not [n for n in os.listdir(disk) if n.startswith(".tnt_staging")]
+        assert complete_by_step(disk) == ["epoch_0_step_5", "epoch_0_step_6"]
+        assert staging_by_name(disk) == []
 
         fresh = unit_with_payload(seed=99)
         assert TorchSnapshotSaver.restore_from_latest(str(disk), fresh)
@@ -142,8 +94,8 @@ def test_the_newest_committed_snapshot_is_never_freed(tmp_path):
         stats = saver.snapshotter.stats
         assert [(r.epoch, r.step) for r in stats.committed] == [(0, 2)]
         assert stats.failures == 1
-        assert committed(disk) == ["epoch_0_step_2"]
-        assert not [n for n in os.listdir(disk) if n.startswith(".tnt_staging")]
+        assert complete_by_step(disk) == ["epoch_0_step_2"]
+        assert staging_by_name(disk) == []
         fresh = unit_with_payload(seed=99)
         assert TorchSnapshotSaver.restore_from_latest(str(disk), fresh)
         assert fresh.train_progress.num_steps_completed == 2
@@ -157,7 +109,7 @@ def test_a_snapshot_is_deleted_on_a_disk_with_no_room_left(tmp_path):
         unit = unit_with_payload()
         saver = TorchSnapshotSaver(str(disk), save_every_n_train_steps=1, async_snapshot=False)
         train(unit, StatefulLoader(make_data(4)), max_epochs=1, callbacks=[saver])
-        assert committed(disk) == ["epoch_0_step_1", "epoch_1_step_1"]
+        assert complete_by_step(disk) == ["epoch_0_step_1", "epoch_1_step_1"]
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill every byte left
             with pytest.raises(OSError, match="No space left"):
@@ -170,5 +122,5 @@ def test_a_snapshot_is_deleted_on_a_disk_with_no_room_left(tmp_path):
         (disk / "probe").unlink()  # empty: it held no page
         store = open_store(str(disk))
         listing.remove(store, "epoch_0_step_1")
-        assert committed(disk) == ["epoch_1_step_1"]
-        assert sorted(os.listdir(disk)) == ["epoch_1_step_1", "filler"]
+        assert complete_by_step(disk) == ["epoch_1_step_1"]
+        assert everything_by_name(disk) == ["epoch_1_step_1", "filler"]

@@ -30,13 +30,7 @@ pytestmark = pytest.mark.slow
 
 def run_ranks(scenario: str, out: Path) -> list[dict[str, Any]]:
     """Run ``scenario`` on WORLD_SIZE processes; every rank's record, or a test failure."""
-    return launching.run_ranks(
-        lambda rank: [str(WORKER), scenario, str(rank), str(WORLD_SIZE), str(out / "rendezvous"), str(out)],
-        WORLD_SIZE,
-        lambda rank: out / f"rank{rank}.log",
-        lambda rank: out / f"rank{rank}.json",
-        f"scenario {scenario!r}",
-    )
+    return launching.run_scenario(WORKER, scenario, WORLD_SIZE, out)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 
-import boto3
 import pytest
-from test_s3 import BUCKET, DEAD_ENDPOINT, s3_endpoint  # noqa: F401  (moto's server, as a fixture)
+from dir_listing import snapshots_by_step
+from moto_s3 import BUCKET, keys_under, moto_options
 
 from tnt_snapshot_plugin import errors
 
@@ -78,12 +78,6 @@ def in_order(expected: list[str], printed: list[str]) -> bool:
     summary among them)."""
     remaining = iter(printed)
     return all(line in remaining for line in expected)
-
-
-def snapshots(dirpath: Path) -> list[str]:
-    """The snapshot directories in ``dirpath``, oldest step first."""
-    names = [n for n in os.listdir(dirpath) if n.startswith("epoch_")]
-    return sorted(names, key=lambda n: int(n.split("_")[3]))
 
 
 def regions(path: Path) -> dict[str, str]:
@@ -141,7 +135,7 @@ def test_torchtnt_quickstart_resumes_bitwise(tmp_path, capsys):
         "the resumed run equals an uninterrupted one bitwise: True",
     ]
     # a step snapshot at 35 and 70, a final one at the end of each run; the newest 2 kept
-    assert snapshots(tmp_path) == ["epoch_2_step_70", "epoch_4_step_100"]
+    assert snapshots_by_step(tmp_path) == ["epoch_2_step_70", "epoch_4_step_100"]
 
 
 def test_torchtnt_quickstart_runs_as_a_script_as_its_docstring_says(tmp_path):
@@ -159,7 +153,7 @@ def test_torchtnt_quickstart_runs_as_a_script_as_its_docstring_says(tmp_path):
     assert dirpath.parent == tmp_path and dirpath.name.startswith("torchtnt-quickstart-")
     assert resumed == f"resumed from {dirpath / 'epoch_2_step_50'}"
     assert verdict == "the resumed run equals an uninterrupted one bitwise: True"
-    assert snapshots(dirpath) == ["epoch_2_step_70", "epoch_4_step_100"]
+    assert snapshots_by_step(dirpath) == ["epoch_2_step_70", "epoch_4_step_100"]
     assert "Traceback" not in done.stderr
     assert not plugin_warnings(done.stderr), done.stderr
 
@@ -188,14 +182,14 @@ def test_lightning_quickstart_resumes_bitwise_with_ckpt_path_last(tmp_path, caps
     ]
     assert in_order(expected, printed), printed
     # the newest 2, and the one the run resumed from (never deleted, as with ModelCheckpoint)
-    assert snapshots(tmp_path) == ["epoch_2_step_50", "epoch_2_step_70", "epoch_4_step_100"]
+    assert snapshots_by_step(tmp_path) == ["epoch_2_step_50", "epoch_2_step_70", "epoch_4_step_100"]
 
 
 def test_switch_from_model_checkpoint_keeps_the_same_best(tmp_path, capsys):
     printed = run("switch_from_model_checkpoint.py", ["--dirpath", str(tmp_path)], capsys)
     assert printed[-1] == "both pick the same best step with the same val_loss: True"
     theirs = {int(re.search(r"step=(\d+)", n)[1]) for n in os.listdir(tmp_path / "model_checkpoint" / "checkpoints")}
-    ours = snapshots(tmp_path / "snapshots" / "checkpoints")
+    ours = snapshots_by_step(tmp_path / "snapshots" / "checkpoints")
     steps = {int(n.split("_")[3]) for n in ours}
     # ModelCheckpoint's 2 best are kept, and the newest snapshot (5 epochs of 12 steps)
     assert len(theirs) == 2 and theirs <= steps and steps - theirs <= {60}
@@ -211,7 +205,7 @@ def test_finetune_loads_only_the_weights(tmp_path, capsys):
     assert printed[1] == "weights loaded: True; progress and optimizer new: True"
     before, after = (float(line.rsplit(" ", 1)[1]) for line in printed[2:4])
     assert after < before  # the fine-tuning trained the loaded weights on the new task
-    assert snapshots(tmp_path / "finetune") == ["epoch_2_step_40"]  # its steps count from 0
+    assert snapshots_by_step(tmp_path / "finetune") == ["epoch_2_step_40"]  # its steps count from 0
 
 
 def test_ema_plugin_saves_and_restores_the_average(tmp_path, capsys):
@@ -222,7 +216,7 @@ def test_ema_plugin_saves_and_restores_the_average(tmp_path, capsys):
         "epoch_1_step_40_loss", "epoch_1_step_60_loss", "epoch_2_step_80_loss",
         "epoch_3_step_120_loss", "epoch_4_step_160_loss",
     ]
-    assert snapshots(tmp_path) == committed
+    assert snapshots_by_step(tmp_path) == committed
     resumed = next(line for line in printed if line.startswith("resumed from "))
     assert resumed == (
         f"resumed from {tmp_path / committed[2]}: ['ema', 'model', 'optimizer', 'rng_state', 'train_progress']"
@@ -231,32 +225,21 @@ def test_ema_plugin_saves_and_restores_the_average(tmp_path, capsys):
 
 
 @pytest.fixture
-def s3_environment(monkeypatch):
+def s3_environment(no_aws_environment, monkeypatch):
     """Dummy credentials in the environment, where the example reads them; the environment's
     endpoint is a closed port, so only the example's ``endpoint_url`` reaches the server."""
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", DEAD_ENDPOINT)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", DEAD_ENDPOINT)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
 
 
-def test_s3_example_reaches_the_store_through_its_endpoint_url(s3_endpoint, s3_environment, capsys):  # noqa: F811
+def test_s3_example_reaches_the_store_through_its_endpoint_url(moto_endpoint, s3_environment, capsys):
     dirpath = f"s3://{BUCKET}/example-{uuid.uuid4().hex[:8]}"
-    printed = run("s3_endpoint.py", ["--endpoint-url", s3_endpoint, "--dirpath", dirpath, "--create-bucket"], capsys)
+    printed = run("s3_endpoint.py", ["--endpoint-url", moto_endpoint, "--dirpath", dirpath, "--create-bucket"], capsys)
     assert printed == [
         f"latest snapshot: {dirpath}/epoch_2_step_200",
         "restored at step 200; weights equal the trained ones: True",
     ]
-    client = boto3.session.Session().client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    prefix = dirpath[len(f"s3://{BUCKET}/"):] + "/"
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
-    keys = {obj["Key"][len(prefix):] for obj in listed.get("Contents", [])}
+    keys = set(keys_under(moto_options(moto_endpoint), dirpath))
     assert {"epoch_1_step_100/.snapshot_metadata", "epoch_2_step_200/.snapshot_metadata"} <= keys
 
 

@@ -17,13 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_ranks(scenario: str, out: Path) -> list[dict[str, Any]]:
-    return launching.run_ranks(
-        lambda rank: [str(WORKER), scenario, str(rank), str(WORLD_SIZE), str(out / "rendezvous"), str(out)],
-        WORLD_SIZE,
-        lambda rank: out / f"rank{rank}.log",
-        lambda rank: out / f"rank{rank}.json",
-        f"scenario {scenario!r}",
-    )
+    return launching.run_scenario(WORKER, scenario, WORLD_SIZE, out)
 
 
 def test_a_state_one_rank_cannot_encode_stops_every_rank_at_the_first_snapshot(tmp_path):

@@ -24,13 +24,22 @@ from typing import Any
 
 import pytest
 import torch
-from test_disk_full import committed, footprint, small_disk, snapshot_footprint, unit_with_payload
+from dir_listing import complete_by_step, staging_by_name
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.saving import writer as writer_job
-from toy import Holder, StatefulLoader, ToyUnit, make_data
+from toy import (
+    Holder,
+    StatefulLoader,
+    ToyUnit,
+    footprint,
+    make_data,
+    small_disk,
+    snapshot_footprint,
+    unit_with_payload,
+)
 
 #: a tensor written to a file of its own (the format packs tensors under 4 MiB together)
 OWN_FILE = 1_200_000
@@ -93,7 +102,7 @@ def test_a_save_out_of_space_names_no_space_left_and_the_file(tmp_path):
         assert re.search(rf"writing \S+ of {re.escape(str(disk))}/\.tnt_staging\.epoch_0_step_1\.\S+ failed: OSError", first), first
         assert "an earlier write" not in first, first
         assert "Older snapshots are intact" in first
-        assert committed(disk) == []
+        assert complete_by_step(disk) == []
 
 
 class Growing(ToyUnit):
@@ -147,8 +156,8 @@ def test_a_retry_that_fails_too_says_which_snapshots_were_deleted_early(tmp_path
         assert "one snapshot more than it keeps" in message
         assert not [m for m in messages if "wrote it again" in m], messages  # it was not written
         assert [(r.epoch, r.step) for r in saver.snapshotter.stats.committed] == [(0, 1), (0, 2)]
-        assert committed(disk) == ["epoch_0_step_2"]
-        assert not [n for n in os.listdir(disk) if n.startswith(".tnt_staging")]
+        assert complete_by_step(disk) == ["epoch_0_step_2"]
+        assert staging_by_name(disk) == []
         assert footprint(disk) < 2 * one  # step 3's attempts left nothing behind
 
         fresh = unit_with_payload(seed=99)

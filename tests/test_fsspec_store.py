@@ -12,53 +12,33 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from typing import Any
 
 import fsspec
 import pytest
+from dir_listing import complete_in_commit_order
+from moto_s3 import BUCKET, as_s3fs
 from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotNotFoundError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.format import listing, verify
+from tnt_snapshot_plugin.format import verify
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.restoring import latest_snapshot
 from tnt_snapshot_plugin.stores import WRITER_FNAME, open_store
 from tnt_snapshot_plugin.stores.fsspec import FsspecStore
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
-
-BUCKET = "fsspec-store"
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, dead_pid, make_data, seed_everything, weights
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def s3fs_options(tmp_path_factory):
-    """moto's S3 server on a free loopback port (started as tests/test_s3.py does), a bucket,
-    and the storage_options that point s3fs at it."""
-    import boto3
-    from test_s3 import _start_moto, _stop
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
-    boto3.session.Session().client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket=BUCKET)
-    try:
-        yield {
-            "endpoint_url": endpoint,
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-    finally:
-        _stop(proc)
+@pytest.fixture
+def s3fs_options(s3_options):
+    """The storage_options that point s3fs at the module's moto server (its bucket exists)."""
+    return as_s3fs(s3_options)
 
 
 @pytest.fixture(params=["memory", "s3fs"])
@@ -76,7 +56,8 @@ def filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
-def names_under(url: str, options: dict[str, Any]) -> list[str]:
+def directories_by_name(url: str, options: dict[str, Any]) -> list[str]:
+    """The directories right under ``url``, as the filesystem lists them ([] when it has none)."""
     fs, root = filesystem(url, options)
     try:
         entries = fs.ls(root, detail=True)
@@ -112,7 +93,7 @@ def test_train_then_restore_from_latest_resumes_bitwise(target):
     with pytest.raises(RuntimeError, match="injected failure at step 13"):
         train(interrupted, StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
 
-    names = names_under(url, options)
+    names = directories_by_name(url, options)
     assert names == ["epoch_0_step_4", "epoch_0_step_8", "epoch_1_step_12"]
     fs, root = filesystem(url, options)
     for name in names:  # published by the metadata, next to the plugin's index
@@ -136,8 +117,8 @@ def test_retention_deletes_only_the_plugins_own_snapshots(target):
     unit = ToyUnit()
     saver = TorchSnapshotSaver(url, save_every_n_train_steps=2, keep_last_n_snapshots=2, storage_options=options)
     train(unit, StatefulLoader(make_data(20)), max_epochs=1, callbacks=[saver])
-    assert names_under(url, options) == ["epoch_0_step_4", "epoch_1_step_5", "epoch_7_step_70", "notes"]
-    assert [s.text for s in listing.complete_snapshots(open_store(url, options))] == ["epoch_0_step_4", "epoch_1_step_5"]
+    assert directories_by_name(url, options) == ["epoch_0_step_4", "epoch_1_step_5", "epoch_7_step_70", "notes"]
+    assert complete_in_commit_order(url, options) == ["epoch_0_step_4", "epoch_1_step_5"]
     fresh = ToyUnit(seed=5)
     assert TorchSnapshotSaver.restore_from_latest(url, fresh, storage_options=options)
     assert_bitwise_equal(weights(fresh), weights(unit))
@@ -152,7 +133,7 @@ def test_an_interrupted_write_is_ignored_then_cleared(target):
           callbacks=[TorchSnapshotSaver(url, save_every_n_epochs=1, storage_options=options)])
     for rel in ("0/model/0.weight", "batched/abc"):  # no index, no metadata: not committed
         put(url, options, f"epoch_9_step_99/{rel}", b"partial")
-    assert names_under(url, options) == ["epoch_1_step_5", "epoch_9_step_99"]
+    assert directories_by_name(url, options) == ["epoch_1_step_5", "epoch_9_step_99"]
     assert latest_snapshot(url, storage_options=options) == f"{url}/epoch_1_step_5"
     fresh = ToyUnit(seed=5)
     assert TorchSnapshotSaver.restore_from_latest(url, fresh, storage_options=options)
@@ -160,13 +141,11 @@ def test_an_interrupted_write_is_ignored_then_cleared(target):
     with pytest.raises(SnapshotNotFoundError, match="not a complete snapshot"):
         TorchSnapshotSaver.restore(f"{url}/epoch_9_step_99", ToyUnit(), storage_options=options)
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    marker = {"host": socket.gethostname(), "pid": dead.pid, "run_id": "gone", "started_at": time.time()}
+    marker = {"host": socket.gethostname(), "pid": dead_pid(), "run_id": "gone", "started_at": time.time()}
     put(url, options, f"epoch_9_step_99/{WRITER_FNAME}", json.dumps(marker).encode())
     train(fresh, StatefulLoader(make_data(20)), max_epochs=1,
           callbacks=[TorchSnapshotSaver(url, save_every_n_epochs=5, storage_options=options)])
-    assert names_under(url, options) == ["epoch_1_step_5"]
+    assert directories_by_name(url, options) == ["epoch_1_step_5"]
 
 
 def test_a_second_saver_on_the_same_dirpath_is_refused_while_the_first_runs(target):
@@ -191,4 +170,4 @@ def test_a_second_saver_on_the_same_dirpath_is_refused_while_the_first_runs(targ
     assert not fs.exists(f"{root}/.tnt_snapshot.lease.json")
     second.train_start(["m"])
     second.train_end(0, 1, lambda intra: {"m": torch.nn.Linear(2, 2)})
-    assert names_under(url, options) == ["epoch_0_step_0", "epoch_0_step_1"]
+    assert directories_by_name(url, options) == ["epoch_0_step_0", "epoch_0_step_1"]

@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 import torch
+from dir_listing import visible_by_name
 
 from tnt_snapshot_plugin import ConfigError, KeyCollisionError, hookimpl, hookspecs
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -45,10 +46,6 @@ def run(dirpath, pm, steps=4, **config):
     return snap, model
 
 
-def names(dirpath):
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
-
-
 def test_extra_state_is_saved_and_restored(tmp_path, pm):
     counter = Counter(41)
 
@@ -73,7 +70,7 @@ def test_extra_state_colliding_with_the_unit_raises_before_writing(tmp_path, pm)
     pm.register(Plugin())
     with pytest.raises(KeyCollisionError, match="'model' from tnt_snapshot_plugin_extra_state"):
         run(tmp_path, pm, save_every_n_train_steps=2)
-    assert names(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def test_should_snapshot_overrides_the_cadence(tmp_path, pm):
@@ -87,7 +84,7 @@ def test_should_snapshot_overrides_the_cadence(tmp_path, pm):
 
     pm.register(Plugin())
     run(tmp_path, pm, save_every_n_train_steps=2, save_on_train_end=False)
-    assert names(tmp_path) == ["epoch_0_step_2", "epoch_0_step_3", "epoch_0_step_4"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_2", "epoch_0_step_3", "epoch_0_step_4"]
     assert ("step", 2, True) in asked and ("step", 1, False) in asked
 
 
@@ -99,7 +96,7 @@ def test_should_snapshot_can_veto(tmp_path, pm):
 
     pm.register(Plugin())
     run(tmp_path, pm, save_every_n_train_steps=1, save_on_train_end=False)
-    assert names(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def test_snapshot_name_may_add_a_metric_suffix_and_stays_findable(tmp_path, pm):
@@ -110,7 +107,7 @@ def test_snapshot_name_may_add_a_metric_suffix_and_stays_findable(tmp_path, pm):
 
     pm.register(Plugin())
     run(tmp_path, pm, save_every_n_train_steps=2, save_on_train_end=False)
-    assert names(tmp_path) == ["epoch_0_step_2_loss=0.5", "epoch_0_step_4_loss=0.25"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_2_loss=0.5", "epoch_0_step_4_loss=0.25"]
     index = (tmp_path / "epoch_0_step_4_loss=0.25" / ".tnt_snapshot_index.json").read_text()
     assert '"metric": {"name": "loss", "value": 0.25}' in index
     model = torch.nn.Linear(3, 2)
@@ -127,7 +124,7 @@ def test_snapshot_name_that_restore_could_not_find_is_refused(tmp_path, pm):
     pm.register(Plugin())
     with pytest.raises(ConfigError, match="returned 'final-model'"):
         run(tmp_path, pm, save_every_n_train_steps=2)
-    assert names(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def test_snapshot_committed_is_told_after_the_commit(tmp_path, pm):
@@ -191,7 +188,7 @@ def test_a_step_that_does_not_snapshot_collects_nothing(tmp_path, pm):
 
     for step in range(1, 10):
         snap.step_end(0, step, collect)
-    assert names(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def _hook_names():

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from dir_listing import staging_by_name, visible_by_name
 from lightning_toy import (
     ResumableLoader,
     ToyModule,
@@ -14,7 +15,6 @@ from lightning_toy import (
     optimizer_tensors,
     plain_loader,
     seed_everything,
-    snapshot_names,
     weights,
 )
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
@@ -63,7 +63,7 @@ def test_two_epochs_write_named_snapshots_holding_the_lightning_checkpoint(tmp_p
     trainer = make_trainer(tmp_path, [capture, saver])
     trainer.fit(ToyModule(), loader(20))  # 5 batches per epoch
 
-    assert snapshot_names(tmp_path / "snaps") == sorted(
+    assert visible_by_name(tmp_path / "snaps") == sorted(
         [
             "epoch_0_step_2",
             "epoch_0_step_4",
@@ -74,9 +74,9 @@ def test_two_epochs_write_named_snapshots_holding_the_lightning_checkpoint(tmp_p
             "epoch_2_step_10",  # end of epoch 2; on_train_end finds it saved already
         ]
     )
-    for name in snapshot_names(tmp_path / "snaps"):
+    for name in visible_by_name(tmp_path / "snaps"):
         assert (tmp_path / "snaps" / name / ".snapshot_metadata").is_file()
-    assert not [n for n in os.listdir(tmp_path / "snaps") if n.startswith(".tnt_staging")]
+    assert staging_by_name(tmp_path / "snaps") == []
     assert trainer.checkpoint_callbacks == [saver]  # no default ModelCheckpoint was added
 
     checkpoint = SnapshotCheckpointIO().load_checkpoint(str(tmp_path / "snaps" / "epoch_0_step_4"))
@@ -101,7 +101,7 @@ def test_global_step_counts_optimizer_steps_with_gradient_accumulation(tmp_path)
 
     assert trainer.global_step == 6
     # one snapshot per optimizer step, none between the batches of an accumulation window
-    assert snapshot_names(tmp_path) == sorted(f"epoch_{s // 4}_step_{s}" for s in range(1, 7))
+    assert visible_by_name(tmp_path) == sorted(f"epoch_{s // 4}_step_{s}" for s in range(1, 7))
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +269,8 @@ def test_state_dict_round_trip_and_two_savers_with_different_cadences(tmp_path):
     trainer = make_trainer(tmp_path, [steps, epochs])
     trainer.fit(ToyModule(), loader(12))  # 3 batches per epoch
 
-    assert snapshot_names(tmp_path / "steps") == ["epoch_0_step_2", "epoch_1_step_4", "epoch_1_step_6"]
-    assert snapshot_names(tmp_path / "epochs") == ["epoch_1_step_3", "epoch_2_step_6"]
+    assert visible_by_name(tmp_path / "steps") == ["epoch_0_step_2", "epoch_1_step_4", "epoch_1_step_6"]
+    assert visible_by_name(tmp_path / "epochs") == ["epoch_1_step_3", "epoch_2_step_6"]
     state = steps.state_dict()
     assert state == {
         "dirpath": str(tmp_path / "steps"),
@@ -341,7 +341,7 @@ def test_coexists_with_model_checkpoint_and_last_takes_the_newest(tmp_path):
     make_trainer(tmp_path, [model_checkpoint, saver]).fit(ToyModule(), loader(12))
     last_ckpt = tmp_path / "ckpt" / "last.ckpt"
     assert last_ckpt.is_file()
-    assert snapshot_names(tmp_path / "snaps") == ["epoch_1_step_3", "epoch_2_step_6"]
+    assert visible_by_name(tmp_path / "snaps") == ["epoch_1_step_3", "epoch_2_step_6"]
 
     def resume(ckpt_path, max_epochs=3):
         trainer = make_trainer(
@@ -409,13 +409,13 @@ def test_reserved_key_from_on_save_checkpoint_is_refused(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1)
     with pytest.raises(KeyCollisionError, match="rng_state"):
         make_trainer(tmp_path, [saver], max_epochs=1).fit(Clashing(), loader(8))
-    assert snapshot_names(tmp_path) == []
+    assert visible_by_name(tmp_path) == []
 
 
 def test_synchronous_snapshots_write_the_same_names(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=2, async_snapshot=False)
     make_trainer(tmp_path, [saver], max_epochs=1).fit(ToyModule(), loader(12))
-    assert snapshot_names(tmp_path) == ["epoch_0_step_2", "epoch_1_step_3"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_2", "epoch_1_step_3"]
     assert saver.dirpath == str(tmp_path)
 
 

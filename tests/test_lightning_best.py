@@ -4,16 +4,16 @@ meaning, ``best_model_path`` / ``best_model_score`` read from the directory, and
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
+from dir_listing import CommitRecorder, visible_by_name
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from lightning_toy import ResumableLoader, ToyModule, make_trainer, weights
 from pytorch_lightning.callbacks import Callback
 
-from tnt_snapshot_plugin import ConfigError, MonitorNotLoggedWarning, hookimpl
+from tnt_snapshot_plugin import ConfigError, MonitorNotLoggedWarning
 from tnt_snapshot_plugin.adapters.lightning import MonitorNotFoundError, TorchSnapshotSaver
 from tnt_snapshot_plugin.demo_data import make_data
 from tnt_snapshot_plugin.hooks import get_plugin_manager
@@ -35,20 +35,6 @@ class Scored(ToyModule):
 
     def test_step(self, batch, batch_idx):
         self.tested = weights(self)
-
-
-def snapshots(dirpath) -> list[str]:
-    return sorted(n for n in os.listdir(dirpath) if n.startswith("epoch_"))
-
-
-class CommitRecorder:
-    def __init__(self, dirpath) -> None:
-        self.dirpath = dirpath
-        self.seen: list[tuple[str, list[str]]] = []
-
-    @hookimpl
-    def tnt_snapshot_plugin_snapshot_committed(self, path, epoch, step, record):
-        self.seen.append((os.path.basename(path), snapshots(self.dirpath)))
 
 
 def restored_weights(path: str) -> dict[str, torch.Tensor]:
@@ -127,7 +113,7 @@ def test_a_monitor_with_a_slash_ranks_and_restores_the_best_like_any_other(tmp_p
     saver = TorchSnapshotSaver(str(d), save_every_n_epochs=1, monitor="val/loss", save_top_k=1)
     make_trainer(tmp_path, [saver], max_epochs=3, limit_val_batches=1).fit(SlashScored(), loader(), loader(4))
     best = "epoch_2_step_6_val%2Floss=0.3"  # one directory: the best (0.3) and the newest
-    assert snapshots(d) == [best, "epoch_3_step_9_val%2Floss=0.4"]
+    assert visible_by_name(d) == [best, "epoch_3_step_9_val%2Floss=0.4"]
     assert saver.best_model_path == str(d / best) and float(saver.best_model_score) == pytest.approx(0.3)
     fresh = TorchSnapshotSaver(str(d), monitor="val/loss")
     assert fresh.best_model_path == str(d / best)
@@ -139,7 +125,7 @@ def test_a_monitor_with_a_slash_ranks_and_restores_the_best_like_any_other(tmp_p
 def test_save_top_k_minus_one_keeps_all_and_max_mode_ranks_the_highest(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_epochs=1, monitor="val_loss", mode="max", save_top_k=-1)
     make_trainer(tmp_path, [saver], max_epochs=3, limit_val_batches=1).fit(Scored(), loader(), loader(4))
-    assert snapshots(tmp_path) == sorted(
+    assert visible_by_name(tmp_path) == sorted(
         f"epoch_{i}_step_{3 * i}_val_loss={VAL_LOSS[i - 1]}" for i in range(1, 4)
     )
     assert saver.best_model_path.endswith("epoch_1_step_3_val_loss=0.5")
@@ -161,7 +147,7 @@ def test_a_monitored_metric_never_logged_is_modelcheckpoints_error_once_validati
     assert isinstance(caught.value, MisconfigurationException)
     assert isinstance(caught.value, ConfigError)
     assert "val_loss" in str(caught.value)  # the keys that were logged
-    assert snapshots(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_0_step_3"]
     assert saver.best_model_path == ""
 
 

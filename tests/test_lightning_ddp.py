@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from lightning_toy import logs, run_script, snapshot_names
+from dir_listing import visible_by_name
+from lightning_toy import logs, run_script
 
 
 @pytest.mark.slow
@@ -22,7 +23,7 @@ def test_ddp_two_processes_save_and_resume_bitwise(tmp_path):
     # rank 0's dirpath won: rank 1 wrote nowhere else, and each rank saved its own state
     assert [r["saver_dirpath"] for r in results] == [str(tmp_path / "snaps")] * 2
     assert not (tmp_path / "rank1_dirpath").exists()
-    assert snapshot_names(tmp_path / "snaps") == [
+    assert visible_by_name(tmp_path / "snaps") == [
         "epoch_0_step_3",
         "epoch_1_step_5",
         "epoch_1_step_6",  # the latest before the failure at step 8

@@ -8,22 +8,16 @@ among those, as retention never deletes it. The disk is a real small tmpfs mount
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
 import warnings
-from pathlib import Path
-from typing import Iterator
 
-import pytest
 import torch
-from lightning_toy import ResumableLoader, ToyModule, make_trainer, snapshot_names
+from dir_listing import visible_by_name
+from lightning_toy import ResumableLoader, ToyModule, make_trainer
 
 from tnt_snapshot_plugin import SnapshotFailedWarning
 from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 from tnt_snapshot_plugin.demo_data import make_data
-
-PAGE = 4096
+from toy import footprint, small_disk
 
 
 class Heavy(ToyModule):
@@ -38,36 +32,11 @@ def loader() -> ResumableLoader:
     return ResumableLoader(make_data(16), seed=3)  # 4 batches an epoch
 
 
-def footprint(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            total += -(-os.path.getsize(os.path.join(root, name)) // PAGE) * PAGE
-    return total
-
-
-@contextlib.contextmanager
-def small_disk(where: Path, size: int) -> Iterator[Path]:
-    where.mkdir()
-    pages = -(-size // PAGE)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE // 1024}k", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"this test mounts a small tmpfs and needs root: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def test_a_full_disk_does_not_free_the_snapshot_the_run_resumed_from(tmp_path):
     probe = tmp_path / "probe"
     saver = TorchSnapshotSaver(str(probe), every_n_train_steps=2, async_snapshot=False, save_on_train_end=False)
     make_trainer(tmp_path, [saver], max_epochs=1).fit(Heavy(), loader())
-    one = max(footprint(probe / name) for name in snapshot_names(probe))
+    one = max(footprint(probe / name) for name in visible_by_name(probe))
 
     # room for two snapshots and a half
     with small_disk(tmp_path / "disk", 2 * one + one // 2) as disk:
@@ -76,7 +45,7 @@ def test_a_full_disk_does_not_free_the_snapshot_the_run_resumed_from(tmp_path):
             save_on_train_end=False,
         )
         make_trainer(tmp_path, [first], max_epochs=1).fit(Heavy(), loader())
-        assert snapshot_names(disk) == ["epoch_0_step_2", "epoch_0_step_4"]
+        assert visible_by_name(disk) == ["epoch_0_step_2", "epoch_0_step_4"]
 
         # resumed from the older one: the next snapshot (step 3) finds no room, and the only
         # snapshot retention could free for it is the one this run resumed from
@@ -92,7 +61,7 @@ def test_a_full_disk_does_not_free_the_snapshot_the_run_resumed_from(tmp_path):
         assert trainer.ckpt_path == resumed_from and trainer.global_step == 4
         failed = [str(w.message) for w in caught if issubclass(w.category, SnapshotFailedWarning)]
         assert failed and "epoch_0_step_3" in failed[0] and "No space left" in failed[0], failed
-        assert "epoch_0_step_2" in snapshot_names(disk)  # kept
+        assert "epoch_0_step_2" in visible_by_name(disk)  # kept
         assert not [str(w.message) for w in caught if "deleted epoch_0_step_2" in str(w.message)]
         # it is still whole: a new run resumes from it
         module = Heavy(seed=2)

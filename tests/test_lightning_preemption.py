@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dir_listing import visible_by_name
 from lightning_toy import (
     ResumableLoader,
     ToyModule,
@@ -26,7 +27,6 @@ from lightning_toy import (
     optimizer_tensors,
     run_script,
     seed_everything,
-    snapshot_names,
     weights,
 )
 
@@ -43,7 +43,7 @@ def test_sigterm_snapshots_at_the_batch_end_exits_and_resumes_bitwise(tmp_path):
     # The script snapshots every 2 steps and sends itself SIGTERM during the 4th batch.
     assert run_script("preempt", out) == [EXIT_SIGTERM], logs(out)
     assert json.loads((out / "result_rank0.json").read_text()) == {"started": True}
-    assert snapshot_names(out / "snaps") == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert visible_by_name(out / "snaps") == ["epoch_0_step_2", "epoch_0_step_4"]
     assert "preemption signal received; snapshotting step 4" in logs(out)
 
     seed_everything(7)
@@ -73,7 +73,7 @@ def test_sigterm_on_one_ddp_rank_stops_both_at_the_same_step(ddp_preempted):
     # every step, and stop one step later (tests/test_distributed.py: every few steps).
     tmp_path, codes = ddp_preempted
     assert codes == [EXIT_SIGTERM, EXIT_SIGTERM], logs(tmp_path)
-    assert snapshot_names(tmp_path / "snaps") == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5"]
+    assert visible_by_name(tmp_path / "snaps") == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5"]
     assert sorted(p.name for p in (tmp_path / "snaps" / "epoch_0_step_5").iterdir() if p.is_dir()) == [
         ".tnt_snapshot_index",  # each rank's part of the index
         "0",

@@ -8,7 +8,8 @@ import enum
 import os
 
 import pytest
-from lightning_toy import ResumableLoader, ToyModule, make_trainer, snapshot_names
+from dir_listing import visible_by_name
+from lightning_toy import ResumableLoader, ToyModule, make_trainer
 from pytorch_lightning.callbacks import Callback
 
 from tnt_snapshot_plugin import UnrestorableStateError
@@ -61,7 +62,7 @@ def test_save_hyperparameters_namespace_resumes_from_last(tmp_path):
     dirpath = str(tmp_path / "snaps")
     _fit(tmp_path, ArgsModule(_args()), dirpath, max_epochs=1)
     # the step snapshot at the epoch's last batch; train end does not save that step again
-    assert snapshot_names(dirpath)[-1] == "epoch_0_step_4"
+    assert visible_by_name(dirpath)[-1] == "epoch_0_step_4"
 
     resumed = ArgsModule(_args())
     start = _fit(tmp_path, resumed, dirpath, max_epochs=2, ckpt_path="last")
@@ -93,7 +94,7 @@ def test_last_skips_a_newest_snapshot_with_corrupt_metadata(tmp_path):
     dirpath = str(tmp_path / "snaps")
     _fit(tmp_path, ToyModule(), dirpath, max_epochs=1)
     # At steps 2 and 4 (train end does not save step 4 again): the newest gets torn metadata.
-    assert snapshot_names(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert visible_by_name(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
     newest = os.path.join(dirpath, "epoch_0_step_4")
 
     def tear() -> None:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
+from dir_listing import visible_by_name
 from lightning_fabric.utilities.exceptions import MisconfigurationException
-from lightning_toy import ResumableLoader, ToyModule, make_trainer, seed_everything, snapshot_names
+from lightning_toy import ResumableLoader, ToyModule, make_trainer, seed_everything
 from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
@@ -72,9 +73,7 @@ def step_of(path: str) -> int:
 
 def kept(dirpath: Any) -> list[int]:
     """The global steps of the checkpoints (``.ckpt``) or snapshots kept in ``dirpath``."""
-    if not os.path.isdir(dirpath):
-        return []
-    names = [n for n in snapshot_names(dirpath) if n.endswith(".ckpt") or SnapshotName.parse(n)]
+    names = [n for n in visible_by_name(dirpath) if n.endswith(".ckpt") or SnapshotName.parse(n)]
     return sorted(step_of(n) for n in names)
 
 
@@ -257,7 +256,7 @@ def test_save_on_train_epoch_end_false_saves_after_each_validation_like_model_ch
     assert kept(tmp_path / "mc") == [2, 4, 6, 8]
     assert kept(tmp_path / "snaps") == [2, 4, 6, 8]
     # mid-epoch validations name the epoch they ran in; epoch-end ones the epochs completed
-    assert snapshot_names(tmp_path / "snaps") == [
+    assert visible_by_name(tmp_path / "snaps") == [
         "epoch_0_step_2", "epoch_1_step_4", "epoch_1_step_6", "epoch_2_step_8"
     ]
 
@@ -266,10 +265,10 @@ def test_train_end_does_not_save_the_last_step_again(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path), every_n_train_steps=3)  # the epoch's last batch
     fit(tmp_path, saver)
     # not also epoch_1_step_3 / epoch_2_step_6: the same state under the next epoch's number
-    assert snapshot_names(tmp_path) == ["epoch_0_step_3", "epoch_1_step_6"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_3", "epoch_1_step_6"]
     saver = TorchSnapshotSaver(str(tmp_path / "two"), every_n_train_steps=4)
     fit(tmp_path, saver)  # step 6 is not on the cadence: the final snapshot is new state
-    assert snapshot_names(tmp_path / "two") == ["epoch_1_step_4", "epoch_2_step_6"]
+    assert visible_by_name(tmp_path / "two") == ["epoch_1_step_4", "epoch_2_step_6"]
 
 
 # -- save_top_k and monitor -----------------------------------------------------------------------
@@ -358,8 +357,8 @@ def test_the_snapshot_a_run_resumed_from_is_never_deleted(tmp_path):
     fit(tmp_path, mc, Logs(values), max_epochs=1)
     saver = TorchSnapshotSaver(str(tmp_path / "snaps"), monitor="val_loss", save_top_k=-1)
     fit(tmp_path, saver, Logs(values), max_epochs=1)
-    (mc_first,) = snapshot_names(tmp_path / "mc")
-    (first,) = snapshot_names(tmp_path / "snaps")
+    (mc_first,) = visible_by_name(tmp_path / "mc")
+    (first,) = visible_by_name(tmp_path / "snaps")
     assert first == "epoch_1_step_3_val_loss=0.5"
 
     # the resumed run keeps the best 1: its own 0.3 is better than the 0.5 it resumed from
@@ -368,13 +367,13 @@ def test_the_snapshot_a_run_resumed_from_is_never_deleted(tmp_path):
     saver = TorchSnapshotSaver(str(tmp_path / "snaps"), monitor="val_loss", save_top_k=1)
     trainer = fit(tmp_path, saver, Logs(values), max_epochs=4, ckpt_path=str(tmp_path / "snaps" / first))
     assert trainer.ckpt_path == str(tmp_path / "snaps" / first)
-    assert mc_first in snapshot_names(tmp_path / "mc")  # ModelCheckpoint keeps it...
-    assert first in snapshot_names(tmp_path / "snaps")  # ...and so does the saver
+    assert mc_first in visible_by_name(tmp_path / "mc")  # ModelCheckpoint keeps it...
+    assert first in visible_by_name(tmp_path / "snaps")  # ...and so does the saver
     assert step_of(saver.best_model_path) == step_of(mc.best_model_path) == 6
     # the protection lasts for the run that resumed from it: a later run deletes it
     later = TorchSnapshotSaver(str(tmp_path / "snaps"), monitor="val_loss", save_top_k=1)
     fit(tmp_path, later, Logs([0.2]), max_epochs=5, ckpt_path=later.ckpt_path)
-    assert first not in snapshot_names(tmp_path / "snaps")
+    assert first not in visible_by_name(tmp_path / "snaps")
 
 
 # -- dirpath, verbose, save_last ------------------------------------------------------------------
@@ -404,7 +403,7 @@ def test_verbose_logs_one_line_per_snapshot(tmp_path):
         fit(tmp_path, TorchSnapshotSaver(str(tmp_path / "loud"), every_n_train_steps=2, verbose=True))
     said = [line for line in lines if line.startswith("TorchSnapshotSaver: snapshot ")]
     assert len(said) == 3
-    for line, name in zip(said, snapshot_names(tmp_path / "loud"), strict=True):
+    for line, name in zip(said, visible_by_name(tmp_path / "loud"), strict=True):
         assert str(tmp_path / "loud" / name) in line and "committed" in line
 
 
@@ -543,7 +542,7 @@ def test_cadences_combine_a_deliberate_difference(tmp_path):
     fit(tmp_path, saver)
     # steps 2, 4, 6 by the step cadence, the epoch ends at steps 3 and 6: at step 6 the epoch
     # end's snapshot is taken after the step's, holding that epoch's validation results
-    assert snapshot_names(tmp_path / "snaps") == [
+    assert visible_by_name(tmp_path / "snaps") == [
         "epoch_0_step_2", "epoch_1_step_3", "epoch_1_step_4", "epoch_1_step_6", "epoch_2_step_6"
     ]
 
@@ -587,7 +586,7 @@ def test_a_dirpath_under_the_home_directory_is_expanded_as_model_checkpoint_does
     assert mc.dirpath == str(tmp_path / "mc")
     assert saver.dirpath == str(tmp_path / "snaps")
     fit(tmp_path, saver, max_epochs=1)
-    assert snapshot_names(tmp_path / "snaps") == ["epoch_1_step_3"]
+    assert visible_by_name(tmp_path / "snaps") == ["epoch_1_step_3"]
 
 
 def test_to_yaml_writes_best_k_models_like_model_checkpoint(tmp_path):

@@ -36,15 +36,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import torch
-from test_s3 import (  # noqa: F401  (the moto server and the AWS environment guard, as fixtures)
-    BUCKET,
-    client_for,
-    keys_under,
-    no_aws_environment,
-    options,
-    run_url,
-    s3_endpoint,
-)
+from dir_listing import complete_in_commit_order, staging_by_name
+from moto_s3 import BUCKET, keys_under, s3_client
 from torchtnt.framework.callback import Callback
 from torchtnt.framework.train import train
 
@@ -61,7 +54,6 @@ from tnt_snapshot_plugin import (
     hookimpl,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.hooks import new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name
@@ -72,6 +64,8 @@ from tnt_snapshot_plugin.stores.s3 import S3Store
 from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 TESTS = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.usefixtures("no_aws_environment")
 
 #: The lease's length in these tests (renewed every fifth of it), instead of 5 minutes.
 SHORT_LEASE_S = 4.0
@@ -203,15 +197,15 @@ def _request_body(handler: BaseHTTPRequestHandler) -> Optional[bytes]:
 
 
 @pytest.fixture
-def proxy(options):  # noqa: F811
-    p = AnswerDroppingProxy(options["endpoint_url"])
+def proxy(s3_options):
+    p = AnswerDroppingProxy(s3_options["endpoint_url"])
     yield p
     p.stop()
 
 
 def lease_of(opts: dict[str, Any], url: str) -> Optional[dict[str, Any]]:
     key = url[len(f"s3://{BUCKET}/"):] + "/" + LEASE_FNAME
-    client = client_for(opts)
+    client = s3_client(opts)
     try:
         body = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     except client.exceptions.NoSuchKey:
@@ -221,7 +215,7 @@ def lease_of(opts: dict[str, Any], url: str) -> Optional[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_renewal_whose_answer_is_lost_is_the_runs_own_and_a_second_job_stays_refused(
-    options, run_url, proxy, monkeypatch  # noqa: F811
+    s3_options, run_url, proxy, monkeypatch
 ):
     """The proxy loses the answer to a renewal the store applied; botocore retries it against
     the version it replaced and gets 412. The lease read then is this run's own: no takeover
@@ -229,7 +223,7 @@ def test_a_renewal_whose_answer_is_lost_is_the_runs_own_and_a_second_job_stays_r
     naming the first, and the lease is released at train end."""
     monkeypatch.setattr(s3_mod, "LEASE_S", SHORT_LEASE_S)
     saver = TorchSnapshotSaver(
-        run_url, save_every_n_train_steps=1, storage_options=dict(options, endpoint_url=proxy.url),
+        run_url, save_every_n_train_steps=1, storage_options=dict(s3_options, endpoint_url=proxy.url),
         preemption_signals=[],
     )
     refusals: list[str] = []
@@ -244,11 +238,11 @@ def test_a_renewal_whose_answer_is_lost_is_the_runs_own_and_a_second_job_stays_r
             wait_until(lambda: proxy.renewals_after_the_drop(), "the client's retry of the dropped renewal")
             # Well past the lease's length: a lease no longer renewed would have expired.
             time.sleep(1.5 * SHORT_LEASE_S)
-            second = Snapshotter(run_url, SnapshotConfig.build(storage_options=options, preemption_signals=[]))
+            second = Snapshotter(run_url, SnapshotConfig.build(storage_options=s3_options, preemption_signals=[]))
             with pytest.raises(ConfigError, match="in use by another saver") as refused:
                 second.train_start(["m"])
             refusals.append(str(refused.value))
-            lease = lease_of(options, run_url)
+            lease = lease_of(s3_options, run_url)
             assert lease is not None and lease["run_id"] == run_ids[0]
             assert lease["expires_at"] > time.time()
 
@@ -262,17 +256,17 @@ def test_a_renewal_whose_answer_is_lost_is_the_runs_own_and_a_second_job_stays_r
     after = proxy.renewals_after_the_drop()
     assert after[0] == 412 and after.count(200) >= 2, after  # and renewal went on
     assert refusals and re.search(rf"host .* pid {os.getpid()} run {run_ids[0]!r}", refusals[0]), refusals
-    assert LEASE_FNAME not in keys_under(options, run_url)  # released at train end
-    assert "epoch_0_step_4/.snapshot_metadata" in keys_under(options, run_url)
+    assert LEASE_FNAME not in keys_under(s3_options, run_url)  # released at train end
+    assert "epoch_0_step_4/.snapshot_metadata" in keys_under(s3_options, run_url)
 
 
 @pytest.mark.parametrize("what", ["taken over", "removed"])
-def test_a_lease_taken_over_or_removed_ends_the_runs_commits(options, run_url, what):  # noqa: F811
+def test_a_lease_taken_over_or_removed_ends_the_runs_commits(s3_options, run_url, what):
     """After a stall longer than the lease another saver took it over (or someone removed it):
     the renewal warns, and every later snapshot of the run fails saying so; the other saver's
     lease is left as it is."""
     config = SnapshotConfig.build(
-        storage_options=options, preemption_signals=[], async_snapshot=False, on_save_error="raise",
+        storage_options=s3_options, preemption_signals=[], async_snapshot=False, on_save_error="raise",
         save_on_train_end=False,
     )
     saver = Snapshotter(run_url, config)
@@ -281,10 +275,10 @@ def test_a_lease_taken_over_or_removed_ends_the_runs_commits(options, run_url, w
     key = run_url[len(f"s3://{BUCKET}/"):] + "/" + LEASE_FNAME
     other = {**writer_identity(new_run_id()), "expires_at": time.time() + 300}
     if what == "taken over":
-        client_for(options).put_object(Bucket=BUCKET, Key=key, Body=json.dumps(other).encode())
+        s3_client(s3_options).put_object(Bucket=BUCKET, Key=key, Body=json.dumps(other).encode())
         said = rf"was taken over by another saver \(.*run {other['run_id']!r}"
     else:
-        client_for(options).delete_object(Bucket=BUCKET, Key=key)
+        s3_client(s3_options).delete_object(Bucket=BUCKET, Key=key)
         said = "was removed during the run"
     lease = saver.guard.lock
     assert isinstance(lease, s3_mod.S3Lease)
@@ -294,13 +288,13 @@ def test_a_lease_taken_over_or_removed_ends_the_runs_commits(options, run_url, w
         with pytest.raises(SnapshotWriteError, match=rf"epoch_0_step_{step} .*failed.*{said}"):
             saver.save(0, step, {"h": Holder({"w": torch.ones(4)})})
     saver.train_end(0, 3, lambda intra_epoch: {})
-    assert sorted(k for k in keys_under(options, run_url) if k.endswith(".snapshot_metadata")) == [
+    assert sorted(k for k in keys_under(s3_options, run_url) if k.endswith(".snapshot_metadata")) == [
         "epoch_0_step_1/.snapshot_metadata"
     ]
-    assert lease_of(options, run_url) == (other if what == "taken over" else None)
+    assert lease_of(s3_options, run_url) == (other if what == "taken over" else None)
 
 
-def test_s3_begin_raises_the_plugins_errors(options, run_url, proxy):  # noqa: F811
+def test_s3_begin_raises_the_plugins_errors(s3_options, run_url, proxy):
     """A missing bucket and a stopped endpoint, met by the write's first request (its writer
     marker), are the plugin's typed errors naming the URL, as at every other S3 call."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -308,12 +302,12 @@ def test_s3_begin_raises_the_plugins_errors(options, run_url, proxy):  # noqa: F
     writer = {**writer_identity(new_run_id()), "started_at": time.time()}
     bucket = f"missing-{uuid.uuid4().hex[:8]}"
     with pytest.raises(SnapshotNotFoundError, match=rf"s3://{bucket}/run/epoch_0_step_1: the bucket does not exist") as missing:
-        S3Store(f"s3://{bucket}/run", options).begin("epoch_0_step_1", writer)
+        S3Store(f"s3://{bucket}/run", s3_options).begin("epoch_0_step_1", writer)
     assert isinstance(missing.value.__cause__, ClientError)
 
-    store = S3Store(run_url, dict(options, endpoint_url=proxy.url), timeout_s=2.0)
+    store = S3Store(run_url, dict(s3_options, endpoint_url=proxy.url), timeout_s=2.0)
     store.begin("epoch_0_step_1", writer)  # through the proxy, while it runs
-    assert "epoch_0_step_1/.tnt_writer.json" in keys_under(options, run_url)
+    assert "epoch_0_step_1/.tnt_writer.json" in keys_under(s3_options, run_url)
     proxy.stop()
     with pytest.raises(StorageUnavailableError, match=rf"{run_url}/epoch_0_step_2: the object store could not be reached") as down:
         store.begin("epoch_0_step_2", writer)
@@ -402,9 +396,8 @@ def test_a_lock_file_removed_during_a_write_fails_its_commit_and_every_later_sna
     lost = r"the lock file \S+ of this run was removed from dirpath .*commits no more snapshots into it"
     for step in (2, 3, 4):
         assert any(re.search(rf"epoch_0_step_{step} \(epoch 0, step {step}\) failed.*{lost}", m) for m in failures), failures
-    store = LocalStore(str(dirpath))
-    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_1"]
-    assert [n for n in os.listdir(dirpath) if is_staging_name(n)] == []  # the refused write removed
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_1"]
+    assert staging_by_name(dirpath) == []  # the refused write removed
 
 
 class ReportCommits:

@@ -7,6 +7,7 @@ cases. Fakes only in the pure-core tests of retention.py and the writer rules.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtnt.framework.train import train
+from dir_listing import complete_in_commit_order, staging_by_name
 
+import toy
 from tnt_snapshot_plugin import (
     ConfigError,
     SnapshotError,
@@ -36,31 +38,23 @@ from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
-from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
+from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.restoring import restore_from_latest
 from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import WRITER_FNAME, LocalStore
 from tnt_snapshot_plugin.stores import ownership as writers
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+from toy import ToyUnit, assert_bitwise_equal, dead_pid, weights
 
 TESTS = Path(__file__).resolve().parent
-
-
-def complete(dirpath) -> list[str]:
-    """Complete snapshots, oldest first in commit order."""
-    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 def index_of(dirpath, name) -> dict:
     return json.loads((Path(dirpath) / name / INDEX_FNAME).read_text())
 
 
-def train_toy(dirpath, unit, steps, **saver_kwargs):
-    saver_kwargs.setdefault("preemption_signals", [])
-    saver = TorchSnapshotSaver(str(dirpath), **saver_kwargs)
-    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=1, callbacks=[saver])
-    return unit
+#: toy.train_toy with no preemption signal handler installed
+train_toy = functools.partial(toy.train_toy, preemption_signals=[])
 
 
 def restored_from_latest(dirpath):
@@ -110,10 +104,8 @@ def test_keep_last_n_counts_only_ours_in_commit_order_and_spares_newer_and_newes
 def test_a_writer_is_gone_only_when_provably_so():
     host = socket.gethostname()
     now = time.time()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     live_run = writers.new_run_id()
-    assert writers.writer_gone({"host": host, "pid": dead.pid, "run_id": "x", "started_at": now})
+    assert writers.writer_gone({"host": host, "pid": dead_pid(), "run_id": "x", "started_at": now})
     assert writers.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now}) is None
     assert writers.writer_gone({"host": "elsewhere", "pid": 1, "run_id": "x", "started_at": now - 2 * writers.STALE_AFTER_S})
     assert writers.writer_gone({"host": host, "pid": os.getpid(), "run_id": live_run, "started_at": now}) is None
@@ -136,7 +128,7 @@ def test_a_writer_is_gone_only_when_provably_so():
 def test_a_fine_tune_without_train_progress_is_latest_and_kept_by_retention(tmp_path):
     dirpath = tmp_path / "run"
     train_toy(dirpath, ToyUnit(), 8, save_every_n_train_steps=2, keep_last_n_snapshots=2)
-    first_run = complete(dirpath)
+    first_run = complete_in_commit_order(dirpath)
     assert first_run == ["epoch_0_step_8", "epoch_1_step_8"]
 
     tuned = ToyUnit(seed=7)
@@ -147,7 +139,7 @@ def test_a_fine_tune_without_train_progress_is_latest_and_kept_by_retention(tmp_
     assert len([w for w in seen if "ahead of this run" in str(w.message)]) == 1  # once
 
     # The fine-tune's snapshots have lower (epoch, step) than the first run's, and are the ones kept.
-    assert complete(dirpath) == ["epoch_0_step_4", "epoch_1_step_4"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_4", "epoch_1_step_4"]
     path, fresh = restored_from_latest(dirpath)
     assert path.endswith("epoch_1_step_4")
     assert_bitwise_equal(weights(fresh), weights(tuned))
@@ -160,7 +152,7 @@ def test_a_fine_tune_without_train_progress_is_latest_and_kept_by_retention(tmp_
 def test_a_new_run_in_a_dirpath_with_later_snapshots_is_latest_and_replaces_its_names(tmp_path):
     dirpath = tmp_path / "run"
     train_toy(dirpath, ToyUnit(), 8, save_every_n_train_steps=2)
-    old = complete(dirpath)
+    old = complete_in_commit_order(dirpath)
     assert old == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_6", "epoch_0_step_8", "epoch_1_step_8"]
     old_run = index_of(dirpath, "epoch_0_step_2")["writer"]["run_id"]
 
@@ -168,13 +160,13 @@ def test_a_new_run_in_a_dirpath_with_later_snapshots_is_latest_and_replaces_its_
     with pytest.warns(SnapshotsAheadWarning, match="ahead of this run's progress"):
         train_toy(dirpath, new, 2, save_every_n_train_steps=2, save_on_train_end=False)
     # The new run's step 2 replaced the old run's snapshot of that name, and is the latest.
-    assert complete(dirpath)[-1] == "epoch_0_step_2"
+    assert complete_in_commit_order(dirpath)[-1] == "epoch_0_step_2"
     assert index_of(dirpath, "epoch_0_step_2")["writer"]["run_id"] != old_run
     path, fresh = restored_from_latest(dirpath)
     assert path.endswith("epoch_0_step_2")
     assert_bitwise_equal(weights(fresh), weights(new))
-    assert set(complete(dirpath)) == set(old)  # nothing else was deleted
-    assert not [n for n in os.listdir(dirpath) if is_staging_name(n)]
+    assert set(complete_in_commit_order(dirpath)) == set(old)  # nothing else was deleted
+    assert staging_by_name(dirpath) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,7 +203,7 @@ def test_retention_and_cleanup_never_delete_directories_the_plugin_did_not_write
     for rel, text in planted.items():
         assert (dirpath / rel).read_text() == text, rel
     assert look_alike.is_dir() and (look_alike / ".snapshot_metadata").is_file()
-    assert complete(dirpath) == ["epoch_0_step_1_acc=0.9", "epoch_0_step_4"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_1_acc=0.9", "epoch_0_step_4"]
 
     store = LocalStore(str(dirpath))
     for name in ("epoch_0_step_0", "epoch_0_step_2", look_alike.name, ".tnt_staging.epoch_0_step_3.abc123"):
@@ -246,7 +238,7 @@ def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(ready, live)  # the live job is in the middle of writing step 3
-        staging = [n for n in os.listdir(dirpath) if is_staging_name(n) and n != foreign.name]
+        staging = [n for n in staging_by_name(dirpath) if n != foreign.name]
         assert len(staging) == 1, os.listdir(dirpath)
         marker = json.loads((dirpath / staging[0] / WRITER_FNAME).read_text())
         assert marker["pid"] == live.pid and f"p{live.pid}n" in staging[0]
@@ -258,7 +250,7 @@ def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_pa
         assert f"pid {live.pid} run {marker['run_id']!r}" in second.stderr
         # The refused job removed nothing and wrote nothing.
         assert (dirpath / staging[0] / WRITER_FNAME).is_file()
-        assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
+        assert complete_in_commit_order(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
         with pytest.raises(ConfigError, match=f"pid {live.pid}"):  # in this process too
             train_toy(dirpath, ToyUnit(), 1)
     finally:
@@ -269,7 +261,7 @@ def test_a_second_job_is_refused_and_a_killed_writers_leftover_is_removed(tmp_pa
     train_toy(dirpath, ToyUnit(), 1, save_every_n_train_steps=None, save_on_train_end=False)
     assert not (dirpath / staging[0]).exists()
     assert (foreign / "notes.txt").read_text() == "mine"
-    assert complete(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert complete_in_commit_order(dirpath) == ["epoch_0_step_1", "epoch_0_step_2"]
     path, _ = restored_from_latest(dirpath)
     assert path.endswith("epoch_0_step_2")
 
@@ -280,7 +272,7 @@ def test_the_lock_is_let_go_at_train_end_and_on_an_exception(tmp_path):
         train_toy(tmp_path, ToyUnit(fail_at_step=1), 2, save_every_n_train_steps=1)
     train_toy(tmp_path, ToyUnit(), 1)
     train_toy(tmp_path, ToyUnit(), 1)
-    assert complete(tmp_path)[-1] == "epoch_1_step_1"
+    assert complete_in_commit_order(tmp_path)[-1] == "epoch_1_step_1"
 
 
 def test_a_live_writers_staging_directory_is_left_alone(tmp_path):
@@ -333,7 +325,7 @@ def test_an_incomplete_snapshot_of_ours_is_cleaned_up_and_its_step_saved_again(t
     with warnings.catch_warnings():
         warnings.simplefilter("error", SnapshotFailedWarning)
         unit = train_toy(tmp_path, ToyUnit(seed=4), 2, save_every_n_train_steps=1, save_on_train_end=False)
-    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2"]
     path, fresh = restored_from_latest(tmp_path)
     assert path.endswith("epoch_0_step_2")
     assert_bitwise_equal(weights(fresh), weights(unit))
@@ -388,9 +380,7 @@ def test_restoring_a_symlinked_snapshot_says_it_is_a_symlink(tmp_path):
 def test_a_staging_directory_killed_before_its_marker_is_removed_only_if_its_name_is_ours(tmp_path):
     """A writer killed between creating its staging directory and writing its marker leaves an
     empty directory: removed when its name carries the plugin's writer token of a dead process."""
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    token = writers.staging_token("0123456789ab", 1).replace(f"p{os.getpid()}n", f"p{dead.pid}n")
+    token = writers.staging_token("0123456789ab", 1).replace(f"p{os.getpid()}n", f"p{dead_pid()}n")
     ours = tmp_path / f".tnt_staging.epoch_0_step_5.{token}"
     ours.mkdir()
     (ours / WRITER_FNAME).write_text("")  # killed while writing it
@@ -414,5 +404,5 @@ def test_a_failed_write_whose_marker_was_lost_is_still_removed_by_its_own_writer
     faulty.hook("write_payload", after=lose_marker, match=lambda staging, rel: "epoch_0_step_2." in staging)
     with pytest.warns(SnapshotFailedWarning, match="epoch_0_step_2 .*Input/output error"):
         train_toy(dirpath, ToyUnit(), 3, save_every_n_train_steps=1, save_on_train_end=False)
-    assert not [n for n in os.listdir(tmp_path) if is_staging_name(n)]
-    assert complete(tmp_path) == ["epoch_0_step_1", "epoch_0_step_3"]
+    assert staging_by_name(tmp_path) == []
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_1", "epoch_0_step_3"]

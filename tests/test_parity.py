@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from dir_listing import complete_by_step
 from lightning_toy import ResumableLoader, ToyModule, make_trainer, seed_everything
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torchtnt.framework.callbacks import TorchSnapshotSaver as TorchtntSaver
@@ -141,12 +142,8 @@ def run_fit(saver: Any, **schedule: Any) -> ToyUnit:
 
 def progress_of(dirpath: Path) -> list[tuple[int, int, Optional[int]]]:
     """(epoch, train step, eval step) of each complete snapshot in ``dirpath``, oldest first."""
-    names = [SnapshotName.parse(n) for n in os.listdir(dirpath)]
-    return sorted(
-        (n.epoch, n.step, n.eval_step)
-        for n in names
-        if n is not None and (dirpath / n.text / ".snapshot_metadata").is_file()
-    )
+    names = [SnapshotName.parse(n) for n in complete_by_step(dirpath)]
+    return [(n.epoch, n.step, n.eval_step) for n in names if n is not None]
 
 
 @pytest.mark.parametrize(

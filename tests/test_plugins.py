@@ -12,6 +12,7 @@ import re
 import pluggy
 import pytest
 import torch
+from dir_listing import visible_by_name
 
 from tnt_snapshot_plugin import ConfigError, hookimpl, hookspecs
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -36,10 +37,6 @@ def drive(snap, steps, start=1):
         snap.step_end(0, step, lambda intra: state)
     snap.wait()
     return state
-
-
-def names(dirpath):
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
 
 
 def test_an_unknown_hook_name_is_refused_at_register_and_named(tmp_path, pm):
@@ -96,7 +93,7 @@ def test_a_plain_pluggy_manager_is_checked_the_same_way(tmp_path):
     drive(snap, 1)
     snap.register(Always())
     drive(snap, 2, start=2)
-    assert names(tmp_path) == ["epoch_0_step_2", "epoch_0_step_3"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_2", "epoch_0_step_3"]
 
 
 def test_should_snapshot_registered_after_construction_and_mid_run_is_called(tmp_path, pm):
@@ -117,11 +114,11 @@ def test_should_snapshot_registered_after_construction_and_mid_run_is_called(tmp
     snap.register(plugin)
     drive(snap, 3, start=5)
     assert asked == [5, 6, 7]
-    assert names(tmp_path) == ["epoch_0_step_6"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_6"]
     snap.unregister(plugin)
     drive(snap, 5, start=8)  # 9 would be due for the plugin: it is gone
     assert asked == [5, 6, 7] and snap.trigger.step_gate == 100
-    assert names(tmp_path) == ["epoch_0_step_6"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_6"]
 
 
 def test_a_plugin_on_one_saver_never_reaches_another_saver_or_its_restore(tmp_path):
@@ -142,8 +139,8 @@ def test_a_plugin_on_one_saver_never_reaches_another_saver_or_its_restore(tmp_pa
     a.register(Named())
     drive(a, 2)
     drive(b, 2)
-    assert names(tmp_path / "a") == ["epoch_0_step_2_loss=0.5"]
-    assert names(tmp_path / "b") == ["epoch_0_step_2"]
+    assert visible_by_name(tmp_path / "a") == ["epoch_0_step_2_loss=0.5"]
+    assert visible_by_name(tmp_path / "b") == ["epoch_0_step_2"]
     restore(str(tmp_path / "b" / "epoch_0_step_2"), {"model": torch.nn.Linear(2, 2)},
             plugin_manager=b.plugin_manager)
     restore(str(tmp_path / "b" / "epoch_0_step_2"), {"model": torch.nn.Linear(2, 2)})
@@ -210,12 +207,12 @@ def test_the_readme_plugin_example_runs_verbatim(tmp_path, monkeypatch, capsys):
     # 1,200 steps in one epoch: the plugin asks for step 1000, the epoch cadence for step 1200.
     train(ToyUnit(), StatefulLoader(make_data(4 * 1200)), max_epochs=1, callbacks=[saver])
     run = tmp_path / "checkpoints" / "run1"
-    assert names(run) == ["epoch_0_step_1000_loss=0.1250", "epoch_1_step_1200_loss=0.1250"]
-    assert [os.path.basename(p) for p in uploaded] == names(run)
+    assert visible_by_name(run) == ["epoch_0_step_1000_loss=0.1250", "epoch_1_step_1200_loss=0.1250"]
+    assert [os.path.basename(p) for p in uploaded] == visible_by_name(run)
 
     with torch.no_grad():
         ema.weight.zero_()
-    TorchSnapshotSaver.restore(str(run / names(run)[-1]), ToyUnit(),
+    TorchSnapshotSaver.restore(str(run / visible_by_name(run)[-1]), ToyUnit(),
                                plugin_manager=saver.snapshotter.plugin_manager)
     assert torch.all(ema.weight == 0.25)  # restored into the plugin's module
     printed = capsys.readouterr().out
@@ -224,14 +221,14 @@ def test_the_readme_plugin_example_runs_verbatim(tmp_path, monkeypatch, capsys):
     # Another saver in the same process knows nothing of that plugin.
     other = TorchSnapshotSaver(str(tmp_path / "other"), save_every_n_epochs=1)
     train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=1, callbacks=[other])
-    assert names(tmp_path / "other") == ["epoch_1_step_2"]
+    assert visible_by_name(tmp_path / "other") == ["epoch_1_step_2"]
 
 
 @pytest.mark.frameworks
 def test_the_lightning_saver_registers_before_its_dirpath_is_resolved_and_keeps_plugins_to_itself(tmp_path):
     import pickle
 
-    from lightning_toy import ToyModule, make_trainer, plain_loader, snapshot_names
+    from lightning_toy import ToyModule, make_trainer, plain_loader
 
     from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 
@@ -257,5 +254,5 @@ def test_the_lightning_saver_registers_before_its_dirpath_is_resolved_and_keeps_
     other = TorchSnapshotSaver(str(tmp_path / "other"), every_n_epochs=1, async_snapshot=False)
     make_trainer(tmp_path / "a", [saver]).fit(ToyModule(), plain_loader())
     make_trainer(tmp_path / "b", [other]).fit(ToyModule(), plain_loader())
-    assert committed == snapshot_names(tmp_path / "a" / "checkpoints")
-    assert len(committed) == 2 and snapshot_names(tmp_path / "other")
+    assert committed == visible_by_name(tmp_path / "a" / "checkpoints")
+    assert len(committed) == 2 and visible_by_name(tmp_path / "other")

@@ -3,10 +3,9 @@ real Snapshotter and a real torchtnt ``train()``."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from dir_listing import snapshots_by_step
 
 from tnt_snapshot_plugin import ConfigError, hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -28,10 +27,6 @@ from tnt_snapshot_plugin.policies import (
 )
 from tnt_snapshot_plugin.policies.retention import Best, Listed
 from tnt_snapshot_plugin.saving.saver import Snapshotter
-
-
-def names(dirpath):
-    return sorted((n for n in os.listdir(dirpath) if not n.startswith(".")), key=lambda n: SnapshotName.parse(n).sort_key)
 
 
 def listed(*steps, hours=None, metrics=None):
@@ -169,7 +164,7 @@ def test_a_users_save_policy_combines_with_the_cadence_in_a_real_snapshotter(tmp
     for step in range(1, 9):
         snap.step_end(0, step, lambda intra: state)
     snap.train_end(0, 8, lambda intra: state)
-    assert names(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4", "epoch_0_step_7", "epoch_0_step_8"]
+    assert snapshots_by_step(tmp_path) == ["epoch_0_step_3", "epoch_0_step_4", "epoch_0_step_7", "epoch_0_step_8"]
 
 
 @pytest.mark.frameworks
@@ -186,6 +181,6 @@ def test_keep_every_n_steps_beside_keep_last_n_in_a_real_train(tmp_path):
     train(ToyUnit(), StatefulLoader(make_data(4 * 14)), max_epochs=1, callbacks=[saver])
     # snapshots at steps 2, 4, 5, 6, 8, 10, 12, 14 and the final one (epoch 1, step 14); spans of
     # 6 steps keep 2 (0-5), 6 (6-11) and 12 (12-17); keep_last_n the two step-14 ones
-    assert names(tmp_path) == [
+    assert snapshots_by_step(tmp_path) == [
         "epoch_0_step_2", "epoch_0_step_6", "epoch_0_step_12", "epoch_0_step_14", "epoch_1_step_14"
     ]

@@ -10,7 +10,6 @@ the saver's when there was one.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import signal
 import subprocess
@@ -21,11 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dir_listing import complete_in_commit_order, staging_by_name
 
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.format import listing
-from tnt_snapshot_plugin.naming import is_staging_name
-from tnt_snapshot_plugin.stores import LocalStore
 from toy import ToyUnit
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_torchtnt.py"
@@ -129,9 +126,8 @@ def test_signal_finishes_the_step_drains_snapshots_saves_and_exits_by_the_signal
     # snapshots still being written: counted, and warned only past SnapshotBusyWarning's
     # threshold, which tests/test_quiet_warnings.py covers.)
     assert f"preemption signal received; snapshotting step {last}" in err, err
-    names = [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
-    assert names == [f"epoch_0_step_{k}" for k in range(1, last + 1)]
-    assert not [n for n in os.listdir(dirpath) if is_staging_name(n)]
+    assert complete_in_commit_order(dirpath) == [f"epoch_0_step_{k}" for k in range(1, last + 1)]
+    assert staging_by_name(dirpath) == []
 
     # The final snapshot holds exactly the state after that step.
     fresh = ToyUnit(seed=123)

@@ -5,7 +5,6 @@ runs."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
+from dir_listing import snapshots_by_step
 
 from tnt_snapshot_plugin.cli import cli
 
@@ -36,33 +36,29 @@ RUN = textwrap.dedent(
 )
 
 
-def snapshots(dirpath: Path) -> list[str]:
-    return sorted(n for n in os.listdir(dirpath) if n.startswith("epoch_"))
-
-
 def test_prune_refuses_while_a_live_run_holds_the_dirpath(tmp_path):
     dirpath = tmp_path / "run"
     script = RUN.format(tests=str(Path(__file__).parent), dirpath=str(dirpath))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while len(snapshots(dirpath) if dirpath.exists() else []) < 4:
+        while len(snapshots_by_step(dirpath) if dirpath.exists() else []) < 4:
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "the run wrote no snapshots"
             time.sleep(0.2)
-        before = snapshots(dirpath)
+        before = snapshots_by_step(dirpath)
         for _ in range(4):  # every time, not most times
             result = CliRunner().invoke(cli, ["prune", str(dirpath), "--keep-last", "1"])
             assert result.exit_code == 2, result.output
             assert f"pid {proc.pid}" in result.stderr and "--force" in result.stderr
             assert result.stderr.count("\n") == 1
-            assert snapshots(dirpath) == before
+            assert snapshots_by_step(dirpath) == before
         # a dry run deletes nothing, so it needs no lock
         assert CliRunner().invoke(cli, ["prune", str(dirpath), "--keep-last", "1", "--dry-run"]).exit_code == 0
         result = CliRunner().invoke(cli, ["prune", str(dirpath), "--keep-last", "1", "--force", "--json"])
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["deleted"] == before[:-1]
-        assert snapshots(dirpath) == before[-1:]
+        assert snapshots_by_step(dirpath) == before[-1:]
     finally:
         proc.kill()
         proc.wait(30)

@@ -18,13 +18,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.format.objects import safe_globals
 from tnt_snapshot_plugin.restoring import latest_snapshot
-from toy import Holder, StatefulLoader, ToyUnit, make_data
+from toy import Holder, ToyUnit, train_toy
 
 
 class Color(enum.Enum):
@@ -59,10 +58,8 @@ def _common_state() -> dict:
     }
 
 
-def _train(unit: ToyUnit, dirpath: str, **saver_args) -> TorchSnapshotSaver:
-    saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=2, **saver_args)
-    train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[saver])
-    return saver
+def _train(unit: ToyUnit, dirpath: str, **saver_args) -> ToyUnit:
+    return train_toy(dirpath, unit, 2, save_every_n_train_steps=2, **saver_args)
 
 
 def test_common_types_restore_by_default(tmp_path):

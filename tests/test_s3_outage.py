@@ -8,7 +8,6 @@ of backoff per request.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import warnings
@@ -16,14 +15,7 @@ from typing import Any, Optional
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from test_s3 import (  # noqa: F401  (fixtures)
-    BUCKET,
-    _start_moto,
-    _stop,
-    no_aws_environment,
-    options,
-    s3_endpoint,
-)
+from moto_s3 import BUCKET
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 
@@ -37,7 +29,7 @@ from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.stores.s3 import s3_error
 from toy import StatefulLoader, ToyUnit, make_data, weights
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_aws_environment")]
 
 
 class CuttableProxy:
@@ -118,8 +110,8 @@ class CuttableProxy:
 
 
 @pytest.fixture
-def proxy(s3_endpoint, options):  # noqa: F811
-    p = CuttableProxy(s3_endpoint)
+def proxy(moto_endpoint, s3_options):
+    p = CuttableProxy(moto_endpoint)
     yield p
     p.cut()
 
@@ -146,8 +138,8 @@ class OutageUnit(ToyUnit):
             self.proxy.restore()
 
 
-def test_outage_mid_run_warns_and_training_goes_on(proxy, options, few_retries):  # noqa: F811
-    opts = {**options, "endpoint_url": proxy.endpoint}
+def test_outage_mid_run_warns_and_training_goes_on(proxy, s3_options, few_retries):
+    opts = {**s3_options, "endpoint_url": proxy.endpoint}
     url = f"s3://{BUCKET}/outage"
     saver = TorchSnapshotSaver(url, save_every_n_train_steps=2, storage_options=opts)
     unit = OutageUnit(proxy, cut_at=3, back_at=8)
@@ -182,33 +174,29 @@ def test_outage_mid_run_warns_and_training_goes_on(proxy, options, few_retries):
         TorchSnapshotSaver.restore(f"{url}/epoch_0_step_10", ToyUnit(), storage_options=opts)
 
 
-def test_restore_from_a_missing_bucket_is_not_found(options):  # noqa: F811
+def test_restore_from_a_missing_bucket_is_not_found(s3_options):
     url = "s3://no-such-bucket/run"
     with pytest.raises(SnapshotNotFoundError, match="no-such-bucket"):
-        TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=options)
+        TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=s3_options)
     with pytest.raises(SnapshotNotFoundError, match="no-such-bucket"):
-        TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=options)
+        TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=s3_options)
 
 
-def test_restore_with_refused_credentials_is_a_config_error(tmp_path):
+def test_restore_with_refused_credentials_is_a_config_error(moto_server):
     # A second moto server that checks credentials (moto's IAM mode): the dummy keys are refused.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path / "moto.log", {**env, "INITIAL_NO_AUTH_ACTION_COUNT": "0"})
-    try:
-        opts = {
-            "endpoint_url": endpoint,
-            "region_name": "us-east-1",
-            "aws_access_key_id": "not-a-key",
-            "aws_secret_access_key": "x",
-        }
-        url = f"s3://{BUCKET}/run"
-        with pytest.raises(ConfigError, match="credentials") as info:
-            TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=opts)
-        assert url in str(info.value)
-        with pytest.raises(ConfigError, match="credentials"):
-            TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=opts)
-    finally:
-        _stop(proc)
+    _proc, endpoint = moto_server(INITIAL_NO_AUTH_ACTION_COUNT="0")
+    opts = {
+        "endpoint_url": endpoint,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "not-a-key",
+        "aws_secret_access_key": "x",
+    }
+    url = f"s3://{BUCKET}/run"
+    with pytest.raises(ConfigError, match="credentials") as info:
+        TorchSnapshotSaver.restore(f"{url}/epoch_0_step_2", ToyUnit(), storage_options=opts)
+    assert url in str(info.value)
+    with pytest.raises(ConfigError, match="credentials"):
+        TorchSnapshotSaver.restore_from_latest(url, ToyUnit(), storage_options=opts)
 
 
 def test_s3_error_mapping():

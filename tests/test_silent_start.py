@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_s3 import BUCKET, client_for, no_aws_environment, options, s3_endpoint  # noqa: F401  (fixtures)
+from moto_s3 import BUCKET, s3_client
 from torch.utils.data import DataLoader, TensorDataset
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
@@ -31,9 +31,9 @@ from tnt_snapshot_plugin import (
     SnapshotFallbackWarning,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
+from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, train_toy, weights
 
-pytestmark = pytest.mark.frameworks
+pytestmark = [pytest.mark.frameworks, pytest.mark.usefixtures("no_aws_environment")]
 
 
 def _only(seen: Any, category: type[Warning]) -> str:
@@ -154,22 +154,19 @@ def test_a_damaged_newest_snapshot_is_one_line_naming_it_once(tmp_path, damage):
 
 
 def _train_into(url: str, storage_options: dict[str, Any]) -> ToyUnit:
-    unit = ToyUnit()
-    saver = TorchSnapshotSaver(url, save_every_n_epochs=1, storage_options=storage_options)
-    train(unit, StatefulLoader(make_data(8)), max_epochs=2, callbacks=[saver])
-    return unit
+    return train_toy(url, ToyUnit(), 2, epochs=2, save_every_n_epochs=1, storage_options=storage_options)
 
 
 @pytest.mark.slow
-def test_an_interrupted_commit_on_s3_is_named_so_and_the_previous_snapshot_restored(options, tmp_path):  # noqa: F811
+def test_an_interrupted_commit_on_s3_is_named_so_and_the_previous_snapshot_restored(s3_options, tmp_path):
     url = f"s3://{BUCKET}/interrupted-{tmp_path.name}"
-    _train_into(url, options)
+    _train_into(url, s3_options)
     # A writer that died between the index PUT and the metadata PUT leaves exactly this.
     prefix = url[len(f"s3://{BUCKET}/"):]
-    client_for(options).delete_object(Bucket=BUCKET, Key=f"{prefix}/epoch_2_step_4/.snapshot_metadata")
+    s3_client(s3_options).delete_object(Bucket=BUCKET, Key=f"{prefix}/epoch_2_step_4/.snapshot_metadata")
     fresh = ToyUnit(seed=5)
     with pytest.warns(InterruptedCommitWarning) as seen:
-        assert TorchSnapshotSaver.restore_from_latest(url, fresh, storage_options=options)
+        assert TorchSnapshotSaver.restore_from_latest(url, fresh, storage_options=s3_options)
     message = _only(seen, SnapshotFallbackWarning)  # the interrupted commit's, and no other
     assert message.startswith(f"snapshot {url}/epoch_2_step_4 is an interrupted commit (the writer is gone: ")
     assert "nothing committed is lost" in message and "damaged" not in message

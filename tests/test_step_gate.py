@@ -19,18 +19,13 @@ import warnings
 
 import pytest
 import torch
+from dir_listing import complete_in_commit_order
 
 from tnt_snapshot_plugin import hookimpl
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.errors import SnapshotFailedWarning
-from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.policies import AnySave, EveryNSteps
 from tnt_snapshot_plugin.saving.saver import Snapshotter
-from tnt_snapshot_plugin.stores import LocalStore
-
-
-def committed(dirpath) -> list[str]:
-    return [s.text for s in listing.complete_snapshots(LocalStore(str(dirpath)))]
 
 
 def gated_steps(snap: Snapshotter, steps, state) -> list[int]:
@@ -54,7 +49,7 @@ def test_the_gate_is_the_step_cadence_when_nothing_else_needs_a_look(tmp_path):
     assert snap.trigger.step_gate == 0  # the first step end tells the run's step count
     assert gated_steps(snap, range(1, 8), state) == [1, 3, 6]
     assert snap.trigger.step_gate == 9
-    assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_6"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_3", "epoch_0_step_6"]
     snap.train_start(["model"])  # a new run (resumed at step 100): told again
     assert snap.trigger.step_gate == 0 and gated_steps(snap, range(101, 106), state) == [101, 102, 105]
 
@@ -76,7 +71,7 @@ def test_the_gate_opens_while_a_snapshot_is_pending_not_after_a_reported_failure
     assert gated_steps(snap, [1, 2, 3], state) == [1, 3]
     assert snap.trigger.step_gate == 0  # step 3's snapshot is being written: a step end reaps it
     snap.wait()
-    assert snap.trigger.step_gate == 6 and committed(tmp_path) == ["epoch_0_step_3"]
+    assert snap.trigger.step_gate == 6 and complete_in_commit_order(tmp_path) == ["epoch_0_step_3"]
 
     faulty.inject("write_payload", OSError(28, "No space left on device"))
     assert gated_steps(snap, [4, 5, 6], state) == [6]
@@ -88,7 +83,7 @@ def test_the_gate_opens_while_a_snapshot_is_pending_not_after_a_reported_failure
         assert gated_steps(snap, [7, 8, 9], state) == [9]
     snap.wait()
     assert snap.trigger.step_gate == 12
-    assert committed(tmp_path) == ["epoch_0_step_3", "epoch_0_step_9"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_3", "epoch_0_step_9"]
     snap.train_end(0, 9, lambda intra: state)
 
 
@@ -127,7 +122,7 @@ def test_the_gate_opens_for_the_second_prepare_pass_the_wall_clock_and_a_plugin_
     asked.train_start(["model"])
     assert gated_steps(asked, range(1, 5), state) == [1, 2, 3, 4]
     assert asked.trigger.step_gate == 0
-    assert committed(tmp_path / "asked") == ["epoch_0_step_1", "epoch_0_step_3"]
+    assert complete_in_commit_order(tmp_path / "asked") == ["epoch_0_step_1", "epoch_0_step_3"]
 
 
 def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
@@ -160,7 +155,7 @@ def test_a_signal_opens_the_gate_at_once_in_a_real_torchtnt_train(tmp_path):
     # open at step 1 (the step count, and prepare()'s second pass: asynchronous by default),
     # then closed until the cadence's step 100, and open again as soon as the signal came
     assert gates[:5] == [0, 100, 100, 100, 0]
-    assert committed(tmp_path) == ["epoch_0_step_4"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_4"]
     assert handled == [signal.SIGUSR1]  # handed on to the handler installed before the saver's
     assert gates[5:] == [100] * (len(gates) - 5)  # training went on; the saver stopped watching
 
@@ -191,7 +186,7 @@ def test_a_signal_that_comes_while_the_gate_is_recomputed_still_opens_it(tmp_pat
         snap.trigger.regate()
         assert snap.trigger.step_gate == 0
         assert gated_steps(snap, [2], state) == [2]  # the preemption snapshot, at once
-        assert committed(tmp_path) == ["epoch_0_step_2"]
+        assert complete_in_commit_order(tmp_path) == ["epoch_0_step_2"]
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
@@ -210,9 +205,9 @@ def test_progress_rolled_back_mid_run_reaches_the_cadence_again(tmp_path):
     state = {"model": torch.nn.Linear(2, 2)}
     snap.train_start(["model"])
     assert gated_steps(snap, range(1, 9), state) == [1, 3, 6]
-    assert committed(tmp_path) == ["epoch_0_step_6"] and snap.trigger.step_gate == 9
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_6"] and snap.trigger.step_gate == 9
     assert gated_steps(snap, range(2, 6), state) == [2, 3]  # rolled back to step 1
-    assert committed(tmp_path) == ["epoch_0_step_3"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_3"]
 
 
 def test_a_wall_clock_not_yet_due_keeps_the_step_cadence_and_a_rolled_back_run(tmp_path):
@@ -229,6 +224,6 @@ def test_a_wall_clock_not_yet_due_keeps_the_step_cadence_and_a_rolled_back_run(t
     snap.train_start(["model"])
     assert gated_steps(snap, range(1, 9), state) == list(range(1, 9))  # the clock is read every step
     assert [os.path.basename(r.path) for r in snap.stats.committed] == ["epoch_0_step_3", "epoch_0_step_6"]
-    assert committed(tmp_path) == ["epoch_0_step_6"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_6"]
     assert gated_steps(snap, range(2, 6), state) == [2, 3, 4, 5]  # rolled back to step 1
-    assert committed(tmp_path) == ["epoch_0_step_3"]
+    assert complete_in_commit_order(tmp_path) == ["epoch_0_step_3"]

@@ -19,10 +19,9 @@ import uuid
 import warnings
 from typing import Any
 
-import boto3
 import pytest
 import torch
-from test_s3 import _start_moto, _stop, no_aws_environment  # noqa: F401  (fixture)
+from moto_s3 import create_bucket, moto_options
 from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 
@@ -42,7 +41,7 @@ from tnt_snapshot_plugin.stores.s3 import _backoff_s, request_limits
 from tnt_snapshot_plugin.testing import FaultyStore, register, unregister
 from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_aws_environment")]
 
 BUCKET = "bound"
 #: the bound under test: small, so the test is short
@@ -53,22 +52,12 @@ STEP_S = 0.2
 
 
 @pytest.fixture
-def moto(tmp_path):
+def moto(moto_server):
     """(its process, storage_options) of a moto server of this test's own, with a bucket."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path / "moto.log", env)
-    options = {
-        "endpoint_url": endpoint,
-        "region_name": "us-east-1",
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-    }
-    try:
-        boto3.session.Session().client("s3", **options).create_bucket(Bucket=BUCKET)
-        yield proc, options
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)  # never leave it stopped
-        _stop(proc)
+    proc, endpoint = moto_server()
+    options = moto_options(endpoint)
+    create_bucket(options, BUCKET)
+    return proc, options
 
 
 class FreezingUnit(ToyUnit):

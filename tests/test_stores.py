@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from moto_s3 import BUCKET, as_s3fs
 
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
 from tnt_snapshot_plugin.format import listing, verify
@@ -27,29 +28,7 @@ from tnt_snapshot_plugin.stores.ownership import new_run_id, staging_token, writ
 from tnt_snapshot_plugin.stores.s3 import S3Store
 from tnt_snapshot_plugin.testing import FaultyStore, MemoryStore, memory_store, register, unregister
 
-BUCKET = "stores"
 KINDS = ["local", "s3", "fsspec-memory", "fsspec-s3", "memory", "memory-metadata-last"]
-
-
-@pytest.fixture(scope="module")
-def s3_options(tmp_path_factory):
-    """moto's S3 server on a free loopback port (started as tests/test_s3.py does) and a bucket."""
-    import boto3
-    from test_s3 import _start_moto, _stop
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
-    opts = {
-        "endpoint_url": endpoint,
-        "region_name": "us-east-1",
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-    }
-    boto3.session.Session().client("s3", **opts).create_bucket(Bucket=BUCKET)
-    try:
-        yield opts
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(params=KINDS)
@@ -63,20 +42,9 @@ def store(request, tmp_path) -> Store:
     if kind == "fsspec-memory":
         return open_store(f"memory://stores-{uuid.uuid4().hex[:8]}/run")
     if kind == "fsspec-s3":  # s3a:// is s3fs's too; s3:// is the built-in S3 store's
-        options = s3fs_options(request.getfixturevalue("s3_options"))
+        options = {**as_s3fs(request.getfixturevalue("s3_options")), "skip_instance_cache": True}
         return open_store(f"s3a://{BUCKET}/{uuid.uuid4().hex[:8]}/run", options)
     return MemoryStore(atomic_rename=kind == "memory")
-
-
-def s3fs_options(s3_options: dict[str, Any]) -> dict[str, Any]:
-    """The same endpoint and credentials as s3fs takes them."""
-    return {
-        "endpoint_url": s3_options["endpoint_url"],
-        "key": s3_options["aws_access_key_id"],
-        "secret": s3_options["aws_secret_access_key"],
-        "client_kwargs": {"region_name": s3_options["region_name"]},
-        "skip_instance_cache": True,
-    }
 
 
 def begin(store: Store, final: str) -> str:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from dir_listing import staging_by_name, visible_by_name
 from torchtnt.framework.fit import fit
 from torchtnt.framework.train import train
 
@@ -19,16 +18,12 @@ from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
 
-def snapshot_dirs(dirpath) -> list[str]:
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
-
-
 def test_names_written_by_two_epochs_of_five_steps(tmp_path):
     unit = ToyUnit()
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=2, save_every_n_epochs=1)
     train(unit, StatefulLoader(make_data(20)), max_epochs=2, callbacks=[saver])
 
-    assert snapshot_dirs(tmp_path) == sorted(
+    assert visible_by_name(tmp_path) == sorted(
         [
             "epoch_0_step_2",
             "epoch_0_step_4",
@@ -39,9 +34,9 @@ def test_names_written_by_two_epochs_of_five_steps(tmp_path):
             "epoch_2_step_10",  # end of epoch 2; on_train_end finds it saved already
         ]
     )
-    for name in snapshot_dirs(tmp_path):
+    for name in visible_by_name(tmp_path):
         assert (tmp_path / name / ".snapshot_metadata").is_file()
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tnt_staging")]
+    assert staging_by_name(tmp_path) == []
 
 
 def test_restore_chosen_snapshot_gives_that_moments_state(tmp_path):
@@ -163,7 +158,7 @@ def test_key_collision_raises_at_train_start_and_restore(tmp_path, reserved):
     saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=1)
     with pytest.raises(KeyCollisionError, match=reserved):
         train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[saver])
-    assert snapshot_dirs(tmp_path) == []  # nothing was written
+    assert visible_by_name(tmp_path) == []  # nothing was written
     with pytest.raises(RuntimeError, match="Detected collision for key in app state"):
         TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit)
 
@@ -190,7 +185,7 @@ def test_dirpath_property_and_sync_mode(tmp_path):
     assert saver.dirpath == str(tmp_path)
     unit = ToyUnit()
     train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[saver])
-    assert snapshot_dirs(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_1_step_2"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_1", "epoch_0_step_2", "epoch_1_step_2"]
 
 
 def test_optimizer_state_is_created_only_to_be_loaded_and_leaves_the_weights(tmp_path):

@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from dir_listing import visible_by_name
 from torchtnt.framework.callbacks.checkpointer_types import KnobOptions, RestoreOptions
 from torchtnt.framework.fit import fit
 from torchtnt.framework.state import EntryPoint, PhaseState, State
@@ -30,10 +31,6 @@ from tnt_snapshot_plugin import (
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.naming import SnapshotName
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, weights
-
-
-def snapshot_dirs(dirpath) -> list[str]:
-    return sorted(n for n in os.listdir(dirpath) if not n.startswith("."))
 
 
 def optimizer_state(unit: ToyUnit) -> dict:
@@ -59,7 +56,7 @@ def test_async_checkpoint_is_async_snapshot_and_a_contradiction_is_refused(tmp_p
     class Probe(TorchSnapshotSaver):
         def on_train_epoch_end(self, state, unit):
             super().on_train_epoch_end(state, unit)
-            seen.append(snapshot_dirs(run))
+            seen.append(visible_by_name(run))
 
     probe = Probe(str(run), async_checkpoint=False, save_every_n_epochs=1)
     train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=2, callbacks=[probe])
@@ -167,7 +164,7 @@ def test_save_every_n_eval_epochs_under_fit_names_and_orders_after_the_train_sna
         callbacks=[saver],
     )
     # 3 train steps and 2 eval steps per epoch; the eval runs after the epoch-end snapshot.
-    names = snapshot_dirs(tmp_path)
+    names = visible_by_name(tmp_path)
     assert set(names) == {"epoch_1_step_3", "epoch_1_step_3_eval_2", "epoch_2_step_6", "epoch_2_step_6_eval_4"}
     assert [n.text for n in sorted(SnapshotName.parse(n) for n in names)] == [
         "epoch_1_step_3",
@@ -198,7 +195,7 @@ def test_eval_snapshot_mid_epoch_never_collides_with_the_train_snapshot_of_its_s
         evaluate_every_n_epochs=None,
         callbacks=[saver],
     )
-    names = sorted(SnapshotName.parse(n) for n in snapshot_dirs(tmp_path))
+    names = sorted(SnapshotName.parse(n) for n in visible_by_name(tmp_path))
     assert [n.text for n in names] == [
         "epoch_0_step_2",
         "epoch_0_step_2_eval_1",
@@ -293,7 +290,7 @@ def test_hooks_called_without_on_train_start(tmp_path):
     unit.train_progress.increment_epoch()
     saver.on_train_epoch_end(state, unit)
     saver.on_train_end(state, unit)
-    assert snapshot_dirs(tmp_path) == ["epoch_0_step_2", "epoch_1_step_2"]
+    assert visible_by_name(tmp_path) == ["epoch_0_step_2", "epoch_1_step_2"]
 
     # A hook for another unit (a new run, again without on_train_start) saves that unit's state.
     other = ToyUnit(seed=4)
@@ -333,7 +330,7 @@ def two_snapshots(tmp_path_factory):
     unit.extra = Exploding()
     saver = TorchSnapshotSaver(str(dirpath), save_every_n_epochs=1)
     train(unit, StatefulLoader(make_data(8)), max_epochs=2, callbacks=[saver])
-    assert snapshot_dirs(dirpath) == ["epoch_1_step_2", "epoch_2_step_4"]
+    assert visible_by_name(dirpath) == ["epoch_1_step_2", "epoch_2_step_4"]
     return str(dirpath)
 
 

@@ -21,7 +21,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from toy import Holder, StatefulLoader, ToyUnit, make_data
+from toy import Holder, StatefulLoader, ToyUnit, make_data, train_toy
 
 STEPS = 10  # one epoch of 10 batches (make_data(40), batch size 4)
 EVERY = 2
@@ -40,13 +40,10 @@ def entries(tmp_path) -> list[str]:
 def run(tmp_path, extra: Any, **saver_kwargs: Any) -> tuple[ToyUnit, pytest.ExceptionInfo, list]:
     unit = ToyUnit()
     unit.extra = Holder(extra)
-    saver = TorchSnapshotSaver(
-        str(tmp_path), save_every_n_train_steps=EVERY, on_save_error="warn", **saver_kwargs
-    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(UnrestorableStateError) as info:
-            train(unit, StatefulLoader(make_data(40)), max_epochs=1, callbacks=[saver])
+            train_toy(tmp_path, unit, 10, save_every_n_train_steps=EVERY, on_save_error="warn", **saver_kwargs)
     return unit, info, caught
 
 

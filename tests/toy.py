@@ -1,12 +1,19 @@
-"""Small real training setups shared by the tests: a torchtnt unit and a stateful loader."""
+"""Small real training setups shared by the tests: a torchtnt unit, a stateful loader, a toy run
+with a saver, and a small real disk to fill."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
-from typing import Any, Optional
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+from dir_listing import snapshots_by_step
 from torchtnt.framework.state import State
 from torchtnt.framework.unit import EvalUnit, TrainUnit
 
@@ -76,3 +83,74 @@ class Holder:
 
     def load_state_dict(self, state: Any) -> None:
         self.state = state
+
+
+def train_toy(dirpath: Any, unit: ToyUnit, steps: int, *, epochs: int = 1, callbacks: Iterable[Any] = (),
+              **saver_kwargs: Any) -> ToyUnit:
+    """Train ``unit`` for ``epochs`` epochs of ``steps`` steps (batches of 4 from
+    ``make_data(4 * steps)``) with a TorchSnapshotSaver on ``dirpath`` given ``saver_kwargs``,
+    followed by ``callbacks``; the unit."""
+    from torchtnt.framework.train import train
+
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+
+    saver = TorchSnapshotSaver(str(dirpath), **saver_kwargs)
+    train(unit, StatefulLoader(make_data(4 * steps)), max_epochs=epochs, callbacks=[saver, *callbacks])
+    return unit
+
+
+def dead_pid() -> int:
+    """The pid of a process of this host that has exited: a writer that is gone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+# -- a small real disk ---------------------------------------------------------------------------
+
+PAGE = 4096
+#: the payload that dominates the size of a unit_with_payload() snapshot (1 MiB of float32)
+BIG = 256 * 1024
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes (whole pages) mounted at ``where``; unmounted afterwards."""
+    import pytest
+
+    where.mkdir()
+    pages = -(-size // PAGE)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE // 1024}k", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"these tests mount a small tmpfs and need root: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def footprint(path: Path) -> int:
+    """Bytes a directory tree takes on tmpfs: every file rounded up to whole pages."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            total += -(-os.path.getsize(os.path.join(root, name)) // PAGE) * PAGE
+    return total
+
+
+def unit_with_payload(seed: int = 0) -> ToyUnit:
+    """A ToyUnit holding BIG float32 values besides its model, so its size is known."""
+    unit = ToyUnit(seed=seed)
+    unit.payload = Holder({"big": torch.randn(BIG, generator=torch.Generator().manual_seed(seed))})
+    return unit
+
+
+def snapshot_footprint(tmp_path: Path) -> int:
+    """The tmpfs footprint of one snapshot of unit_with_payload() (written on ordinary disk)."""
+    probe = tmp_path / "probe"
+    train_toy(probe, unit_with_payload(), 1, save_every_n_train_steps=1, async_snapshot=False)
+    return max(footprint(probe / name) for name in snapshots_by_step(probe))
