@@ -15,6 +15,7 @@ from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import (
     AnyPreservation,
     AnySave,
+    Best,
     BestN,
     EveryNEpochs,
     EveryNEvalEpochs,
@@ -23,10 +24,10 @@ from tnt_snapshot_plugin.policies import (
     KeepEveryNSteps,
     KeepOnePerNHours,
     LatestN,
+    Listed,
     Moment,
     PluginDecision,
 )
-from tnt_snapshot_plugin.policies.retention import Best, Listed
 from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 

@@ -10,7 +10,6 @@ snapshot with files missing.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -20,7 +19,13 @@ import tempfile
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from tnt_snapshot_plugin.errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotWriteError,
+    is_no_space,
+)
 from tnt_snapshot_plugin.naming import is_staging_name
 from tnt_snapshot_plugin.stores import fileio
 from tnt_snapshot_plugin.stores.base import (
@@ -330,7 +335,7 @@ class LocalStore(Store):
             try:
                 fileio.write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
             except OSError as exc:
-                if exc.errno not in _NO_SPACE:
+                if not is_no_space(exc):
                     raise
                 # No room for the marker (the disk is full, which is when deleting matters most):
                 # the snapshot's directory itself is renamed to the deletion's staging name; its
@@ -343,8 +348,6 @@ class LocalStore(Store):
             path = doomed
         rmtree_proof_last(path)
 
-
-_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
 
 def rmtree_proof_last(path: str) -> None:
