@@ -380,12 +380,14 @@ def test_retention_on_s3_deletes_only_after_commit(options, run_url, monkeypatch
     ]
 
 
-def test_s3_clients_are_shared_per_configuration(options):
-    """Building a boto3 client costs ~0.2 s; stores and plugins share one per configuration."""
-    assert s3_mod.s3_client(options) is s3_mod.s3_client(dict(options))
-    other = dict(options, region_name="eu-west-1")
-    assert s3_mod.s3_client(other) is not s3_mod.s3_client(options)
-    assert s3_mod.s3_client(other).meta.region_name == "eu-west-1"
+def test_each_store_owns_its_client_and_its_nested_stores_use_it(options, run_url):
+    """No client is shared by the process: a store's client (and what is registered on it) is
+    that store's own; a store nested in it uses it, as its settings are the same."""
+    one, two = open_store(run_url, options), open_store(run_url, dict(options))
+    assert one.client is not two.client
+    assert one.nested("epoch_0_step_1").client is one.client
+    other = open_store(run_url, dict(options, region_name="eu-west-1"))
+    assert other.client.meta.region_name == "eu-west-1" and one.client.meta.region_name != "eu-west-1"
 
 
 def _write_to_s3(options: dict[str, Any], run_url: str, state: dict) -> str:
@@ -462,7 +464,7 @@ def test_a_second_saver_on_a_leased_s3_dirpath_is_refused(options, run_url):
     assert names_under(options, run_url) == ["epoch_0_step_0", "epoch_0_step_1"]
 
 
-def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_request(options, run_url):
+def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_request(options, run_url, monkeypatch):
     from tnt_snapshot_plugin.restoring import restore
 
     path = _write_to_s3(options, run_url, {"w": torch.zeros(16, dtype=torch.float64)})
@@ -482,17 +484,19 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     client.put_object(Bucket=bucket, Key=index_key, Body=seal_index(index))  # sealed again
 
     requested: list[str] = []
-    shared = s3_mod.s3_client(options)
+    real_client = s3_mod.s3_client
 
     def record(params, **kwargs):
         requested.append(params.get("Key", ""))
 
-    shared.meta.events.register("provide-client-params.s3.GetObject", record)
-    try:
-        with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
-            restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})}, storage_options=options)
-    finally:
-        shared.meta.events.unregister("provide-client-params.s3.GetObject", record)
+    def recording_client(*args):  # every client the restore's stores build
+        client = real_client(*args)
+        client.meta.events.register("provide-client-params.s3.GetObject", record)
+        return client
+
+    monkeypatch.setattr(s3_mod, "s3_client", recording_client)
+    with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+        restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})}, storage_options=options)
     assert requested and not [key for key in requested if ".." in key or "elsewhere" in key]
 
 

@@ -168,6 +168,8 @@ class LocalStore(Store):
         self.root = os.path.abspath(dirpath)
         #: directories of the snapshot being written whose real path was checked (write_payload)
         self._inside_dirs: set[str] = set()
+        #: this store's reading threads (read_into), started by the first read that needs them
+        self._reads = fileio.ReadThreads(fileio.MAX_READ_THREADS)
 
     def child(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -256,7 +258,8 @@ class LocalStore(Store):
         root = os.path.join(self.root, name)
         try:
             fileio.preadv_into(
-                root, reads, error=SnapshotCorruptError, done=done, threads=concurrency or fileio.READ_THREADS
+                root, reads, error=SnapshotCorruptError, done=done, threads=concurrency or fileio.READ_THREADS,
+                pool=self._reads,
             )
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise SnapshotCorruptError(
