@@ -23,7 +23,11 @@ from torchtnt.framework.unit import EvalUnit, PredictUnit, TrainUnit
 
 from tnt_snapshot_plugin.adapters.torchtnt import restore as torchtnt_restore
 from tnt_snapshot_plugin.adapters.torchtnt.options import saver_config
-from tnt_snapshot_plugin.adapters.torchtnt.restore import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, take_restored_rng
+from tnt_snapshot_plugin.adapters.torchtnt.restore import (
+    EVAL_PROGRESS_KEY,
+    TRAIN_PROGRESS_KEY,
+    take_restored_rng,
+)
 from tnt_snapshot_plugin.adapters.torchtnt.state import (
     collector,
     not_started,
