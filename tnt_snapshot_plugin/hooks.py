@@ -196,7 +196,10 @@ def _framework_missing(pm: pluggy.PluginManager, plugin: Any) -> bool:
     describe = getattr(plugin, "tnt_snapshot_plugin_adapters", None)
     if describe is None or pm.parse_hookimpl_opts(plugin, "tnt_snapshot_plugin_adapters") is None:
         return False
-    info = describe()
+    try:
+        info = describe()
+    except Exception:  # a description that fails is reported where adapters are listed
+        return False
     return isinstance(info, AdapterInfo) and not info.installed
 
 
