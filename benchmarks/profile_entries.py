@@ -106,7 +106,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="profile_entries.", dir=args.dir)
     from tnt_snapshot_plugin.config import Knobs
 
-    knobs = {} if args.io_threads is None else {"knob_options": Knobs(max_per_rank_io_concurrency=args.io_threads)}
+    knobs = {} if args.io_threads is None else {"knobs": Knobs(max_per_rank_io_concurrency=args.io_threads)}
     print(f"{args.count} x {args.tensor_kib} KiB; model.state_dict() takes "
           f"{min(_timed(model.state_dict) for _ in range(3)) * 1000:.1f} ms")
     try:

@@ -17,7 +17,7 @@ from torchtnt.framework.state import State
 from torchtnt.framework.train import train
 from torchtnt.utils.checkpoint import BestCheckpointConfig
 
-from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning
+from tnt_snapshot_plugin import ConfigError, NothingToRestoreWarning, policies
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.hooks import get_plugin_manager
@@ -34,7 +34,7 @@ def rec(step: int, value=None, *, seq=None, ours=True, metric="loss") -> retenti
 
 
 def kept(listed, keep_last_n=None, best=None, protect=()):
-    doomed = {r.text for r in retention.to_delete(listed, keep_last_n, protect=protect, best=best)}
+    doomed = {r.text for r in policies.to_delete(listed, keep_last_n, protect=protect, best=best)}
     return sorted(r.name.step for r in listed if r.text not in doomed)
 
 
@@ -43,13 +43,13 @@ def test_best_k_keeps_the_k_best_and_the_newest_nan_worst_ties_to_the_earlier_co
     # min: 0.1 (step 2, earlier than step 5's equal 0.1), 0.1 (step 5), then 0.3; NaN is worst
     assert [r.name.step for r in retention.ranked(listed, "loss", "min")] == [2, 5, 4, 1, 6, 3]
     assert [r.name.step for r in retention.ranked(listed, "loss", "max")] == [6, 1, 4, 2, 5, 3]
-    assert kept(listed, best=retention.Best("loss", "min", 2)) == [2, 5, 6]  # 6: the newest
-    assert kept(listed, best=retention.Best("loss", "max", 1)) == [6]
-    assert kept(listed, best=retention.Best("loss", "min", 1)) == [2, 6]
+    assert kept(listed, best=policies.Best("loss", "min", 2)) == [2, 5, 6]  # 6: the newest
+    assert kept(listed, best=policies.Best("loss", "max", 1)) == [6]
+    assert kept(listed, best=policies.Best("loss", "min", 1)) == [2, 6]
     # with keep_last_n the newest n are kept too
-    assert kept(listed, keep_last_n=3, best=retention.Best("loss", "min", 1)) == [2, 4, 5, 6]
+    assert kept(listed, keep_last_n=3, best=policies.Best("loss", "min", 1)) == [2, 4, 5, 6]
     # k None: every snapshot carrying the metric
-    assert kept(listed, best=retention.Best("loss", "min", None)) == [1, 2, 3, 4, 5, 6]
+    assert kept(listed, best=policies.Best("loss", "min", None)) == [1, 2, 3, 4, 5, 6]
     assert retention.best(listed, "loss", "min").name.step == 2
     assert retention.best(listed, "acc", "min") is None
 
@@ -63,7 +63,7 @@ def test_best_k_never_deletes_what_is_not_ours_and_keeps_unranked_by_keep_last_n
         rec(5, 0.1, metric="other"),  # another metric: unranked for "loss"
         rec(6, 0.8),
     ]
-    best = retention.Best("loss", "min", 1)
+    best = policies.Best("loss", "min", 1)
     # without keep_last_n, snapshots without a value are never deleted (torchtnt keeps them)
     assert kept(listed, best=best) == [1, 2, 3, 5, 6]
     # with keep_last_n they are kept only among the newest n

@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from torchtnt.framework.callbacks import TorchSnapshotSaver as TorchtntSaver
 from torchtnt.framework.train import train
 
+from tnt_snapshot_plugin import policies
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import PruneCandidate, cli, select_for_pruning
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
@@ -465,8 +466,8 @@ def test_prune_selection_is_the_savers_retention():
         best = rng.random() < 0.5
         verdict = select_for_pruning(candidates, keep_last=keep, keep_best="m" if best else None, mode=mode,
                                      protect=protect)
-        expected = retention.to_delete(listed, None if best else keep, protect=protect,
-                                       best=retention.Best("m", mode, keep) if best else None)
+        expected = policies.to_delete(listed, None if best else keep, protect=protect,
+                                       best=policies.Best("m", mode, keep) if best else None)
         assert sorted(n for n, r in verdict.items() if r is None) == sorted(r.text for r in expected)
         assert all(isinstance(r, str) and r for n, r in verdict.items() if n not in {x.text for x in expected})
 

@@ -12,7 +12,7 @@ import torch
 
 from tnt_snapshot_plugin import ConfigError, KeyCollisionError, SnapshotName
 from tnt_snapshot_plugin.app_state import Frozen, check_collisions
-from tnt_snapshot_plugin.config import SnapshotConfig
+from tnt_snapshot_plugin.config import Knobs, SnapshotConfig
 from tnt_snapshot_plugin.format.torchsnapshot.encoding import replicated_patterns
 from tnt_snapshot_plugin.hooks import adapters, new_plugin_manager
 from tnt_snapshot_plugin.naming import is_staging_name, staging_name
@@ -98,12 +98,18 @@ def test_staging_names_are_recognised_and_distinct_from_snapshots():
     assert not is_staging_name("epoch_1_step_4")
 
 
-def test_keep_last_n_checkpoints_is_an_alias():
-    assert SnapshotConfig.build(keep_last_n_checkpoints=3).keep_last_n_snapshots == 3
-    with pytest.raises(ConfigError, match="keep_last_n_checkpoints is another name for keep_last_n_snapshots"):
-        SnapshotConfig.build(keep_last_n_checkpoints=3, keep_last_n_snapshots=2)
-    with pytest.raises(ConfigError, match="keep_last_n_checkpoints must be a positive int"):
-        SnapshotConfig.build(keep_last_n_checkpoints=0)
+@pytest.mark.parametrize("torchtnt_name", ["keep_last_n_checkpoints", "async_checkpoint", "knob_options"])
+def test_the_core_configuration_takes_the_plugins_own_names_only(torchtnt_name):
+    """torchtnt's names are the torchtnt adapter's to resolve (adapters/torchtnt/options.py)."""
+    assert SnapshotConfig.build(keep_last_n_snapshots=3).keep_last_n_snapshots == 3
+    with pytest.raises(TypeError, match=torchtnt_name):
+        SnapshotConfig.build(**{torchtnt_name: None})
+    with pytest.raises(ConfigError, match="keep_last_n_snapshots must be a positive int"):
+        SnapshotConfig.build(keep_last_n_snapshots=0)
+    with pytest.raises(ConfigError, match=r"knobs must be a Knobs .* got \{'max_per_rank_io_concurrency': 2\}"):
+        SnapshotConfig.build(knobs={"max_per_rank_io_concurrency": 2})
+    with pytest.raises(ConfigError, match="max_per_rank_io_concurrency must be a positive int"):
+        Knobs(max_per_rank_io_concurrency=0)
 
 
 def test_collisions_name_the_key_and_its_owners():

@@ -400,8 +400,8 @@ def test_a_restore_leaves_no_reading_threads_behind(tmp_path, monkeypatch):
     path = take(tmp_path, want)
     got = Holder(zeros_like_state(want))
     started = []
-    real = fileio._read_pool
-    monkeypatch.setattr(fileio, "_read_pool", lambda: started.append(1) or real())
+    real = fileio.ReadThreads.submit
+    monkeypatch.setattr(fileio.ReadThreads, "submit", lambda self, *a: started.append(1) or real(self, *a))
     restore(path, {"h": got})
     assert started  # the restore read in parallel
     assert_identical(got.state, want)

@@ -33,6 +33,7 @@ from tnt_snapshot_plugin import (
     SnapshotNotFoundError,
     SnapshotsAheadWarning,
     hookimpl,
+    policies,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.config import SnapshotConfig
@@ -92,13 +93,13 @@ def test_keep_last_n_counts_only_ours_in_commit_order_and_spares_newer_and_newes
         rec("epoch_0_step_2", seq=3),
         rec("epoch_0_step_4", seq=4),
     ]
-    assert [r.text for r in retention.to_delete(listed, 2)] == ["epoch_9_step_90", "epoch_9_step_95"]
-    assert [r.text for r in retention.to_delete(listed, 3)] == ["epoch_9_step_90"]
-    assert retention.to_delete(listed, 4) == []
+    assert [r.text for r in policies.to_delete(listed, 2)] == ["epoch_9_step_90", "epoch_9_step_95"]
+    assert [r.text for r in policies.to_delete(listed, 3)] == ["epoch_9_step_90"]
+    assert policies.to_delete(listed, 4) == []
     # never the newest of the directory, even when it is not the plugin's own
     foreign_newest = [rec("epoch_0_step_1", seq=1), rec("epoch_0_step_2", seq=2), rec("epoch_7_train_step_7", ours=False)]
-    assert [r.text for r in retention.to_delete(foreign_newest, 1)] == ["epoch_0_step_1"]
-    assert retention.to_delete(listed, 1, protect=["epoch_9_step_90"])[0].text == "epoch_9_step_95"
+    assert [r.text for r in policies.to_delete(foreign_newest, 1)] == ["epoch_0_step_1"]
+    assert policies.to_delete(listed, 1, protect=["epoch_9_step_90"])[0].text == "epoch_9_step_95"
 
 
 def test_a_writer_is_gone_only_when_provably_so():

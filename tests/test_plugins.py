@@ -256,3 +256,60 @@ def test_the_lightning_saver_registers_before_its_dirpath_is_resolved_and_keeps_
     make_trainer(tmp_path / "b", [other]).fit(ToyModule(), plain_loader())
     assert committed == visible_by_name(tmp_path / "a" / "checkpoints")
     assert len(committed) == 2 and visible_by_name(tmp_path / "other")
+
+
+def test_each_manager_and_each_open_reads_the_installed_entry_points_itself(tmp_path):
+    """No process-wide list: a distribution installed while the process runs is seen by the next
+    plugin manager and the next open of its scheme; one describing an adapter whose framework is
+    missing is blocked, as the built-in ones would be (its AdapterInfo is the one place that
+    names the framework)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import importlib, pathlib, sys
+        from tnt_snapshot_plugin.errors import ConfigError
+        from tnt_snapshot_plugin.hooks import new_plugin_manager
+        from tnt_snapshot_plugin.stores import open_store
+        site = pathlib.Path({str(tmp_path)!r})
+        sys.path.insert(0, str(site))
+        before = new_plugin_manager()
+        try:
+            open_store("late://bucket/run")
+        except ConfigError as exc:
+            print("refused:", "'late'" in str(exc))
+        (site / "late_plugin.py").write_text(
+            "from tnt_snapshot_plugin import hookimpl\\n"
+            "from tnt_snapshot_plugin.hooks import AdapterInfo\\n"
+            "from tnt_snapshot_plugin.testing import MemoryStore\\n"
+            "class Late:\\n"
+            "    @hookimpl\\n"
+            "    def tnt_snapshot_plugin_extra_state(self, event, epoch, step):\\n"
+            "        return None\\n"
+            "class Ghost:\\n"
+            "    @hookimpl\\n"
+            "    def tnt_snapshot_plugin_adapters(self):\\n"
+            "        return AdapterInfo(name='ghost', framework='no_such_framework_here', saver='x:y')\\n"
+            "late, ghost = Late(), Ghost()\\n"
+            "def open_late(url, storage_options, timeout_s):\\n"
+            "    return MemoryStore(url)\\n"
+        )
+        info = site / "late_plugin-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\\nName: late-plugin\\nVersion: 1.0\\n")
+        (info / "entry_points.txt").write_text(
+            "[tnt_snapshot_plugin]\\nlate = late_plugin:late\\nghost = late_plugin:ghost\\n"
+            "[tnt_snapshot_plugin.stores]\\nlate = late_plugin:open_late\\n"
+        )
+        importlib.invalidate_caches()
+        after = new_plugin_manager()
+        print(before.get_plugin("late") is None, after.get_plugin("late") is not None)
+        print(after.is_blocked("ghost"), after.get_plugin("ghost") is None)
+        print(type(open_store("late://bucket/run")).__name__)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["refused: True", "True True", "True True", "MemoryStore"]

@@ -14,6 +14,7 @@ from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.policies import (
     AnyPreservation,
     AnySave,
+    Best,
     BestN,
     EveryNEpochs,
     EveryNEvalEpochs,
@@ -22,10 +23,10 @@ from tnt_snapshot_plugin.policies import (
     KeepEveryNSteps,
     KeepOnePerNHours,
     LatestN,
+    Listed,
     Moment,
     PluginDecision,
 )
-from tnt_snapshot_plugin.policies.retention import Best, Listed
 from tnt_snapshot_plugin.saving.saver import Snapshotter
 
 
@@ -184,3 +185,35 @@ def test_keep_every_n_steps_beside_keep_last_n_in_a_real_train(tmp_path):
     assert snapshots_by_step(tmp_path) == [
         "epoch_0_step_2", "epoch_0_step_6", "epoch_0_step_12", "epoch_0_step_14", "epoch_1_step_14"
     ]
+
+
+def test_retention_applies_its_own_policies_to_its_own_store_and_spares_its_protected_names(tmp_path, pm):
+    """Retention owns what it needs (the preservation, the protected names, the store, the ranks):
+    at train start it deletes what its policies let go of its directory, never a protected name,
+    never the newest; without a policy it deletes nothing."""
+    from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.policies import Retention, from_settings
+    from tnt_snapshot_plugin.stores import LocalStore
+
+    config = SnapshotConfig.build(async_snapshot=False, preemption_signals=[], save_on_train_end=False)
+    snap = Snapshotter(str(tmp_path), config, plugin_manager=pm)
+    state = {"model": torch.nn.Linear(2, 2)}
+    snap.train_start(state.keys())
+    for step in range(1, 6):
+        snap.save(0, step, state)
+    snap.train_end(0, 5, lambda intra: state)
+    assert snapshots_by_step(tmp_path) == [f"epoch_0_step_{s}" for s in range(1, 6)]
+
+    store = LocalStore(str(tmp_path))
+    keeping_all = Retention(store, Collectives(None), from_settings(None, None))
+    assert not keeping_all.active
+    keeping_all.at_start()
+    assert len(snapshots_by_step(tmp_path)) == 5
+
+    retention = Retention(store, Collectives(None), from_settings(2, None), protected={"epoch_0_step_2"})
+    assert retention.active
+    retention.at_start()
+    assert snapshots_by_step(tmp_path) == ["epoch_0_step_2", "epoch_0_step_4", "epoch_0_step_5"]
+    retention.protected.clear()  # the saver's set, shared: what it protects is read at each call
+    retention.at_start()
+    assert snapshots_by_step(tmp_path) == ["epoch_0_step_4", "epoch_0_step_5"]

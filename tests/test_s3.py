@@ -264,12 +264,14 @@ def test_retention_on_s3_deletes_only_after_commit(s3_options, run_url, monkeypa
     ]
 
 
-def test_s3_clients_are_shared_per_configuration(s3_options):
-    """Building a boto3 client costs ~0.2 s; stores and plugins share one per configuration."""
-    assert s3_mod.s3_client(s3_options) is s3_mod.s3_client(dict(s3_options))
-    other = dict(s3_options, region_name="eu-west-1")
-    assert s3_mod.s3_client(other) is not s3_mod.s3_client(s3_options)
-    assert s3_mod.s3_client(other).meta.region_name == "eu-west-1"
+def test_each_store_owns_its_client_and_its_nested_stores_use_it(s3_options, run_url):
+    """No client is shared by the process: a store's client (and what is registered on it) is
+    that store's own; a store nested in it uses it, as its settings are the same."""
+    one, two = open_store(run_url, s3_options), open_store(run_url, dict(s3_options))
+    assert one.client is not two.client
+    assert one.nested("epoch_0_step_1").client is one.client
+    other = open_store(run_url, dict(s3_options, region_name="eu-west-1"))
+    assert other.client.meta.region_name == "eu-west-1" and one.client.meta.region_name != "eu-west-1"
 
 
 def _write_to_s3(s3_options: dict[str, Any], run_url: str, state: dict) -> str:
@@ -346,7 +348,7 @@ def test_a_second_saver_on_a_leased_s3_dirpath_is_refused(s3_options, run_url):
     assert names_under(s3_options, run_url) == ["epoch_0_step_0", "epoch_0_step_1"]
 
 
-def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_request(s3_options, run_url):
+def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_request(s3_options, run_url, monkeypatch):
     from tnt_snapshot_plugin.restoring import restore
 
     path = _write_to_s3(s3_options, run_url, {"w": torch.zeros(16, dtype=torch.float64)})
@@ -366,17 +368,19 @@ def test_an_s3_manifest_location_outside_the_snapshot_is_refused_before_any_requ
     client.put_object(Bucket=bucket, Key=index_key, Body=seal_index(index))  # sealed again
 
     requested: list[str] = []
-    shared = s3_mod.s3_client(s3_options)
+    real_client = s3_mod.s3_client
 
     def record(params, **kwargs):
         requested.append(params.get("Key", ""))
 
-    shared.meta.events.register("provide-client-params.s3.GetObject", record)
-    try:
-        with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
-            restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})}, storage_options=s3_options)
-    finally:
-        shared.meta.events.unregister("provide-client-params.s3.GetObject", record)
+    def recording_client(*args):  # every client the restore's stores build
+        client = real_client(*args)
+        client.meta.events.register("provide-client-params.s3.GetObject", record)
+        return client
+
+    monkeypatch.setattr(s3_mod, "s3_client", recording_client)
+    with pytest.raises(SnapshotCorruptError, match="outside the snapshot"):
+        restore(path, {"h": Holder({"w": torch.zeros(16, dtype=torch.float64)})}, storage_options=s3_options)
     assert requested and not [key for key in requested if ".." in key or "elsewhere" in key]
 
 

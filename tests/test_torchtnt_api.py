@@ -408,3 +408,30 @@ def test_only_damaged_bytes_count_as_corruption(tmp_path):
     with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot .*epoch_2_step_4"):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), fresh)
     assert fresh.train_progress.num_steps_completed == 2
+
+
+def test_the_rng_a_restore_hands_over_belongs_to_the_unit_restored(tmp_path):
+    """A restore leaves the RNG state it set on the unit it restored, for the saver of that unit's
+    next run: a saver training another unit meanwhile does not take it, nor does the module
+    keep it; the restored unit's own run takes it (mid-epoch: set again after its first batch)."""
+    from tnt_snapshot_plugin.adapters.torchtnt import restore as restore_module
+
+    train(ToyUnit(), StatefulLoader(make_data(16)), max_epochs=1,
+          callbacks=[TorchSnapshotSaver(str(tmp_path / "a"), save_every_n_train_steps=2, save_on_train_end=False)])
+    assert visible_by_name(tmp_path / "a") == ["epoch_0_step_2", "epoch_0_step_4"]
+    restored = ToyUnit(seed=3)
+    TorchSnapshotSaver.restore(str(tmp_path / "a" / "epoch_0_step_2"), restored)
+    handed = vars(restored)[restore_module.RESTORED_RNG_ATTR]
+    assert torch.equal(handed["rng_state"], torch.get_rng_state())
+    assert not [name for name, value in vars(restore_module).items() if isinstance(value, (dict, set))
+                and not name.startswith("__")]  # nothing kept by the module
+
+    other = ToyUnit(seed=4)
+    train(other, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[TorchSnapshotSaver(str(tmp_path / "b"))])
+    assert vars(restored)[restore_module.RESTORED_RNG_ATTR] is handed  # not another unit's to take
+
+    saver = TorchSnapshotSaver(str(tmp_path / "c"), save_on_train_end=False)
+    train(restored, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
+    assert restore_module.RESTORED_RNG_ATTR not in vars(restored)  # taken by its own run, once
+    assert restored.train_progress.num_steps_completed == 2 + 4  # resumed at 2; a fresh loader of 4 batches
+    assert "rng" not in "".join(restored.app_state())  # never tracked as the unit's state

@@ -11,10 +11,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from tnt_snapshot_plugin import policies
 from tnt_snapshot_plugin.errors import ConfigError
 from tnt_snapshot_plugin.naming import is_metric_name
-from tnt_snapshot_plugin.policies.retention import MODES, Best
 
 _SAVE_ERROR_POLICIES = ("warn", "raise")
 
@@ -50,6 +48,13 @@ def positive_seconds_or_none(name: str, value: Any) -> Optional[float]:
     return float(value)
 
 
+def positive_number(name: str, value: Any) -> Any:
+    """``value`` if it is a finite number > 0; else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    return value
+
+
 def string_list_or_none(name: str, value: Any) -> Optional[list[str]]:
     if value is None:
         return None
@@ -81,41 +86,44 @@ def _signals(name: str, value: Any) -> tuple[signal.Signals, ...]:
 
 @dataclass(frozen=True)
 class Knobs:
-    """Tuning of the snapshot writer and reader (torchtnt's ``KnobOptions`` maps onto it).
+    """Tuning of the snapshot writer and reader.
 
     ``max_per_rank_io_concurrency``: how many files one rank writes at once (None: 4,
-    ``writer_job.DEFAULT_IO_THREADS``), and at restore reads at once (None: the store's default:
-    8 local files, ``fileio.READ_THREADS``; on S3, ``stores.s3.FETCH_WORKERS`` ranged GETs).
-    ``enable_storage_optimization``: accepted and ignored, as torchtnt 0.2.4 itself ignores it
-    (its ``KnobOptions`` calls it "a no-op and for future use"); the files are torchsnapshot's
-    format, uncompressed.
+    ``saving.writer.DEFAULT_IO_THREADS``), and at restore reads at once (None: the store's
+    default: 8 local files, ``fileio.READ_THREADS``; on S3, ``stores.s3.FETCH_WORKERS`` ranged
+    GETs). ``enable_storage_optimization``: accepted and ignored; the files are torchsnapshot's
+    format, uncompressed. (The torchtnt adapter maps torchtnt's ``KnobOptions`` onto it.)
     """
 
     max_per_rank_io_concurrency: Optional[int] = None
     enable_storage_optimization: bool = False
 
-    @classmethod
-    def of(cls, name: str, options: Any) -> "Knobs":
-        """``options`` (None, a Knobs, or any object with the same attributes, such as torchtnt's
-        ``KnobOptions``) as validated Knobs; a ConfigError naming ``name`` otherwise."""
-        if options is None:
-            return cls()
-        if isinstance(options, cls):
-            return options
-        if not hasattr(options, "max_per_rank_io_concurrency"):
+    def __post_init__(self) -> None:
+        positive_int_or_none("max_per_rank_io_concurrency", self.max_per_rank_io_concurrency)
+        if not isinstance(self.enable_storage_optimization, bool):
             raise ConfigError(
-                f"{name} must be a KnobOptions (torchtnt.framework.callbacks.checkpointer_types) "
-                f"or None, got {options!r}"
+                f"enable_storage_optimization must be True or False, got {self.enable_storage_optimization!r}"
             )
-        flag = getattr(options, "enable_storage_optimization", False)
-        if not isinstance(flag, bool):
-            raise ConfigError(f"{name}.enable_storage_optimization must be True or False, got {flag!r}")
-        return cls(
-            max_per_rank_io_concurrency=positive_int_or_none(
-                f"{name}.max_per_rank_io_concurrency", options.max_per_rank_io_concurrency
-            ),
-            enable_storage_optimization=flag,
-        )
+
+
+#: The directions a metric ranks snapshots in: the lowest value is best, or the highest.
+MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class Best:
+    """Best-k retention: keep the ``k`` best snapshots by ``metric`` (``mode`` "min" or "max";
+    ``k`` None: every snapshot carrying the metric)."""
+
+    metric: str
+    mode: str = "min"
+    k: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise ValueError(f"k must be an int >= 1 or None, got {self.k!r}")
 
 
 def _best(metric: Any, mode: Any, k: Any, names: dict[str, str]) -> Optional[Best]:
@@ -154,20 +162,18 @@ def resolve_alias(name: str, value: Any, alias: str, alias_value: Any, default: 
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-    """What and when to snapshot. Built by the adapters from their keyword arguments
-    (:meth:`build`).
+    """What and when to snapshot, in the plugin's own names. Built by the adapters from their
+    keyword arguments (:meth:`build`), each adapter mapping its framework's names onto these.
 
-    ``async_checkpoint`` is torchtnt's name for ``async_snapshot`` (default True), and
-    ``keep_last_n_checkpoints`` for ``keep_last_n_snapshots``; ``knob_options``: see Knobs.
-    ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`retention.Best`;
-    ``best_k`` None keeps every snapshot carrying the metric). ``names``: the adapter's names
-    of these three settings, for the error messages. ``storage_timeout_s``: the longest
-    training waits on the storage at a due snapshot (default 60). ``save_policies``: more
-    save decisions (:class:`policies.SavePolicy` objects, e.g. ``policies.EveryNSteps(500)``
-    or a user's own): a snapshot is taken when any policy or cadence says so.
-    ``preservation_policies``: more retention rules (:class:`policies.PreservationPolicy`,
-    e.g. ``policies.KeepOnePerNHours(6)``): a snapshot is kept when any of them, or
-    ``keep_last_n_snapshots`` or best-k, keeps it; with none of these, none is deleted.
+    ``best_metric`` / ``best_mode`` / ``best_k``: best-k retention (:class:`Best`; ``best_k``
+    None keeps every snapshot carrying the metric). ``names``: the adapter's names of these three
+    settings, for the error messages. ``storage_timeout_s``: the longest training waits on the
+    storage at a due snapshot (default 60). ``knobs``: see :class:`Knobs`. ``save_policies``:
+    more save decisions (objects with ``should_save(moment)``, e.g.
+    ``policies.EveryNSteps(500)`` or a user's own): a snapshot is taken when any policy or
+    cadence says so. ``preservation_policies``: more retention rules (objects with
+    ``keep(ours)``, e.g. ``policies.KeepOnePerNHours(6)``): a snapshot is kept when any of them,
+    or ``keep_last_n_snapshots`` or best-k, keeps it; with none of these, none is deleted.
     """
 
     save_every_n_train_steps: Optional[int] = None
@@ -188,7 +194,7 @@ class SnapshotConfig:
     #: the time one request to an object store may take, its retries included (stores/s3.py)
     storage_timeout_s: float = DEFAULT_STORAGE_TIMEOUT_S
     knobs: Knobs = field(default_factory=Knobs)
-    #: best-k retention (retention.py): keep the k best snapshots by a metric
+    #: best-k retention (policies/preservation.py): keep the k best snapshots by a metric
     best: Optional[Best] = None
     #: users' own save decisions (policies.SavePolicy), beside the cadences above: any decides
     save_policies: tuple[Any, ...] = ()
@@ -205,23 +211,16 @@ class SnapshotConfig:
         *,
         save_every_n_train_steps: Any = None, save_every_n_epochs: Any = None,
         save_every_n_eval_epochs: Any = None, save_every_n_seconds: Any = None,
-        keep_last_n_snapshots: Any = None, keep_last_n_checkpoints: Any = None,
-        replicated: Any = None, storage_options: Any = None,
-        async_snapshot: Any = None, async_checkpoint: Any = None,
-        save_on_train_end: Any = True, on_save_error: Any = "warn", restore_fallback: Any = True,
-        preemption_signals: Any = (signal.SIGTERM,), collective_timeout_s: Any = 600.0,
-        storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S, knob_options: Any = None,
-        best_metric: Any = None, best_mode: Any = "min", best_k: Any = None,
+        keep_last_n_snapshots: Any = None, replicated: Any = None, storage_options: Any = None,
+        async_snapshot: Any = True, save_on_train_end: Any = True, on_save_error: Any = "warn",
+        restore_fallback: Any = True, preemption_signals: Any = (signal.SIGTERM,),
+        collective_timeout_s: Any = 600.0, storage_timeout_s: Any = DEFAULT_STORAGE_TIMEOUT_S,
+        knobs: Any = None, best_metric: Any = None, best_mode: Any = "min", best_k: Any = None,
         save_policies: Any = None, preservation_policies: Any = None,
         format: Any = "torchsnapshot", names: Optional[Mapping[str, str]] = None,
     ) -> "SnapshotConfig":
         """The configuration of these keyword arguments, validated (the class docstring says
-        what the aliases, ``names`` and the policies are); ConfigError naming a bad one."""
-        async_snapshot = resolve_alias("async_snapshot", async_snapshot, "async_checkpoint", async_checkpoint, True)
-        name_keep = "keep_last_n_snapshots" if keep_last_n_checkpoints is None else "keep_last_n_checkpoints"
-        keep_last_n_snapshots = resolve_alias(
-            "keep_last_n_snapshots", keep_last_n_snapshots, "keep_last_n_checkpoints", keep_last_n_checkpoints, None
-        )
+        what ``names`` and the policies are); ConfigError naming a bad one."""
         _check_plain(
             storage_options,
             {"async_snapshot": async_snapshot, "save_on_train_end": save_on_train_end,
@@ -230,13 +229,15 @@ class SnapshotConfig:
             collective_timeout_s,
             storage_timeout_s,
         )
+        if knobs is not None and not isinstance(knobs, Knobs):
+            raise ConfigError(f"knobs must be a Knobs (tnt_snapshot_plugin.config) or None, got {knobs!r}")
         return cls(
             best=_best(best_metric, best_mode, best_k, dict(names or {})),
             save_every_n_train_steps=positive_int_or_none("save_every_n_train_steps", save_every_n_train_steps),
             save_every_n_epochs=positive_int_or_none("save_every_n_epochs", save_every_n_epochs),
             save_every_n_eval_epochs=positive_int_or_none("save_every_n_eval_epochs", save_every_n_eval_epochs),
             save_every_n_seconds=positive_seconds_or_none("save_every_n_seconds", save_every_n_seconds),
-            keep_last_n_snapshots=positive_int_or_none(name_keep, keep_last_n_snapshots),
+            keep_last_n_snapshots=positive_int_or_none("keep_last_n_snapshots", keep_last_n_snapshots),
             replicated=string_list_or_none("replicated", replicated),
             storage_options=dict(storage_options) if storage_options is not None else None,
             async_snapshot=async_snapshot,
@@ -246,13 +247,28 @@ class SnapshotConfig:
             preemption_signals=_signals("preemption_signals", preemption_signals),
             collective_timeout_s=float(collective_timeout_s),
             storage_timeout_s=float(storage_timeout_s),
-            knobs=Knobs.of("knob_options", knob_options),
-            save_policies=policies.checked("save_policies", save_policies, policies.SavePolicy),
-            preservation_policies=policies.checked(
-                "preservation_policies", preservation_policies, policies.PreservationPolicy
+            knobs=knobs if knobs is not None else Knobs(),
+            save_policies=policy_list("save_policies", save_policies, "SavePolicy", "should_save(moment)"),
+            preservation_policies=policy_list(
+                "preservation_policies", preservation_policies, "PreservationPolicy", "keep(ours)"
             ),
             format=_format(format),
         )
+
+
+def policy_list(name: str, value: Any, kind: str, method: str) -> tuple[Any, ...]:
+    """``value`` (None or an iterable of policies) as a tuple; a ConfigError naming ``name`` for
+    anything else, or for a policy without the method ``method`` its ``kind`` is asked by."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{name} must be a list of {kind} objects, got {value!r}")
+    out = tuple(value)
+    attribute = method.partition("(")[0]
+    bad = [p for p in out if not callable(getattr(p, attribute, None))]
+    if bad:
+        raise ConfigError(f"{name}: {bad[0]!r} is not a {kind} (it needs a method {method})")
+    return out
 
 
 def _check_plain(

@@ -8,6 +8,31 @@ plugin does not break existing ``except`` clauses.
 
 from __future__ import annotations
 
+import errno
+from typing import Iterator, Optional
+
+#: The ``errno`` values that mean the storage has no room left: a full disk (ENOSPC) or a used-up
+#: quota (EDQUOT, where the platform has it).
+NO_SPACE_ERRNOS = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, each once."""
+    seen: set[int] = set()
+    stack: list[Optional[BaseException]] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack += [current.__cause__, current.__context__]
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is the storage running out of space."""
+    return any(isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS for e in causes(exc))
+
 
 class SnapshotError(Exception):
     """Base class of every error raised by tnt_snapshot_plugin."""

@@ -1,11 +1,12 @@
 """The pluggy seam: one plugin manager per saver, built-in adapters and third-party plugins alike.
 
-Nothing is built or loaded at import time. Each saver (and each standalone restore) gets a manager
-of its own from :func:`new_plugin_manager`, as pytest builds one per configuration: the hook
-specifications, then every plugin of the ``tnt_snapshot_plugin`` entry-point group (the built-in
-adapters are two of them; an adapter whose framework is not installed is blocked before loading).
-A plugin registered on one saver's manager is never seen by another saver or by a restore that
-was not given that manager.
+Nothing is built or loaded at import time, and nothing is kept between managers. Each saver (and
+each standalone restore) gets a manager of its own from :func:`new_plugin_manager`, as pytest
+builds one per configuration: the hook specifications, then every plugin of the
+``tnt_snapshot_plugin`` entry-point group, read from the installed distributions by that manager
+(the built-in adapters are two of them; a plugin describing an adapter whose framework is not
+installed is blocked, not registered). A plugin registered on one saver's manager is never seen by
+another saver or by a restore that was not given that manager.
 
 Registration is checked at once (:meth:`PluginManager.register`): an unknown
 ``tnt_snapshot_plugin_*`` name, a hook method without the ``@hookimpl`` marker or a parameter the
@@ -25,18 +26,12 @@ import pluggy
 
 from tnt_snapshot_plugin import hookspecs
 from tnt_snapshot_plugin.errors import ConfigError
-from tnt_snapshot_plugin.plugins_name import PROJECT_NAME
+from tnt_snapshot_plugin.hookspecs import PROJECT_NAME
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 #: Every hook name starts with this; any other attribute of a plugin is not a hook.
 HOOK_PREFIX = f"{PROJECT_NAME}_"
-
-#: Built-in adapters (entry-point name -> the module their framework imports as).
-BUILTIN_ADAPTER_FRAMEWORKS: dict[str, str] = {
-    "torchtnt": "torchtnt",
-    "lightning": "pytorch_lightning",
-}
 
 
 @dataclass(frozen=True)
@@ -54,25 +49,31 @@ class AdapterInfo:
     saver: str
     #: ``demo(dirpath: str, *, epochs: int, steps_per_epoch: int, interrupt_at: int) -> dict``
     demo: Optional[str] = None
+    #: how to install the framework, for the error when it is missing (None: ``install <framework>``)
+    install: Optional[str] = None
+
+    @property
+    def installed(self) -> bool:
+        """Whether the framework can be imported (found without importing it)."""
+        return importlib.util.find_spec(self.framework) is not None
 
     def load_saver(self) -> type:
-        return _load(self.saver, self.framework)
+        return self._load(self.saver)
 
     def load_demo(self) -> Callable[..., dict]:
         if self.demo is None:
             raise LookupError(f"adapter {self.name!r} has no demo")
-        return _load(self.demo, self.framework)
+        return self._load(self.demo)
 
-
-def _load(dotted: str, framework: str) -> Any:
-    module_name, _, attr = dotted.partition(":")
-    if importlib.util.find_spec(framework) is None:
-        raise ImportError(
-            f"{dotted} needs {framework}, which is not installed: "
-            f"pip install 'tnt-snapshot-plugin[{framework if framework == 'torchtnt' else 'lightning'}]'"
-        )
-    module = importlib.import_module(module_name)
-    return getattr(module, attr)
+    def _load(self, dotted: str) -> Any:
+        module_name, _, attr = dotted.partition(":")
+        if not self.installed:
+            raise ImportError(
+                f"{dotted} needs {self.framework}, which is not installed: "
+                f"{self.install or f'install {self.framework}'}"
+            )
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
 
 
 class PluginManager(pluggy.PluginManager):
@@ -165,35 +166,41 @@ def _check_names(pm: pluggy.PluginManager, plugin: Any) -> None:
             )
 
 
-#: The entry points of the group, read at the first manager that asks: the installed
-#: distributions do not change under a running job, and reading their metadata costs
-#: milliseconds (every restore builds a manager).
-_entry_point_list: Optional[list[Any]] = None
-
-
-def _entry_points() -> list[Any]:
-    global _entry_point_list
-    if _entry_point_list is None:
-        _entry_point_list = list(importlib.metadata.entry_points(group=PROJECT_NAME))
-    return _entry_point_list
-
-
 def new_plugin_manager(*, load_entrypoints: bool = True, blocked: tuple[str, ...] = ()) -> PluginManager:
     """A new manager for one saver or restore: the hook specs and, unless ``load_entrypoints`` is
-    False, every plugin of the ``tnt_snapshot_plugin`` entry-point group not named in ``blocked``
-    (a built-in adapter whose framework is not installed is blocked)."""
+    False, every plugin of the ``tnt_snapshot_plugin`` entry-point group not named in ``blocked``.
+
+    The group is read from the installed distributions' metadata by each manager (a few
+    milliseconds; nothing is kept in the process). A plugin describing an adapter
+    (``tnt_snapshot_plugin_adapters``) whose framework is not installed is blocked: its module
+    is imported, so an entry point names a module that imports no framework itself."""
     pm = PluginManager()
     for name in blocked:
         pm.set_blocked(name)
     if load_entrypoints:
-        for ep in _entry_points():
-            framework = BUILTIN_ADAPTER_FRAMEWORKS.get(ep.name)
-            if framework is not None and importlib.util.find_spec(framework) is None:
+        for ep in importlib.metadata.entry_points(group=PROJECT_NAME):
+            if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+                continue
+            plugin = ep.load()
+            if _framework_missing(pm, plugin):
                 pm.set_blocked(ep.name)
-            if not pm.is_blocked(ep.name) and pm.get_plugin(ep.name) is None:
-                pm.register(ep.load(), name=ep.name)
+                continue
+            pm.register(plugin, name=ep.name)
     pm.check_pending()
     return pm
+
+
+def _framework_missing(pm: pluggy.PluginManager, plugin: Any) -> bool:
+    """Whether ``plugin`` describes an adapter whose framework is not installed (its
+    ``tnt_snapshot_plugin_adapters`` hook, asked before it is registered)."""
+    describe = getattr(plugin, "tnt_snapshot_plugin_adapters", None)
+    if describe is None or pm.parse_hookimpl_opts(plugin, "tnt_snapshot_plugin_adapters") is None:
+        return False
+    try:
+        info = describe()
+    except Exception:  # a description that fails is reported where adapters are listed
+        return False
+    return isinstance(info, AdapterInfo) and not info.installed
 
 
 def get_plugin_manager() -> PluginManager:

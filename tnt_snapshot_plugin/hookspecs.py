@@ -15,7 +15,8 @@ from typing import Any, Mapping, Optional
 
 import pluggy
 
-from tnt_snapshot_plugin.plugins_name import PROJECT_NAME
+#: The one project name: pluggy's markers, the plugin manager and the entry-point group.
+PROJECT_NAME = "tnt_snapshot_plugin"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 

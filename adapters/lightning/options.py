@@ -84,8 +84,7 @@ def saver_config(arguments: dict[str, Any]) -> SnapshotConfig:
         save_every_n_train_steps=steps or None,
         save_every_n_epochs=epochs or None,
         save_every_n_seconds=_seconds(a["train_time_interval"]),
-        keep_last_n_snapshots=keep_last_n_snapshots,
-        keep_last_n_checkpoints=keep_last_n_checkpoints,
+        keep_last_n_snapshots=_keep_last_n(keep_last_n_snapshots, keep_last_n_checkpoints),
         replicated=a["replicated"],
         storage_options=a["storage_options"],
         async_snapshot=a["async_snapshot"],
@@ -114,6 +113,16 @@ def _every(name: str, value: Any, torchtnt_name: str, torchtnt_value: Any) -> Op
     return resolve_alias(
         name, value, torchtnt_name, positive_int_or_none(torchtnt_name, torchtnt_value), None
     )
+
+
+def _keep_last_n(keep_last_n_snapshots: Any, keep_last_n_checkpoints: Any) -> Optional[int]:
+    """``keep_last_n_snapshots``, or torchtnt's name for it, ``keep_last_n_checkpoints``, checked
+    under the name given."""
+    keep = resolve_alias(
+        "keep_last_n_snapshots", keep_last_n_snapshots, "keep_last_n_checkpoints", keep_last_n_checkpoints, None
+    )
+    given = "keep_last_n_snapshots" if keep_last_n_checkpoints is None else "keep_last_n_checkpoints"
+    return positive_int_or_none(given, keep)
 
 
 def _retention(

@@ -1,11 +1,11 @@
 """The torchtnt adapter's static restores (torchtnt 0.2.4's signatures): each maps its
 arguments onto one :class:`~tnt_snapshot_plugin.restoring.RestoreRequest` for the unit and runs
-it; and the RNG state a restore hands to the saver of the run that follows."""
+it; and the RNG state a restore hands, through the unit it restored, to the saver of the run that
+follows."""
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -13,9 +13,9 @@ import pluggy
 from torchtnt.framework.unit import AppStateMixin
 
 from tnt_snapshot_plugin import restoring
+from tnt_snapshot_plugin.adapters.torchtnt.options import knobs_of
 from tnt_snapshot_plugin.adapters.torchtnt.state import unit_state
 from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, RNGState, check_collisions, is_stateful
-from tnt_snapshot_plugin.config import Knobs
 from tnt_snapshot_plugin.distributed import require_process_group
 from tnt_snapshot_plugin.errors import ConfigError, DataLoaderReplayWarning, NothingToRestoreWarning
 from tnt_snapshot_plugin.restoring import RestoreRequest
@@ -23,8 +23,16 @@ from tnt_snapshot_plugin.restoring import RestoreRequest
 TRAIN_PROGRESS_KEY = "train_progress"
 EVAL_PROGRESS_KEY = "eval_progress"
 
-#: unit -> the RNG state its last restore set, for the saver's first batch (on_train_start).
-restored_rng: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+#: The attribute of a restored unit that holds the RNG state its restore set, until the saver of
+#: the run that follows takes it (:func:`take_restored_rng`, at train start). A plain dict: the
+#: unit does not track it as state, and it is never saved.
+RESTORED_RNG_ATTR = "_tnt_snapshot_plugin_restored_rng"
+
+
+def take_restored_rng(unit: Any) -> Optional[dict[str, Any]]:
+    """The RNG state the last restore of ``unit`` set (None: none since the last train start),
+    taken off the unit: each restore hands it to one run."""
+    return vars(unit).pop(RESTORED_RNG_ATTR, None) if hasattr(unit, "__dict__") else None
 
 
 def restore(
@@ -237,10 +245,12 @@ class Options:
         )
 
     def hand_rng_to_saver(self, unit: Any) -> None:
-        """After a restore that loaded the train progress: the RNG state it set, kept for the
-        saver of the run that follows (set again after the first batch of a mid-epoch resume)."""
-        if self.restore_train_progress:
-            restored_rng[unit] = RNGState().state_dict()
+        """After a restore that loaded the train progress: the RNG state it set, kept on the unit
+        for the saver of the run that follows (set again after the first batch of a mid-epoch
+        resume)."""
+        if self.restore_train_progress and hasattr(unit, "__dict__"):
+            # set in the instance's dict: the unit's __setattr__ would not track a dict anyway
+            vars(unit)[RESTORED_RNG_ATTR] = RNGState().state_dict()
 
 
 def unit_request(
@@ -266,7 +276,7 @@ def unit_request(
         )
     require_process_group("restoring")
     options = Options.merge(restore_options, **flags)
-    knobs = Knobs.of("knob_options", knob_options)
+    knobs = knobs_of("knob_options", knob_options)
     app_state, optional = restore_state(unit, train_dataloader, options)
     request = RestoreRequest(
         app_state, optional_keys=optional, storage_options=storage_options, plugin_manager=plugin_manager,

@@ -23,7 +23,11 @@ from torchtnt.framework.unit import EvalUnit, PredictUnit, TrainUnit
 
 from tnt_snapshot_plugin.adapters.torchtnt import restore as torchtnt_restore
 from tnt_snapshot_plugin.adapters.torchtnt.options import saver_config
-from tnt_snapshot_plugin.adapters.torchtnt.restore import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, restored_rng
+from tnt_snapshot_plugin.adapters.torchtnt.restore import (
+    EVAL_PROGRESS_KEY,
+    TRAIN_PROGRESS_KEY,
+    take_restored_rng,
+)
 from tnt_snapshot_plugin.adapters.torchtnt.state import (
     collector,
     not_started,
@@ -226,7 +230,7 @@ class TorchSnapshotSaver(Callback):
         metric_logger = self._metric_logger if self._metric_logger is not None else unit_metric_logger(unit)
         if metric_logger is not None:
             self._snapshotter.report_metrics(lambda metrics, step: metric_logger.log_dict(metrics, step))
-        restored = restored_rng.pop(unit, None)
+        restored = take_restored_rng(unit)
         if restored is not None and unit.train_progress.num_steps_completed_in_epoch > 0:
             # Resuming mid-epoch: the snapshot's RNG state was captured after a step, when the
             # loader's iterator had long started (and drawn its DataLoader base seed... from the
@@ -234,20 +238,13 @@ class TorchSnapshotSaver(Callback):
             # between iter() and the first next(): set the state again after the first fetch.
             self._rng_after_first_fetch = restored
 
-    @property
-    def on_train_get_next_batch_end(self) -> Callable[[State, TrainUnit[Any]], None]:
+    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator.
 
-        torchtnt calls a per-step hook only on callbacks that override it, which it checks once,
-        when ``train``/``fit`` starts, by comparing the hook's code with ``Callback``'s. Only a run
-        that resumes from a restore needs this one, so any other run gets ``Callback``'s no-op
-        here and pays no dispatch on every batch.
+        torchtnt builds its list of callbacks per hook before any hook runs, before this saver
+        sees the unit and whether a restore handed it an RNG state; so this hook is always
+        listed, and on every other batch it reads one attribute.
         """
-        if restored_rng or self._rng_after_first_fetch is not None:
-            return self._reset_rng_after_first_fetch
-        return super().on_train_get_next_batch_end
-
-    def _reset_rng_after_first_fetch(self, state: State, unit: TrainUnit[Any]) -> None:
         if self._rng_after_first_fetch is not None:
             rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
             RNGState().load_state_dict(rng)

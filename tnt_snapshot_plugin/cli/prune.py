@@ -43,7 +43,7 @@ from tnt_snapshot_plugin.errors import ConfigError, SnapshotError
 from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.naming import SnapshotName
-from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.policies import Best, retention, to_delete
 from tnt_snapshot_plugin.stores import LEASE_FNAME, LOCK_FNAME, Store
 from tnt_snapshot_plugin.stores.s3 import S3Store
 
@@ -72,7 +72,7 @@ def select_for_pruning(
     protect: Iterable[str] = (),
 ) -> dict[str, Optional[str]]:
     """Name -> None (delete) or the reason it is kept: the saver's own retention
-    (``retention.to_delete``), so prune deletes exactly what the saver would.
+    (``policies.to_delete``), so prune deletes exactly what the saver would.
 
     * only the plugin's own complete snapshots are counted and deleted; anything without the
       plugin's index (torchtnt's, a user's, an interrupted write) is kept;
@@ -80,7 +80,7 @@ def select_for_pruning(
       without one first, by (epoch, step));
     * ``keep_last`` newest are kept; with ``keep_best``, the ``keep_last`` best by that metric
       instead (``mode`` "min" or "max"; NaN worst; ties to the earlier commit; snapshots without a
-      value for it are kept), as the saver's best-k (``retention.Best``) with that k;
+      value for it are kept), as the saver's best-k (``policies.Best``) with that k;
     * the newest complete snapshot, and every name in ``protect``, are always kept.
     """
     if keep_last < 1:
@@ -99,10 +99,10 @@ def select_for_pruning(
             )
         metric = (keep_best, c.metric) if keep_best is not None and c.metric is not None else None
         listed.append(retention.Listed(c.name, seq=c.seq, ours=c.ours, indexed_metric=metric))
-    best = retention.Best(keep_best, mode, keep_last) if keep_best is not None else None
+    best = Best(keep_best, mode, keep_last) if keep_best is not None else None
     doomed = {
         r.text
-        for r in retention.to_delete(
+        for r in to_delete(
             listed, None if best is not None else keep_last, protect=protect, best=best
         )
     }

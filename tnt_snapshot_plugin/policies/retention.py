@@ -1,7 +1,9 @@
-"""Commit order and retention: which snapshot is "latest", and which ones ``keep_last_n`` deletes.
+"""Commit order and what retention may delete: which snapshot is "latest", which ranks best by a
+metric, and which of the snapshots the preservation policies let go may be deleted.
 
 Pure logic over listed records; it reads and deletes nothing itself (the store does, see
-:func:`apply`), and imports nothing heavy.
+:func:`apply`), and imports nothing heavy. The policies that say what to keep are in
+:mod:`tnt_snapshot_plugin.policies.preservation`.
 
 * **Commit order.** The plugin records in each snapshot's index a commit sequence number
   (``seq``: 1 + the largest ``seq`` in ``dirpath`` when it commits). Snapshots are ordered by it;
@@ -11,7 +13,7 @@ Pure logic over listed records; it reads and deletes nothing itself (the store d
 * **Retention.** ``keep_last_n`` counts the plugin's own snapshots (those with its index) in commit
   order, keeps the last ``n`` of them, and only ever deletes snapshots committed *before* every
   snapshot it keeps; never the newest snapshot of the directory, never one it did not write.
-* **Best-k** (:class:`Best`): among the plugin's own snapshots that carry the monitored metric
+* **Best-k** (:class:`~tnt_snapshot_plugin.config.Best`): among the plugin's own snapshots that carry the monitored metric
   (in their name, ``..._<metric>=<value>``, or their index's ``metric``), the ``k`` best by it are
   kept (``mode`` "min" or "max"; NaN ranks worst; of equal values the earlier commit ranks first),
   plus the newest ``keep_last_n`` when given, plus always the newest snapshot of the directory.
@@ -28,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol
 
+from tnt_snapshot_plugin.config import MODES
 from tnt_snapshot_plugin.naming import SnapshotName
 
 
@@ -95,25 +98,6 @@ def from_index(name: SnapshotName, index: Optional[dict[str, Any]]) -> Listed:
     )
 
 
-MODES = ("min", "max")
-
-
-@dataclass(frozen=True)
-class Best:
-    """Best-k retention: keep the ``k`` best snapshots by ``metric`` (``mode`` "min" or "max";
-    ``k`` None: every snapshot carrying the metric)."""
-
-    metric: str
-    mode: str = "min"
-    k: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
-        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
-            raise ValueError(f"k must be an int >= 1 or None, got {self.k!r}")
-
-
 def _rank_key(value: float, mode: str) -> tuple[int, float]:
     """Sort key, best first: NaN ranks worst whatever the mode."""
     if math.isnan(value):
@@ -163,33 +147,6 @@ def commit_order(listed: Iterable[Listed]) -> list[Listed]:
 def next_seq(listed: Iterable[Listed]) -> int:
     """The sequence number of the next commit: 1 + the largest one in the directory."""
     return 1 + max((r.seq for r in listed if r.seq is not None), default=0)
-
-
-def to_delete(
-    listed: Iterable[Listed],
-    keep_last_n: Optional[int],
-    protect: Iterable[str] = (),
-    best: Optional[Best] = None,
-) -> list[Listed]:
-    """What retention deletes from ``listed`` (complete snapshots), oldest first.
-
-    Without ``best``: counts only the plugin's own snapshots, in commit order, and keeps the last
-    ``keep_last_n``; deletes only snapshots of the plugin's committed before all of those.
-    With ``best``: keeps the plugin's ``best.k`` best by ``best.metric``, the last
-    ``keep_last_n`` (when not None), and, when ``keep_last_n`` is None, every snapshot without a
-    value for the metric; deletes the plugin's others.
-    Never the newest snapshot of the directory (whoever wrote it), never a name in ``protect``,
-    never a snapshot the plugin did not write (:func:`deletable`). The rules themselves are the
-    preservation policies ``LatestN`` and ``BestN`` (policies.py).
-    """
-    from tnt_snapshot_plugin.policies import AnyPreservation, BestN, LatestN  # they build on this module
-
-    if keep_last_n is not None and keep_last_n < 1:
-        raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}")
-    policies: list[Any] = [] if keep_last_n is None else [LatestN(keep_last_n)]
-    if best is not None:
-        policies.append(BestN(best, keep_unscored=keep_last_n is None))
-    return AnyPreservation(policies).to_delete(listed, protect) if policies else []
 
 
 def deletable(ordered: list[Listed], kept: Iterable[str], protect: Iterable[str] = ()) -> list[Listed]:

@@ -13,7 +13,7 @@ from tnt_snapshot_plugin.distributed import Collectives
 from tnt_snapshot_plugin.errors import CleanupWarning, SnapshotError, SnapshotsAheadWarning
 from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
-from tnt_snapshot_plugin.policies import retaining, retention
+from tnt_snapshot_plugin.policies import retention
 from tnt_snapshot_plugin.stores import DirLock, Store
 from tnt_snapshot_plugin.stores.ownership import (
     live_runs,
@@ -154,7 +154,7 @@ class RunGuard:
             self.lock = lock(self.store, self.run_id)
         self.writer.lock = self.lock  # checked at each commit
         ahead = prepare(self.store, epoch, step)
-        retaining.retain_at_start(self.writer)
+        self.writer.retention.at_start()
         return ahead
 
     def release(self) -> None:

@@ -32,7 +32,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from tnt_snapshot_plugin import policies
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
 from tnt_snapshot_plugin.errors import (
@@ -42,6 +41,7 @@ from tnt_snapshot_plugin.errors import (
     StorageUnavailableError,
     UnrestorableStateError,
     as_write_error,
+    causes,
 )
 from tnt_snapshot_plugin.format import index as index_file
 from tnt_snapshot_plugin.format import listing
@@ -50,13 +50,7 @@ from tnt_snapshot_plugin.format.checksums import new_hasher, record_views, recor
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.objects import LoadCheck
 from tnt_snapshot_plugin.format.registry import DEFAULT, get_format
-from tnt_snapshot_plugin.policies import retention
-from tnt_snapshot_plugin.policies.retaining import (
-    chain,
-    free_space_for,
-    note_written_again,
-    retain_after_commit,
-)
+from tnt_snapshot_plugin.policies import Retention, preservation, retention
 from tnt_snapshot_plugin.stores import DirLock, Store
 from tnt_snapshot_plugin.stores.commit import buffers
 from tnt_snapshot_plugin.stores.ownership import writer_identity
@@ -88,16 +82,21 @@ class SnapshotWriter:
         self.encoder = self.format.writer(collectives, config)
         self.last_seq: Optional[int] = None
         self.committed: set[str] = set()
-        #: names retention never deletes (Snapshotter.protected)
-        self.protected: set[str] = set()
-        #: what retention keeps (policies.py); None: nothing is ever deleted
-        self.preservation = policies.preservation(config)
+        #: what is deleted after each commit, and early when the storage is full (policies/)
+        self.retention = Retention(store, collectives, preservation(config))
         #: the I/O threads, kept from one snapshot to the next (starting them costs milliseconds)
         self._pool: Optional[ThreadPoolExecutor] = None
-        #: whether this run has warned that it deleted snapshots early to make room
-        self._space_warned = False
         #: the run's hold on dirpath (rank 0; RunGuard sets it), checked before each commit
         self.lock: Optional[DirLock] = None
+
+    @property
+    def protected(self) -> set[str]:
+        """Names retention never deletes (the saver's ``protected``, shared with it)."""
+        return self.retention.protected
+
+    @protected.setter
+    def protected(self, names: set[str]) -> None:
+        self.retention.protected = names
 
     def close(self) -> None:
         """Let the I/O threads and the format's buffers go (training is over); a later snapshot
@@ -112,7 +111,7 @@ class SnapshotWriter:
         self.last_seq = None
         self.committed = set()
         self.encoder.new_run()
-        self._space_warned = False
+        self.retention.new_run()
 
     # -- one snapshot -----------------------------------------------------------------------
 
@@ -130,13 +129,13 @@ class SnapshotWriter:
         try:
             self._write_once(job, run_id, locked=locked)
         except Exception as exc:
-            freed = free_space_for(self, job, exc)
+            freed = self.retention.free_space_for(job, exc)
             if freed is None:
                 raise
             job.freed_early = freed.failed()
             self._write_once(job, run_id, locked=locked)
             job.freed_early = None
-            note_written_again(self, job, freed)
+            self.retention.note_written_again(job, freed)
 
     def _write_once(self, job: Any, run_id: str, *, locked: bool) -> None:
         coll, store, encoder = self.coll, self.store, self.encoder
@@ -201,7 +200,7 @@ class SnapshotWriter:
         the storage once more. What is left is invisible to restore, and removed at the next
         train start."""
         return self.config.async_snapshot or not any(
-            isinstance(e, StorageUnavailableError) for e in chain(failure)
+            isinstance(e, StorageUnavailableError) for e in causes(failure)
         )
 
     def _io_pool(self) -> Optional[ThreadPoolExecutor]:
@@ -239,7 +238,7 @@ class SnapshotWriter:
         commit of a run; while this run holds the dirpath lock no one else commits, so later
         sequence numbers follow from the last one without listing again."""
         store = self.store
-        retaining = self.preservation is not None
+        retaining = self.retention.active
         if not (retaining or self.last_seq is None or not locked):
             return [], retaining, self.last_seq + 1
         try:
@@ -328,7 +327,7 @@ class SnapshotWriter:
             committed_at=fields["committed_at"],
         )
         if retaining:
-            retain_after_commit(self, job, [r for r in listed if r.text != job.name.text] + [this])
+            self.retention.after_commit(job, [r for r in listed if r.text != job.name.text] + [this])
         return nbytes
 
 

@@ -5,8 +5,8 @@
   :data:`WRITE_SLICE` bytes (``sync_file_range``, Linux), and ``fdatasync``s before it returns.
   :func:`fsync_dir` makes a rename or a new name durable.
 * Reads: :func:`preadv_into` (bytes straight into caller-owned buffers, each file in offset
-  order, one ``preadv`` per run of adjacent ranges, a few files at once, with the kernel told
-  ahead which ranges follow).
+  order, one ``preadv`` per run of adjacent ranges, a few files at once on the caller's
+  :class:`ReadThreads`, with the kernel told ahead which ranges follow).
 * Path check: :func:`is_inside` (a local path, symlinks resolved): a file named by a manifest
   never escapes its snapshot.
 
@@ -250,13 +250,15 @@ def preadv_into(
     error: type[Exception],
     done: Optional[Callable[[list[int]], None]] = None,
     threads: int = READ_THREADS,
+    pool: Optional[ReadThreads] = None,
 ) -> int:
     """Fill each buffer from ``root/file`` at its offset; return the bytes read.
 
     ``reads``: ``(file, offset, buffer)``; each buffer a writable flat byte view. Each file is
     read in offset order, one ``preadv`` per run of adjacent ranges, and up to ``threads`` files
     at once (at most :data:`MAX_READ_THREADS`; fewer when there are fewer files or less than
-    :data:`PARALLEL_READ_MIN_BYTES` per thread to read). Each reading thread tells the kernel
+    :data:`PARALLEL_READ_MIN_BYTES` per thread to read), on ``pool`` (the caller's reading
+    threads, e.g. its store's; None: threads of this call's own). Each reading thread tells the kernel
     ahead of time which of its ranges follow (``POSIX_FADV_WILLNEED``, its share of
     :data:`READ_AHEAD_BYTES`), so the disk keeps reading while ``done(indices)`` runs: called on the reading thread after each ``preadv`` with the
     indices (in ``reads``) of the buffers it filled, every index once; an exception it raises
@@ -279,7 +281,8 @@ def preadv_into(
     if k <= 1:
         return _read_files(root, plan, error, done, READ_AHEAD_BYTES, None)
     stop: list[bool] = []  # set by a reader that failed: the others stop at their next run
-    pool = _read_pool()
+    if pool is None:
+        pool = ReadThreads(MAX_READ_THREADS)
     futures = [
         pool.submit(_read_files, root, plan[j::k], error, done, READ_AHEAD_BYTES // k, stop)
         for j in range(k)
@@ -295,18 +298,24 @@ def preadv_into(
 READ_THREAD_IDLE_S = 2.0
 
 
-class _ReadThreads:
-    """The reading threads: started as reads ask for them (starting one costs up to about 1 ms
-    on the project's machine), at most ``limit``, each ending after :data:`READ_THREAD_IDLE_S`
-    without work."""
+class ReadThreads:
+    """Reading threads, owned by whoever reads (a local store): started as reads ask for them
+    (starting one costs up to about 1 ms on the project's machine), at most ``limit``, each ending
+    after :data:`READ_THREAD_IDLE_S` without work, so reads close together (the keys of one
+    restore, a fallback to an older snapshot) reuse them. In a forked child, the first read starts
+    threads of its own."""
 
     def __init__(self, limit: int) -> None:
-        import queue
-
-        self._queue: Any = queue.SimpleQueue()
-        self._empty = queue.Empty
         self._lock = threading.Lock()
         self._limit = limit
+        self._reset()
+
+    def _reset(self) -> None:
+        import queue
+
+        self._pid = os.getpid()
+        self._queue: Any = queue.SimpleQueue()
+        self._empty = queue.Empty
         self._threads = self._idle = self._pending = 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -314,6 +323,8 @@ class _ReadThreads:
 
         future: Future[Any] = Future()
         with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's threads are not here
+                self._reset()
             self._pending += 1
             self._queue.put((future, fn, args))
             if self._pending > self._idle and self._threads < self._limit:
@@ -342,19 +353,6 @@ class _ReadThreads:
                     future.set_result(fn(*args))
                 except BaseException as exc:
                     future.set_exception(exc)
-
-
-_pool: Optional[tuple[int, _ReadThreads]] = None
-_pool_lock = threading.Lock()
-
-
-def _read_pool() -> _ReadThreads:
-    """The process's reading threads (:class:`_ReadThreads`); a forked child starts its own."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), _ReadThreads(MAX_READ_THREADS))
-        return _pool[1]
 
 
 def _open_regular(path: str, error: type[Exception]) -> int:
@@ -422,6 +420,7 @@ def _read_files(
 __all__ = [
     "IOV_MAX",
     "READ_AHEAD_BYTES",
+    "ReadThreads",
     "WRITE_SLICE",
     "byte_views",
     "fsync_dir",

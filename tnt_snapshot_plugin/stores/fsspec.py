@@ -39,7 +39,10 @@ from tnt_snapshot_plugin.stores.ownership import (
     writer_of_token,
 )
 from tnt_snapshot_plugin.stores.ranged_reads import RangedReads
-from tnt_snapshot_plugin.stores.registry import FSSPEC_HINT
+
+#: What to install for URL schemes the built-in stores do not serve.
+FSSPEC_HINT = "pip install 'tnt-snapshot-plugin[fsspec]'"
+
 
 #: The extra to install for schemes whose fsspec implementation is a separate package.
 EXTRA_OF_SCHEME = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
@@ -330,4 +333,4 @@ class FsspecLease(DirLock):
             pass
 
 
-__all__ = ["EXTRA_OF_SCHEME", "FsspecLease", "FsspecStore", "fs_errors", "fsspec_opener", "open_fsspec"]
+__all__ = ["EXTRA_OF_SCHEME", "FSSPEC_HINT", "FsspecLease", "FsspecStore", "fs_errors", "fsspec_opener", "open_fsspec"]

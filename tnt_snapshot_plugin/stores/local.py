@@ -10,7 +10,6 @@ snapshot with files missing.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -20,7 +19,13 @@ import tempfile
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from tnt_snapshot_plugin.errors import ConfigError, SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from tnt_snapshot_plugin.errors import (
+    ConfigError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotWriteError,
+    is_no_space,
+)
 from tnt_snapshot_plugin.naming import is_staging_name
 from tnt_snapshot_plugin.stores import fileio
 from tnt_snapshot_plugin.stores.base import (
@@ -164,6 +169,8 @@ class LocalStore(Store):
         self.root = os.path.abspath(dirpath)
         #: directories of the snapshot being written whose real path was checked (write_payload)
         self._inside_dirs: set[str] = set()
+        #: this store's reading threads (read_into), started by the first read that needs them
+        self._reads = fileio.ReadThreads(fileio.MAX_READ_THREADS)
 
     def child(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -253,7 +260,8 @@ class LocalStore(Store):
         root = os.path.join(self.root, name)
         try:
             fileio.preadv_into(
-                root, reads, error=SnapshotCorruptError, done=done, threads=concurrency or fileio.READ_THREADS
+                root, reads, error=SnapshotCorruptError, done=done, threads=concurrency or fileio.READ_THREADS,
+                pool=self._reads,
             )
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise SnapshotCorruptError(
@@ -332,7 +340,7 @@ class LocalStore(Store):
             try:
                 fileio.write_durably(os.path.join(doomed, WRITER_FNAME), json.dumps(marker).encode())
             except OSError as exc:
-                if exc.errno not in _NO_SPACE:
+                if not is_no_space(exc):
                     raise
                 # No room for the marker (the disk is full, which is when deleting matters most):
                 # the snapshot's directory itself is renamed to the deletion's staging name; its
@@ -345,8 +353,6 @@ class LocalStore(Store):
             path = doomed
         rmtree_proof_last(path)
 
-
-_NO_SPACE = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
 
 def rmtree_proof_last(path: str) -> None:

@@ -27,7 +27,20 @@ STALE_AFTER_S = 24 * 3600.0
 #: How long a dirpath lease of an object store lasts without renewal (renewed every minute).
 LEASE_S = 300.0
 
-#: Run ids of the savers alive in this process (a leftover of this pid with another id is stale).
+#: Run ids of the savers' runs alive in this process: a run id is added when a run starts
+#: (:func:`new_run_id`) and removed when it ends (``RunGuard`` in saving/run_guard.py).
+#:
+#: The one process-wide registry of the stores, kept on purpose. A writer is named on the storage
+#: by (host, pid, run id). Whether another process's writer is gone can be read from the system
+#: (its pid dead or reused); for this process the pid is alive by definition, and whether one of
+#: its runs has ended is known only to the saver that ran it. The ones that ask are never that
+#: saver: another saver taking the dirpath (the leftovers it removes at train start, the S3 or
+#: fsspec lease it takes over), a store deleting a staging directory whose marker was lost, a
+#: restore or the command line naming who holds a snapshot or lock. Without this set each of them
+#: would have to take every run of this process for alive: a second ``fit`` in the same process
+#: (a notebook, a sweep) would leave the first run's leftovers for a day (``STALE_AFTER_S``), and an
+#: S3 lease whose release failed would keep it out of its dirpath until the lease expired
+#: (``LEASE_S``). It holds only random ids, never an object: a saver that is gone keeps nothing alive.
 live_runs: set[str] = set()
 
 

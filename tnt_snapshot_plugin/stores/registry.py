@@ -7,8 +7,8 @@ Schemes come from three places, tried in this order:
 
 1. :func:`register_store` calls, the built-in stores among them (:data:`BUILTIN_STORES`: local
    disk for paths without a scheme and ``file://``, S3 for ``s3://``), registered the same way;
-2. the entry-point group ``tnt_snapshot_plugin.stores`` of installed distributions, read once,
-   when a scheme is not registered: a package adds a store by declaring, in its setup.cfg::
+2. the entry-point group ``tnt_snapshot_plugin.stores`` of installed distributions, read at each
+   open of a scheme that is not registered: a package adds a store by declaring, in its setup.cfg::
 
        [options.entry_points]
        tnt_snapshot_plugin.stores =
@@ -19,6 +19,10 @@ Schemes come from three places, tried in this order:
 
 A registration that would give a registered scheme another opener is refused (ConfigError), as
 is an entry point that would; an unknown scheme is a ConfigError naming it and what to install.
+
+The registrations (:func:`register_store`) are the one table this module keeps: like fsspec's
+``register_implementation``, a registration is made for the process on purpose. Nothing read from
+the installed distributions is kept: the entry points are read again by each open that needs them.
 """
 
 from __future__ import annotations
@@ -32,8 +36,6 @@ from tnt_snapshot_plugin.errors import ConfigError
 
 #: The entry-point group stores are declared in (the project's name, then ``.stores``).
 ENTRY_POINT_GROUP = "tnt_snapshot_plugin.stores"
-#: What to install for URL schemes the built-in stores do not serve.
-FSSPEC_HINT = "pip install 'tnt-snapshot-plugin[fsspec]'"
 #: The stores that come with the plugin, registered like any other (setup.cfg declares the same).
 BUILTIN_STORES = (
     ("file", "tnt_snapshot_plugin.stores.local:open_local"),
@@ -45,9 +47,8 @@ _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")  # RFC 3986, lower case
 Opener = Callable[[str, Optional[dict[str, Any]], Optional[float]], Any]
 
 _lock = threading.RLock()
-_targets: dict[str, Union[str, Opener]] = {}  # scheme -> dotted path or opener
-_loaded: dict[str, Opener] = {}  # scheme -> imported opener
-_entry_points_read = False
+#: scheme -> dotted path or opener: the built-in stores and what register_store was given
+_targets: dict[str, Union[str, Opener]] = {}
 
 
 def register_store(scheme: str, target: Union[str, Opener], *, clobber: bool = False) -> None:
@@ -69,42 +70,35 @@ def register_store(scheme: str, target: Union[str, Opener], *, clobber: bool = F
                 "clobber=True)"
             )
         _targets[scheme] = target
-        _loaded.pop(scheme, None)
 
 
 def unregister_store(scheme: str) -> None:
     """Stop serving ``scheme`` (an entry point or fsspec may still serve it afterwards)."""
     with _lock:
         _targets.pop(scheme, None)
-        _loaded.pop(scheme, None)
 
 
 def registered_schemes() -> dict[str, str]:
     """Scheme -> the dotted path (or name) of its opener, entry points included."""
     with _lock:
         _builtins()
-        _read_entry_points()
-        return {scheme: _name(target) for scheme, target in sorted(_targets.items())}
+        targets = {**_declared(), **_targets}
+    return {scheme: _name(target) for scheme, target in sorted(targets.items())}
 
 
 def opener_for(scheme: str, url: str = "") -> Opener:
     """The opener of ``scheme``: registered, declared by an entry point, or fsspec's (``url``:
     the URL being opened, for the error if none serves it)."""
     with _lock:
-        opener = _loaded.get(scheme)
-        if opener is not None:
-            return opener
         _builtins()
-        if scheme not in _targets:
-            _read_entry_points()
         target = _targets.get(scheme)
         if target is None:
-            from tnt_snapshot_plugin.stores.fsspec import fsspec_opener
+            target = _declared().get(scheme)
+    if target is None:
+        from tnt_snapshot_plugin.stores.fsspec import fsspec_opener
 
-            target = fsspec_opener(scheme, url or f"{scheme}://")
-        opener = _load(scheme, target)
-        _loaded[scheme] = opener
-        return opener
+        target = fsspec_opener(scheme, url or f"{scheme}://")
+    return _load(scheme, target)
 
 
 def _builtins() -> None:
@@ -112,25 +106,23 @@ def _builtins() -> None:
         _targets.setdefault(scheme, target)
 
 
-def _read_entry_points() -> None:
-    """Register the stores installed distributions declare (once per process)."""
-    global _entry_points_read
-    if _entry_points_read:
-        return
+def _declared() -> dict[str, str]:
+    """The stores installed distributions declare (scheme -> dotted path), read now; a
+    ConfigError for one that would serve a registered scheme with another opener."""
     from importlib.metadata import entry_points
 
-    _entry_points_read = True
+    declared: dict[str, str] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         current = _targets.get(ep.name)
         if current is not None and current != ep.value:
             dist = getattr(getattr(ep, "dist", None), "name", "an installed distribution")
-            _entry_points_read = False  # refused: say so on every open, not once
             raise ConfigError(
                 f"{dist} declares the store {ep.value} for the URL scheme {ep.name!r} "
                 f"(entry-point group {ENTRY_POINT_GROUP}), which {_name(current)} already "
                 "serves; uninstall one of them"
             )
-        _targets[ep.name] = ep.value
+        declared[ep.name] = ep.value
+    return declared
 
 
 def _load(scheme: str, target: Union[str, Opener]) -> Opener:
@@ -160,7 +152,6 @@ def _name(target: Union[str, Opener]) -> str:
 __all__ = [
     "BUILTIN_STORES",
     "ENTRY_POINT_GROUP",
-    "FSSPEC_HINT",
     "opener_for",
     "register_store",
     "registered_schemes",
