@@ -1,5 +1,5 @@
-"""Which formats the plugin writes and reads: the built-in ones (torchsnapshot's, the default),
-and any other registered with :func:`register_format` (a format of one's own, a test's).
+"""Which formats the plugin writes and reads: the built-in ones (torchsnapshot's, the default, and
+DCP's, ``"dcp"``), and any other registered with :func:`register_format` (a format of one's own, a test's).
 
 A snapshot's format is the one the plugin's index records (``"snapshot_format"``; an index
 without it is torchsnapshot's), or, for a snapshot another tool wrote, the format whose metadata
@@ -23,6 +23,7 @@ DEFAULT = "torchsnapshot"
 #: The built-in formats, by name: (module, attribute), imported on first use.
 _BUILTIN: dict[str, tuple[str, str]] = {
     "torchsnapshot": ("tnt_snapshot_plugin.format.torchsnapshot", "FORMAT"),
+    "dcp": ("tnt_snapshot_plugin.format.dcp", "FORMAT"),
 }
 
 #: Formats registered by name (:func:`register_format`), beside the built-in ones.
@@ -88,7 +89,7 @@ def metadata_files() -> list[str]:
 
 #: The built-in formats' metadata files, known without importing the formats (listing a dirpath
 #: imports nothing heavy).
-_METADATA_OF_BUILTIN = {"torchsnapshot": ".snapshot_metadata"}
+_METADATA_OF_BUILTIN = {"torchsnapshot": ".snapshot_metadata", "dcp": ".metadata"}
 
 
 def format_of(store: Store, name: str, index: Optional[dict[str, Any]]) -> Optional[Format]:
