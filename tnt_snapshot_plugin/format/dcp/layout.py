@@ -205,22 +205,27 @@ class _Node:
         self.leaf = False
 
 
-def assemble(key: str, items: list[tuple[Path, Any]], current: Any, int_keys: Mapping[Path, set[int]]) -> Any:
+def assemble(
+    key: str, items: list[tuple[Path, Any]], current: Any, int_keys: Optional[Mapping[Path, set[int]]]
+) -> Any:
     """Entry ``key``'s state dict from its leaves ``(rest of path, value)`` (in saved order).
 
     Dicts are rebuilt (an ``OrderedDict`` where the target's state dict has one there), lists in
     index order; a dict key is typed as the target's state dict has it (``current``), else an
-    int where the index records one (``int_keys``: path from the key), else a str."""
+    int where the index records one (``int_keys``: path from the key). A checkpoint without the
+    plugin's index (``int_keys`` None) records none: there, the per-parameter ``state`` of an
+    optimizer's state dict (a dict beside ``param_groups`` whose ``params`` are ints) is keyed by
+    those ints, as ``torch.optim.Optimizer.load_state_dict`` looks them up."""
     root = _Node()
     for rest, value in items:
         node = root
         for token in rest:
             node = node.children.setdefault(token, _Node())
         node.value, node.leaf = value, True
-    return _build(root, (key,), current, int_keys)
+    return _build(root, (key,), current, int_keys if int_keys is not None else {}, int_keys is None)
 
 
-def _build(node: _Node, path: Path, current: Any, int_keys: Mapping[Path, set[int]]) -> Any:
+def _build(node: _Node, path: Path, current: Any, int_keys: Mapping[Path, set[int]], guess: bool) -> Any:
     if node.leaf:
         return node.value
     tokens = list(node.children)
@@ -229,7 +234,7 @@ def _build(node: _Node, path: Path, current: Any, int_keys: Mapping[Path, set[in
         out: list[Any] = [None] * size
         for t in tokens:
             below = current[t] if type(current) is list and t < len(current) else None  # type: ignore[operator]
-            out[t] = _build(node.children[t], (*path, t), below, int_keys)  # type: ignore[index]
+            out[t] = _build(node.children[t], (*path, t), below, int_keys, guess)  # type: ignore[index]
         return out
     by_text = {str(k): k for k in current} if isinstance(current, Mapping) else {}
     ints = int_keys.get(path, ())
@@ -243,8 +248,21 @@ def _build(node: _Node, path: Path, current: Any, int_keys: Mapping[Path, set[in
         if name is text and _INT_TEXT.match(text) and int(text) in ints:
             name = int(text)
         below = current[name] if isinstance(current, Mapping) and name in current else None
-        built[name] = _build(node.children[token], (*path, text), below, int_keys)
+        built[name] = _build(node.children[token], (*path, text), below, int_keys, guess)
+    if guess:
+        _key_optimizer_state(built)
     return built
+
+
+def _key_optimizer_state(built: dict[Any, Any]) -> None:
+    """In an optimizer's state dict rebuilt without a record of its key types, the ``state`` keys
+    that are the text of a parameter id of ``param_groups`` become that int."""
+    state, groups = built.get("state"), built.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        return
+    ids = {p for g in groups if isinstance(g, dict) for p in (g.get("params") or ()) if type(p) is int}
+    if ids and all(isinstance(k, str) and _INT_TEXT.match(k) and int(k) in ids for k in state):
+        built["state"] = {int(k): v for k, v in state.items()}
 
 
 __all__ = [

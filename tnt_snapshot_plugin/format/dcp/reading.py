@@ -69,8 +69,8 @@ class DcpReader:
         self.source: Optional[int] = None
         if self.parsed.layout.ranks:
             self.source = collectives.rank if collectives.rank < self.world_size else 0
-        #: the dicts whose keys were ints, as the index records them
-        self.int_keys = int_keys_of(index)
+        #: the dicts whose keys were ints, as the index records them (None: no index of the plugin's)
+        self.int_keys = int_keys_of(index) if plugin else None
 
     # -- the seam -------------------------------------------------------------------------
 

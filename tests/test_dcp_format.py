@@ -1,0 +1,339 @@
+"""DCP's format (``format="dcp"``) with real torchtnt and Lightning runs, real writes to disk, stock
+``torch.distributed.checkpoint`` and torchtnt's own DCP saver on the other side, and gloo ranks.
+
+One process: a torchtnt run resumes bitwise from the plugin's DCP snapshots; stock ``dcp.load`` and
+torchtnt 0.2.4's ``DistributedCheckpointSaver.restore`` read them; the plugin restores checkpoints
+that stock ``dcp.save`` and torchtnt's ``DistributedCheckpointSaver`` wrote; a Lightning fit
+resumes with ``ckpt_path="last"``. Hostile and damaged snapshots: a ``.metadata`` whose pickle
+would run code is refused by restore and verify with nothing run; a flipped byte is found by
+verify and skipped by restore_from_latest. Several ranks (tests/dcp_worker.py): FSDP2 on 2 gloo
+ranks, restored on 2 (bitwise, per-rank RNG exact), on 1 and on 4 (resharded by DCP's planner).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchtnt.framework.train import train
+
+from tnt_snapshot_plugin import (
+    SnapshotCorruptError,
+    SnapshotFallbackWarning,
+    restore,
+    restore_from_latest,
+)
+from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.cli import cli
+from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format.checksums import record_views
+from tnt_snapshot_plugin.format.index import seal as seal_index
+from tnt_snapshot_plugin.stores import LocalStore
+from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
+
+METADATA, INDEX = ".metadata", ".tnt_snapshot_index.json"
+
+
+def stateful_loader() -> StatefulDataLoader:
+    x, y = make_data(40)
+    return StatefulDataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)  # 10 batches an epoch
+
+
+def optimizer_state(unit: ToyUnit) -> dict[str, torch.Tensor]:
+    state = unit.optimizer.state_dict()["state"]
+    return {f"{p}/{k}": v.clone() for p, per in state.items() for k, v in per.items()}
+
+
+@pytest.fixture
+def quiet_stock_dcp():
+    """Stock DCP warns that it runs without a process group (it then assumes one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# One process
+
+
+def test_torchtnt_resumes_bitwise_from_dcp_snapshots(tmp_path):
+    """Weights, Adam's state, the LR schedule, progress, every RNG and a StatefulDataLoader's
+    position come back exactly: the resumed run ends bitwise equal to an uninterrupted one."""
+    seed_everything(7)
+    reference = ToyUnit(seed=0)
+    train(reference, stateful_loader(), max_epochs=2)
+
+    seed_everything(7)
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=6, format="dcp")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(ToyUnit(seed=0, fail_at_step=14), stateful_loader(), max_epochs=2, callbacks=[saver])
+    newest = tmp_path / "epoch_1_step_12"
+    assert (newest / METADATA).is_file() and not (newest / ".snapshot_metadata").exists()
+    index = json.loads((newest / INDEX).read_text())
+    assert index["snapshot_format"] == "dcp" and all(rel.startswith("0/") and rel.endswith(".distcp") for rel in index["files"])
+
+    seed_everything(999)
+    resumed = ToyUnit(seed=42)
+    loader = stateful_loader()
+    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), resumed, train_dataloader=loader)
+    assert resumed.train_progress.num_steps_completed == 12  # mid-epoch 2
+    train(resumed, loader, max_epochs=2, callbacks=[TorchSnapshotSaver(str(tmp_path), format="dcp")])
+    assert resumed.train_progress.num_steps_completed == 20
+    assert_bitwise_equal(weights(resumed), weights(reference))
+    assert_bitwise_equal(optimizer_state(resumed), optimizer_state(reference))
+    assert resumed.lr_scheduler.get_last_lr() == reference.lr_scheduler.get_last_lr()
+
+
+@pytest.fixture(scope="module")
+def tnt_run(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """A torchtnt run saving in DCP's format (asynchronously) at steps 2 and 4, and the state at
+    step 4."""
+    root = tmp_path_factory.mktemp("dcp_run")
+    captured: dict[str, Any] = {}
+
+    class Capture(TorchSnapshotSaver):
+        def on_train_step_end(self, state, unit):
+            super().on_train_step_end(state, unit)
+            if unit.train_progress.num_steps_completed == 4:
+                captured.update(
+                    model=weights(unit), optim=optimizer_state(unit), lr=unit.lr_scheduler.get_last_lr(),
+                    loader=unit_loader.state_dict(), extra=dict(unit.extra.state),
+                )
+
+    seed_everything(3)
+    unit = ToyUnit()
+    unit.extra = Holder({"big": torch.randn(1_200_000), "count": 3, "name": "x", "pair": (1, "two"), "ids": {1: torch.ones(2)}})
+    unit_loader = StatefulLoader(make_data(16))  # 4 steps: snapshots at steps 2 and 4
+    saver = Capture(str(root), save_every_n_train_steps=2, save_on_train_end=False, format="dcp")
+    train(unit, unit_loader, max_epochs=1, callbacks=[saver])
+    return root, captured
+
+
+def test_stock_dcp_load_reads_the_plugins_snapshot(tnt_run, quiet_stock_dcp):
+    root, captured = tnt_run
+    fresh = ToyUnit(seed=11)
+    sd = {"app_state": {
+        "model": fresh.model.state_dict(),
+        "extra": {"big": torch.zeros(1_200_000), "count": 0, "name": "", "pair": None, "ids": {1: torch.zeros(2)}},
+        "train_progress": fresh.train_progress.state_dict(),
+    }}
+    dcp.load(sd, checkpoint_id=str(root / "epoch_0_step_4"))
+    assert_bitwise_equal(sd["app_state"]["model"], captured["model"])
+    extra = sd["app_state"]["extra"]
+    assert torch.equal(extra["big"], captured["extra"]["big"]) and torch.equal(extra["ids"][1], torch.ones(2))
+    assert (extra["count"], extra["name"], extra["pair"]) == (3, "x", (1, "two"))
+    assert sd["app_state"]["train_progress"]["num_steps_completed"] == 4
+    # the whole checkpoint, rebuilt from the metadata alone (DCP's format conversion)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(root / "epoch_0_step_4"), str(root.parent / "whole.pt"))
+    whole = torch.load(root.parent / "whole.pt", weights_only=False)
+    assert torch.equal(whole["app_state"]["model"]["0.weight"], captured["model"]["0.weight"])
+
+
+def test_torchtnts_dcp_restore_reads_the_plugins_snapshot(tnt_run, quiet_stock_dcp):
+    from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
+
+    root, captured = tnt_run
+    fresh = ToyUnit(seed=11)
+    fresh.extra = Holder({"big": torch.zeros(1_200_000), "count": 0, "name": "", "pair": None, "ids": {1: torch.zeros(2)}})
+    loader = StatefulLoader(make_data(16))
+    DistributedCheckpointSaver.restore(str(root / "epoch_0_step_4"), fresh, train_dataloader=loader)
+    assert_bitwise_equal(weights(fresh), captured["model"])
+    assert_bitwise_equal(optimizer_state(fresh), captured["optim"])
+    assert fresh.lr_scheduler.get_last_lr() == captured["lr"]
+    assert fresh.train_progress.num_steps_completed == 4
+    assert loader.state_dict() == captured["loader"]
+    assert fresh.extra.state["count"] == 3 and torch.equal(fresh.extra.state["big"], captured["extra"]["big"])
+
+
+def test_the_plugin_restores_what_stock_dcp_save_wrote(tmp_path, quiet_stock_dcp):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    other = {"step": 7, "note": "n", "t": torch.arange(5)}
+    dcp.save({"app_state": {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "other": other}},
+             checkpoint_id=str(tmp_path / "ckpt"))
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    holder = Holder({})
+    keys = restore(str(tmp_path / "ckpt"), {"model": fresh, "optimizer": fresh_optimizer, "other": holder})
+    assert keys == ["model", "optimizer", "other"]
+    assert_bitwise_equal(fresh.state_dict(), model.state_dict())
+    saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"]
+    # DCP stores keys as strings; the parameter ids come back as the optimizer's own (ints)
+    assert loaded["state"].keys() == saved["state"].keys()
+    for p in saved["state"]:
+        assert_bitwise_equal(loaded["state"][p], saved["state"][p])
+    assert holder.state["step"] == 7 and holder.state["note"] == "n" and torch.equal(holder.state["t"], torch.arange(5))
+
+    # verify: intact, with a note that no index records sizes and checksums
+    verdict = verify.check(LocalStore(str(tmp_path)), "ckpt", checksums=True)
+    assert verdict.intact, verdict.problems
+    assert any("not written by this plugin" in note for note in verdict.notes)
+
+
+def test_the_plugin_restores_what_torchtnts_dcp_saver_wrote(tmp_path, quiet_stock_dcp):
+    """torchtnt's own DistributedCheckpointSaver's checkpoints (``epoch_E_train_step_S``) are
+    found by restore_from_latest and restored by path."""
+    from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
+
+    seed_everything(1)
+    unit = ToyUnit()
+    captured: dict[str, Any] = {}
+
+    class Capture(DistributedCheckpointSaver):
+        def on_train_step_end(self, state, unit):
+            super().on_train_step_end(state, unit)
+            captured[unit.train_progress.num_steps_completed] = (weights(unit), optimizer_state(unit))
+
+    train(unit, StatefulLoader(make_data(16)), max_epochs=1,
+          callbacks=[Capture(str(tmp_path), save_every_n_train_steps=2, async_checkpoint=False)])
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("epoch_"))
+    assert "epoch_0_train_step_4" in names
+
+    fresh = ToyUnit(seed=5)
+    assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), fresh)
+    assert fresh.train_progress.num_steps_completed == 4
+    assert_bitwise_equal(weights(fresh), captured[4][0])
+    assert_bitwise_equal(optimizer_state(fresh), captured[4][1])
+    older = ToyUnit(seed=5)
+    TorchSnapshotSaver.restore(str(tmp_path / "epoch_0_train_step_2"), older)
+    assert_bitwise_equal(weights(older), captured[2][0])
+
+
+def test_lightning_resumes_bitwise_from_dcp_snapshots_with_ckpt_path_last(tmp_path):
+    from lightning_toy import ResumableLoader, ToyModule, make_trainer, optimizer_tensors
+
+    from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as LightningSaver
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(make_data(40), seed=3)  # 10 batches an epoch
+
+    seed_everything(7)
+    reference = ToyModule(seed=0)
+    ref_trainer = make_trainer(tmp_path / "ref", [], enable_checkpointing=False)
+    ref_trainer.fit(reference, loader())
+
+    dirpath = str(tmp_path / "snaps")
+    seed_everything(7)
+    saver = LightningSaver(dirpath, save_every_n_train_steps=6, format="dcp")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        make_trainer(tmp_path, [saver]).fit(ToyModule(seed=0, fail_at_step=15), loader())
+    assert (Path(dirpath) / "epoch_1_step_12" / METADATA).is_file()
+
+    seed_everything(999)
+    module = ToyModule(seed=42)
+    trainer = make_trainer(tmp_path, [LightningSaver(dirpath, save_on_train_end=False, format="dcp")])
+    trainer.fit(module, loader(), ckpt_path="last")
+    assert trainer.ckpt_path == os.path.join(dirpath, "epoch_1_step_12")  # mid-epoch 2
+    assert trainer.global_step == ref_trainer.global_step == 20
+    assert_bitwise_equal(dict(module.state_dict()), dict(reference.state_dict()))
+    assert_bitwise_equal(optimizer_tensors(trainer), optimizer_tensors(ref_trainer))
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile and damaged snapshots
+
+
+OLD, NEW = "epoch_0_step_2", "epoch_0_step_4"
+
+
+@pytest.fixture
+def run_copy(tnt_run, tmp_path) -> Path:
+    root, _ = tnt_run
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    return run
+
+
+def _reseal(snapshot: Path, rel: str, data: bytes) -> None:
+    """``rel`` rewritten as ``data``, the index made to agree with it and sealed again (as an
+    attacker who can write the snapshot would)."""
+    (snapshot / rel).write_bytes(data)
+    index = json.loads((snapshot / INDEX).read_text())
+    index.pop("seal", None)
+    index["checksums"][rel] = record_views([memoryview(data)])
+    if rel != METADATA:
+        index["files"][rel] = len(data)
+    (snapshot / INDEX).write_bytes(seal_index(index))
+
+
+class _Planted:
+    """Unpickling this creates a directory: proof that code from a snapshot ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _metadata_with(snapshot: Path, planted: Any) -> bytes:
+    """The snapshot's own metadata with ``planted`` in one of its fields."""
+    meta = pickle.loads((snapshot / METADATA).read_bytes())
+    meta.storage_meta.save_id = planted
+    return pickle.dumps(meta)
+
+
+HOSTILE = {
+    "a pickle that would run code": (lambda s, marker: pickle.dumps(_Planted(marker)), "posix.mkdir"),
+    "code planted inside the metadata": (lambda s, marker: _metadata_with(s, _Planted(marker)), "posix.mkdir"),
+    "a class outside DCP's": (lambda s, marker: _metadata_with(s, __import__("datetime").date(2026, 1, 1)), "datetime.date"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_metadata_is_refused_by_restore_and_verify_and_nothing_runs(run_copy, tmp_path, case):
+    make, named = HOSTILE[case]
+    marker = tmp_path / "marker"
+    _reseal(run_copy / NEW, METADATA, make(run_copy / NEW, str(marker)))
+
+    verdict = verify.check(LocalStore(str(run_copy)), NEW, checksums=True)
+    assert not verdict.intact and named in (verdict.problem or ""), verdict.problems
+    result = CliRunner().invoke(cli, ["verify", str(run_copy / NEW)])
+    assert result.exit_code == 1 and named in result.output and "Traceback" not in result.output
+
+    with pytest.raises(SnapshotCorruptError, match=named.replace(".", r"\.")):
+        restore(str(run_copy / NEW), {"model": ToyUnit().model})
+    fresh = ToyUnit(seed=5)
+    fresh.extra = Holder({"big": torch.zeros(1_200_000), "count": 0, "name": "", "pair": None, "ids": {}})
+    with pytest.warns(SnapshotFallbackWarning, match=rf"skipping damaged snapshot \S*{NEW}: .*{named}"):
+        assert TorchSnapshotSaver.restore_from_latest(str(run_copy), fresh)
+    assert fresh.train_progress.num_steps_completed == 2
+    assert not marker.exists()
+
+
+def test_a_flipped_byte_in_a_distcp_file_is_found_by_verify_and_restore_falls_back(run_copy):
+    newest = run_copy / NEW
+    payloads = sorted(newest.glob("0/*.distcp"), key=lambda p: p.stat().st_size)
+    for path in (payloads[0], payloads[-1]):  # a pack of small records, and a large tensor's own file
+        original = path.read_bytes()
+        data = bytearray(original)
+        data[len(data) // 2] ^= 0x5A
+        path.write_bytes(bytes(data))
+        assert not verify.check(LocalStore(str(run_copy)), NEW).problems  # sizes and metadata: intact
+        verdict = verify.check(LocalStore(str(run_copy)), NEW, checksums=True)
+        assert f"file 0/{path.name} differs from the xxh3_64 checksum" in (verdict.problem or "")
+
+        fresh = ToyUnit(seed=5)
+        fresh.extra = Holder({"big": torch.zeros(1_200_000), "count": 0, "name": "", "pair": None, "ids": {}})
+        with pytest.warns(SnapshotFallbackWarning, match=rf"skipping damaged snapshot \S*{NEW}"):
+            assert TorchSnapshotSaver.restore_from_latest(str(run_copy), fresh, train_dataloader=StatefulLoader(make_data(16)))
+        assert fresh.train_progress.num_steps_completed == 2
+        path.write_bytes(original)
