@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import launching
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,7 +33,6 @@ from tnt_snapshot_plugin import (
     SnapshotCorruptError,
     SnapshotFallbackWarning,
     restore,
-    restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
@@ -337,3 +337,54 @@ def test_a_flipped_byte_in_a_distcp_file_is_found_by_verify_and_restore_falls_ba
             assert TorchSnapshotSaver.restore_from_latest(str(run_copy), fresh, train_dataloader=StatefulLoader(make_data(16)))
         assert fresh.train_progress.num_steps_completed == 2
         path.write_bytes(original)
+
+
+# ------------------------------------------------------------------------------------------------
+# Several ranks (tests/dcp_worker.py)
+
+WORKER = Path(__file__).with_name("dcp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("dcp_ranks")
+    runs = {"save": launching.run_phase(WORKER, "save", 2, out)}
+    for phase, world_size in (("restore", 2), ("world1", 1), ("world4", 4)):
+        runs[phase] = launching.run_phase(WORKER, phase, world_size, out)
+    return runs
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_ranks_saves_dcp_and_restores_bitwise_with_each_ranks_own_values(ranks):
+    for rank, (saved, restored) in enumerate(zip(ranks["save"], ranks["restore"], strict=True)):
+        assert saved["committed"] == ["epoch_0_step_2", "epoch_0_step_4"] and not saved["warnings"]
+        assert saved["files"] and all(f.startswith(f"__{rank}_") and f.endswith(".distcp") for f in saved["files"])
+        result = restored["result"]
+        assert result["restored"] is True and result["steps"] == 4 and not result["warnings"]
+        expected = saved["at_step_4"]
+        assert result["whole"] == expected["whole"]
+        assert result["rng"] == expected["rng"]  # each rank's own RNG state
+        assert result["tally"] == expected["tally"] == [[rank], f"rank {rank}"]
+        # torchtnt's DCP restore, which knows no per-rank values, gets rank 0's on every rank
+        by_torchtnt = restored["torchtnt"]
+        assert by_torchtnt["model"] == {k: v for k, v in expected["whole"].items() if k.startswith("model/")}
+        assert by_torchtnt["steps"] == 4 and by_torchtnt["tally"] == [[0], "rank 0"]
+    assert ranks["save"][0]["at_step_4"]["rng"] != ranks["save"][1]["at_step_4"]["rng"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["world1", "world4"])
+def test_fsdp2_dcp_snapshot_reshards_onto_one_and_four_ranks(ranks, phase):
+    """DCP's planner reshards the model and Adam's state; values equal on both saved ranks map;
+    the RNG states (per rank) are not restored, with a warning; the per-rank tally, different on
+    each saved rank, is refused by name."""
+    expected = ranks["save"][0]["at_step_4"]["whole"]
+    for record in ranks[phase]:
+        assert "tally" in record["tally"]["refused"] and "cannot restore" in record["tally"]["refused"]
+        result = record["result"]
+        assert result["restored"] is True and result["steps"] == 4
+        assert result["whole"] == expected
+        assert any("RNG states are per rank" in w for w in result["warnings"]), result["warnings"]
+    if phase == "world1":
+        stock = ranks[phase][0]["stock"]
+        assert stock == {k: v for k, v in expected.items() if k.startswith("model/")}

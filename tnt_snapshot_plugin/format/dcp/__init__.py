@@ -19,10 +19,13 @@ DCP saver lays it out (fully qualified names ``app_state.<key>.<...>``), planned
   ``replicated`` globs (and the DDP modules) name, and every sharded tensor (each rank's chunks);
   a value that may differ between ranks (the RNG state, the dataloader's position, the progress
   counters, any entry not replicated or sharded) lies under ``per_rank.<R>.<key>.<...>`` for
-  each rank R, where DCP's deduplication leaves every rank's own and torchtnt's restore does not
-  look. Restored on the same world size, each rank gets its own; on another one, the rules of
-  torchsnapshot's format apply (a value equal on every saved rank maps onto any rank, others are
-  refused by name, the RNG states are not restored).
+  each rank R, where DCP's deduplication leaves every rank's own. Rank 0's own values are also
+  entries under ``app_state.<key>`` that share rank 0's records (no byte is written twice), so
+  that torchtnt's DCP restore and ``dcp.load`` of ``{"app_state": ...}``, which know no ranks,
+  find every entry, as they would in a snapshot of one rank. The plugin's restore gives each
+  rank its own values on the same world size; on another one, the rules of torchsnapshot's
+  format apply (a value equal on every saved rank maps onto any rank, others are refused by name,
+  the RNG states are not restored).
 
 DCP stores dict keys as strings: the keys of a dict that were ints (an optimizer's parameter
 ids) are recorded in the plugin's index (``"dcp": {"int_keys": ...}``) and come back as ints; a

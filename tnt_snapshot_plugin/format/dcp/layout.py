@@ -156,15 +156,21 @@ class Layout:
                 self.app.setdefault(str(path[0]), {})[path[1:]] = name
 
     def keys(self, rank: Optional[int]) -> set[str]:
-        """The app-state keys restored from ``rank``'s values (None: the shared ones only)."""
+        """The app-state keys restored from saved rank ``rank``'s values (None: a snapshot
+        without per-rank values)."""
         own = self.ranks.get(rank, {}) if rank is not None else {}
-        return set(self.app) | set(own)
+        return {key for key in set(self.app) | set(own) if self.view(key, rank)}
 
     def view(self, key: str, rank: Optional[int]) -> dict[Path, str]:
-        """The leaves of ``key`` a rank restores: the shared ones, and ``rank``'s own."""
-        out = dict(self.app.get(key, {}))
-        if rank is not None:
-            out.update(self.ranks.get(rank, {}).get(key, {}))
+        """The leaves of ``key`` a rank restores: the shared ones and saved rank ``rank``'s own.
+        (``app_state`` also holds rank 0's own values, for readers that know no ranks: those are
+        not shared.)"""
+        shared = self.app.get(key, {})
+        if rank is None:
+            return dict(shared)
+        first = self.ranks.get(0, {}).get(key, {})
+        out = {rest: name for rest, name in shared.items() if rest not in first}
+        out.update(self.ranks.get(rank, {}).get(key, {}))
         return out
 
     def per_rank(self, keys: Iterable[str]) -> dict[tuple[str, Path], dict[int, str]]:

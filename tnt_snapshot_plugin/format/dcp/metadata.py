@@ -254,7 +254,9 @@ def _check_storage(storage: dict, problems: list[str]) -> dict[tuple[str, Option
 
 
 def _span(record: Any, name: str) -> Any:
-    return (record.offset, record.offset + record.length, name, None)
+    # several entries may share one record (rank 0's own values, also under app_state): the same
+    # byte range is read by each, never an overlapping one
+    return (record.offset, record.offset + record.length, name, "record")
 
 
 def _tensor_problem(name: str, md: Any, records: dict, spans: dict[str, list[Any]]) -> Optional[str]:

@@ -27,7 +27,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -51,12 +51,15 @@ class DcpWriter:
         self._metadata: Any = None
         #: the snapshot's path, recorded as DCP's checkpoint id
         self._path: Optional[str] = None
+        #: (rank 0, several ranks) ``app_state`` name -> the ``per_rank.0`` name whose records it
+        #: shares: rank 0's own values where torchtnt's restore and ``dcp.load`` look
+        self._aliases: dict[str, str] = {}
 
     # -- encode ---------------------------------------------------------------------------
 
     def encode(self, job: Any, sink: PayloadSink) -> tuple[Any, Optional[BaseException]]:
         coll = self.coll
-        self._metadata, self._path = None, job.path
+        self._metadata, self._path, self._aliases = None, job.path, {}
         error: Optional[BaseException] = None
         replicated: Optional[Replicated] = None
         if coll.world_size > 1:
@@ -140,6 +143,18 @@ class DcpWriter:
         merged: dict[str, Path] = {}
         for plan in plans:
             merged.update(plan.planner_data or {})
+        # Rank 0's own values also under app_state (the same records, not written twice): what
+        # torchtnt's DCP restore and dcp.load of {"app_state": ...} read, as from one rank.
+        entries = metadata.state_dict_metadata
+        first = (PER_RANK, "0")
+        for name, path in list(merged.items()):
+            if path[:2] == first:
+                alias_path = (APP_STATE, *path[2:])
+                alias = fqn((), alias_path)
+                if alias not in entries and alias not in merged:
+                    entries[alias] = entries[name]
+                    merged[alias] = alias_path
+                    self._aliases[alias] = name
         self._metadata = dataclasses.replace(metadata, planner_data=merged)
         return True, global_plans
 
@@ -168,6 +183,13 @@ class DcpWriter:
                 storage[result.index] = result.storage_data
             for path, keys in part["int_keys"]:
                 int_keys.setdefault(tuple(path), set()).update(keys)
+        if self._aliases:
+            by_name: dict[str, list[Any]] = {}
+            for index in storage:
+                by_name.setdefault(index.fqn, []).append(index)
+            for alias, name in self._aliases.items():
+                for index in by_name.get(name, ()):
+                    storage[MetadataIndex(alias, index.offset)] = storage[index]
         metadata = dataclasses.replace(
             self._metadata,
             storage_data=storage,
@@ -180,16 +202,16 @@ class DcpWriter:
         return pickle.dumps(metadata), extra
 
     def aborted(self) -> None:
-        self._metadata = None
+        self._metadata, self._aliases = None, {}
 
     def settled(self) -> None:
-        self._metadata = None
+        self._metadata, self._aliases = None, {}
 
     def new_run(self) -> None:
-        self._metadata = None
+        self.settled()
 
     def close(self) -> None:
-        self._metadata = None
+        self.settled()
 
 
 class _Files:
