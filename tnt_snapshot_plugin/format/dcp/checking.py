@@ -102,7 +102,7 @@ def check_payloads(files: SnapshotFiles, verdict: Verdict) -> None:
                     continue
                 if holds_meta_tensor(value):
                     verdict.problems.append(f"entry {name}: its record in {rel} holds a tensor on the meta device")
-                elif tensor and not (
+                elif chunk is not None and not (
                     isinstance(value, torch.Tensor)
                     and value.dtype == md.properties.dtype
                     and tuple(value.shape) == tuple(chunk.sizes)

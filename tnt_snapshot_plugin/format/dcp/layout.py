@@ -235,12 +235,12 @@ def _build(node: _Node, path: Path, current: Any, int_keys: Mapping[Path, set[in
     if node.leaf:
         return node.value
     tokens = list(node.children)
-    if tokens and all(type(t) is int for t in tokens):
-        size = max(tokens) + 1  # type: ignore[type-var]
-        out: list[Any] = [None] * size
-        for t in tokens:
-            below = current[t] if type(current) is list and t < len(current) else None  # type: ignore[operator]
-            out[t] = _build(node.children[t], (*path, t), below, int_keys, guess)  # type: ignore[index]
+    indices = [t for t in tokens if type(t) is int]
+    if tokens and len(indices) == len(tokens):
+        out: list[Any] = [None] * (max(indices) + 1)
+        for i in indices:
+            below = current[i] if type(current) is list and i < len(current) else None
+            out[i] = _build(node.children[i], (*path, i), below, int_keys, guess)
         return out
     by_text = {str(k): k for k in current} if isinstance(current, Mapping) else {}
     ints = int_keys.get(path, ())

@@ -246,7 +246,7 @@ def _check_storage(storage: dict, problems: list[str]) -> dict[tuple[str, Option
         if getattr(record, "transform_descriptors", None):
             problems.append(
                 f"the stored record of {index.fqn!r} is written through DCP stream transforms "
-                f"{list(record.transform_descriptors)!r}, which this version does not read"
+                f"{list(record.transform_descriptors or ())!r}, which this version does not read"
             )
             continue
         out[index.fqn, offsets] = record

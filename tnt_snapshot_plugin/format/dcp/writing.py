@@ -28,7 +28,6 @@ from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tnt_snapshot_plugin.distributed import Collectives
@@ -163,7 +162,7 @@ class DcpWriter:
         files = _Files(self.coll.rank, sink)
         for item in plan.items:
             data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
+            if isinstance(data, io.BytesIO):  # a pickled value (WriteItemType.BYTE_IO)
                 files.add(item.index, [data.getbuffer()])
             else:
                 files.add(item.index, serialized(data))
@@ -266,7 +265,7 @@ def serialized(tensor: torch.Tensor) -> list[Any]:
         torch.save(tensor, buf)
         return [buf.getbuffer()]
     capture = _Capture(tensor)
-    torch.save(tensor, capture)
+    torch.save(tensor, capture)  # type: ignore[arg-type]  # a file torch.save writes to
     return capture.views()
 
 
