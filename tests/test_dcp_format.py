@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,10 @@ from tnt_snapshot_plugin import (
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from tnt_snapshot_plugin.cli import cli
-from tnt_snapshot_plugin.format import verify
+from tnt_snapshot_plugin.format import listing, verify
 from tnt_snapshot_plugin.format.checksums import record_views
 from tnt_snapshot_plugin.format.index import seal as seal_index
-from tnt_snapshot_plugin.stores import LocalStore
+from tnt_snapshot_plugin.stores import LocalStore, open_store
 from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
 METADATA, INDEX = ".metadata", ".tnt_snapshot_index.json"
@@ -93,6 +94,26 @@ def test_torchtnt_resumes_bitwise_from_dcp_snapshots(tmp_path):
     assert_bitwise_equal(weights(resumed), weights(reference))
     assert_bitwise_equal(optimizer_state(resumed), optimizer_state(reference))
     assert resumed.lr_scheduler.get_last_lr() == reference.lr_scheduler.get_last_lr()
+
+
+def test_a_staged_tensor_is_written_as_torch_save_writes_it_without_a_copy():
+    """An asynchronous snapshot stages tensors as views into one arena: each is written as
+    ``torch.save`` writes it alone (not the arena's whole storage), its bytes not copied."""
+    import io
+
+    import numpy as np
+
+    from tnt_snapshot_plugin.format.dcp.writing import PACK_BYTES, serialized
+
+    arena = torch.randn(3 * PACK_BYTES // 4)
+    view = arena[PACK_BYTES // 4:].view(2, -1)
+    views = serialized(view)
+    expected = io.BytesIO()
+    torch.save(view.clone(), expected)
+    assert b"".join(bytes(v) for v in views) == expected.getvalue()
+    assert any(isinstance(v, np.ndarray) and np.shares_memory(v, arena.numpy()) for v in views)
+    small = arena[:10]
+    assert len(serialized(small)) == 1 and torch.equal(torch.load(io.BytesIO(serialized(small)[0]), weights_only=True), small)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +236,69 @@ def test_the_plugin_restores_what_torchtnts_dcp_saver_wrote(tmp_path, quiet_stoc
     older = ToyUnit(seed=5)
     TorchSnapshotSaver.restore(str(tmp_path / "epoch_0_train_step_2"), older)
     assert_bitwise_equal(weights(older), captured[2][0])
+
+
+def resume_bitwise_on(url: str, storage: dict[str, Any]) -> None:
+    """A torchtnt run saving DCP snapshots to ``url`` (retention keeping 2) fails at step 13; a
+    new unit resumes from the latest and ends bitwise equal to an uninterrupted run."""
+    seed_everything(7)
+    reference = ToyUnit(seed=0)
+    train(reference, StatefulLoader(make_data(40), seed=3), max_epochs=2)
+
+    seed_everything(7)
+    saver = TorchSnapshotSaver(url, save_every_n_train_steps=4, storage_options=storage, keep_last_n_checkpoints=2, format="dcp")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(ToyUnit(seed=0, fail_at_step=13), StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
+    store = open_store(url, storage)
+    assert [s.text for s in listing.complete_snapshots(store)] == ["epoch_0_step_8", "epoch_1_step_12"]
+    verdict = verify.check(store, "epoch_1_step_12", checksums=True)
+    assert verdict.intact and not verdict.notes, (verdict.problems, verdict.notes)
+
+    seed_everything(99)
+    resumed = ToyUnit(seed=123)
+    loader = StatefulLoader(make_data(40), seed=3)
+    assert TorchSnapshotSaver.restore_from_latest(url, resumed, train_dataloader=loader, storage_options=storage)
+    assert resumed.train_progress.num_steps_completed == 12
+    train(resumed, loader, max_epochs=2)
+    assert_bitwise_equal(weights(resumed), weights(reference))
+
+
+BUCKET = "dcp-format"
+
+
+@pytest.fixture(scope="module")
+def s3_options(tmp_path_factory):
+    """moto's S3 server on a free loopback port (started as tests/test_s3.py does), a bucket,
+    and the storage_options of the plugin's S3 store pointing at it."""
+    import boto3
+    from test_s3 import _start_moto, _stop
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
+    options = {
+        "endpoint_url": endpoint, "region_name": "us-east-1",
+        "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+    }
+    boto3.session.Session().client("s3", **options).create_bucket(Bucket=BUCKET)
+    try:
+        yield options
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_dcp_snapshots_on_s3_resume_bitwise(s3_options, monkeypatch):
+    """On moto's S3 server, through the plugin's S3 store (the metadata written last); nothing
+    reaches S3 through the environment."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # a closed port
+    resume_bitwise_on(f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}", s3_options)
+
+
+def test_dcp_snapshots_on_an_fsspec_store_resume_bitwise():
+    """On fsspec's memory filesystem, through the fsspec store."""
+    resume_bitwise_on(f"memory://run-{uuid.uuid4().hex[:8]}", {})
 
 
 def test_lightning_resumes_bitwise_from_dcp_snapshots_with_ckpt_path_last(tmp_path):
