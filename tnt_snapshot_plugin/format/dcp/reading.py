@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
+import sys
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -42,6 +44,7 @@ from tnt_snapshot_plugin.format.dcp.layout import Path, assemble, int_keys_of, w
 from tnt_snapshot_plugin.format.dcp.metadata import DcpMetadata
 from tnt_snapshot_plugin.format.files import SnapshotFiles
 from tnt_snapshot_plugin.format.objects import holds_meta_tensor, load_object, refusal
+from tnt_snapshot_plugin.format.structure import volume
 
 #: How many entries a world-size error names before it counts the rest.
 _NAMED_ENTRIES = 12
@@ -63,6 +66,9 @@ class DcpReader:
         index = files.index
         recorded = index.get("world_size") if index is not None else None
         plugin = is_plugins(index)
+        #: tensor records are read without unpickling: the plugin wrote each as torch.save writes a
+        #: dense tensor of its chunk's shape, and the index's checksums check every byte read
+        self._direct = plugin and files.verifier is not None
         #: the world size the snapshot was taken on (a checkpoint of dcp.save's: this one's)
         self.world_size: int = recorded if plugin and type(recorded) is int else collectives.world_size
         #: the saved rank whose own values this rank restores (None: the snapshot has none)
@@ -198,10 +204,12 @@ class DcpReader:
         for (name, offsets), record, buf in zip(keys, records, buffers, strict=True):
             md = parsed.entries[name]
             sizes = next((tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets), None)
-            try:
-                loaded = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise self._corrupt(record.relative_path, name, f"its chunk cannot be loaded ({type(exc).__name__}: {exc})") from exc
+            loaded = self._stored(buf, md.properties.dtype, sizes) if self._direct and sizes is not None else None
+            if loaded is None:
+                try:
+                    loaded = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise self._corrupt(record.relative_path, name, f"its chunk cannot be loaded ({type(exc).__name__}: {exc})") from exc
             if not isinstance(loaded, torch.Tensor) or loaded.dtype != md.properties.dtype or tuple(loaded.shape) != sizes:
                 raise self._corrupt(record.relative_path, name, "its record does not hold the chunk its entry describes")
             for item in by_record[name, offsets]:
@@ -210,6 +218,17 @@ class DcpReader:
                 if target.size() != source.size():
                     raise self._corrupt(record.relative_path, name, "a read does not fit its target")
                 target.copy_(source)
+
+    @staticmethod
+    def _stored(buf: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The chunk a record of the plugin's holds, over the record's bytes (not copied); None
+        where the record is not the archive of one dense tensor of ``dtype`` and ``sizes``."""
+        if dtype.is_complex or dtype.is_floating_point or dtype in _DIRECT_DTYPES:
+            nbytes = volume(sizes) * dtype.itemsize
+            at = stored_data(buf, nbytes)
+            if at is not None:
+                return torch.from_numpy(buf[at:at + nbytes]).view(dtype).reshape(sizes)
+        return None
 
     def _read_records(self, records: list[Any], names: list[str]) -> list[Any]:
         """The bytes of each stored record, read at once and checked against the index's
@@ -277,6 +296,110 @@ class DcpReader:
         )
         error.reason = what  # type: ignore[attr-defined]
         return error
+
+
+#: The integer dtypes a record of the plugin's is read as bytes of (quantized ones are unpickled).
+_DIRECT_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+})
+
+
+_EOCD, _EOCD64_LOCATOR, _EOCD64 = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
+_CENTRAL, _LOCAL = b"PK\x01\x02", b"PK\x03\x04"
+_FULL32, _FULL16 = 0xFFFFFFFF, 0xFFFF
+#: The most entries the archive of one tensor holds (torch.save writes seven).
+_MAX_ENTRIES = 64
+
+
+def stored_data(buf: Any, nbytes: int) -> Optional[int]:
+    """Where in ``buf``, a ``torch.save`` archive of one tensor (a zip file), its storage's
+    ``nbytes`` bytes begin: its one ``<archive>/data/0`` record, stored uncompressed, in this
+    machine's byte order. None where the archive is not that (the caller unpickles it instead)."""
+    view = memoryview(buf).cast("B")
+    try:
+        records = _central_directory(view)
+        if records is None:
+            return None
+        data = [r for r in records if r[0].split("/")[1:2] == ["data"]]
+        order = [r for r in records if r[0].endswith("/byteorder")]
+        if len(data) != 1 or not data[0][0].endswith("/data/0") or len(order) > 1:
+            return None
+        begin = _stored(view, data[0], nbytes)
+        if begin is None:
+            return None
+        if order:
+            text = order[0][2]
+            at = _stored(view, order[0], text)
+            if at is None or bytes(view[at:at + text]) != sys.byteorder.encode():
+                return None
+        return begin
+    except (struct.error, UnicodeDecodeError, IndexError):
+        return None
+
+
+def _central_directory(view: memoryview) -> Optional[list[tuple[str, int, int, int]]]:
+    """(name, method, size, local header offset) of each record of the zip archive ``view``."""
+    size = len(view)
+    if size < 22 or view[size - 22:size - 18] != _EOCD:
+        return None  # torch.save writes no archive comment: the record ends the archive
+    count, cd_size, cd_offset = struct.unpack_from("<HII", view, size - 22 + 10)
+    if count == _FULL16 or cd_size == _FULL32 or cd_offset == _FULL32:
+        locator = size - 22 - 20
+        if locator < 0 or view[locator:locator + 4] != _EOCD64_LOCATOR:
+            return None
+        (at,) = struct.unpack_from("<Q", view, locator + 8)
+        if view[at:at + 4] != _EOCD64:
+            return None
+        count, cd_size, cd_offset = struct.unpack_from("<QQQ", view, at + 32)
+    if count > _MAX_ENTRIES or cd_offset + cd_size > size:
+        return None
+    records = []
+    pos = cd_offset
+    for _ in range(count):
+        if view[pos:pos + 4] != _CENTRAL:
+            return None
+        method, csize, usize, name_len, extra_len, comment_len = struct.unpack_from("<H8xIIHHH", view, pos + 10)
+        (offset,) = struct.unpack_from("<I", view, pos + 42)
+        name = bytes(view[pos + 46:pos + 46 + name_len]).decode("utf-8")
+        extra = view[pos + 46 + name_len:pos + 46 + name_len + extra_len]
+        usize, csize, offset = _zip64(extra, usize, csize, offset)
+        if method != 0 or csize != usize:
+            return None
+        records.append((name, method, usize, offset))
+        pos += 46 + name_len + extra_len + comment_len
+    return records
+
+
+def _zip64(extra: memoryview, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """The sizes and offset of a central record, from its zip64 extra field where they are full."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        kind, length = struct.unpack_from("<HH", extra, pos)
+        if kind == 1:
+            at = pos + 4
+            values = []
+            for full in (usize, csize, offset):
+                if full == _FULL32:
+                    (value,) = struct.unpack_from("<Q", extra, at)
+                    values.append(value)
+                    at += 8
+                else:
+                    values.append(full)
+            return values[0], values[1], values[2]
+        pos += 4 + length
+    return usize, csize, offset
+
+
+def _stored(view: memoryview, record: tuple[str, int, int, int], nbytes: int) -> Optional[int]:
+    """Where the ``nbytes`` bytes of ``record`` begin, from its local header; None if they do not
+    lie there."""
+    _name, _method, size, offset = record
+    if size != nbytes or view[offset:offset + 4] != _LOCAL:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", view, offset + 26)
+    begin = offset + 30 + name_len + extra_len
+    return begin if begin + nbytes <= len(view) else None
 
 
 def _is_refusal(exc: BaseException) -> bool:

@@ -41,6 +41,13 @@ from tnt_snapshot_plugin.format.torchsnapshot.encoding import agree_replicated, 
 PACK_BYTES = 4 << 20
 
 
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner; with one rank's plan there is nothing to deduplicate."""
+
+    def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
+        return all_plans if len(all_plans) == 1 else super()._dedup_save_plans(all_plans)
+
+
 class DcpWriter:
     """Writes snapshots of one saver in DCP's format (``format.base.FormatWriter``)."""
 
@@ -67,7 +74,7 @@ class DcpWriter:
             agreed = agree_replicated(coll, job, leaves if error is None else {})
             replicated = Replicated(leaves, agreed)
         # The state is flattened here (layout.walk): a value saved whole stays whole, a dict too.
-        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner = _SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         plan: Any = None
         int_keys: list[list[Any]] = []
         if error is None:
@@ -129,7 +136,7 @@ class DcpWriter:
             state.update(_flatten_sharded_tensors(sharded))
         return state, mappings, int_keys
 
-    def _global_plan(self, planner: DefaultSavePlanner, plans: Optional[list[Any]]) -> tuple[bool, Any]:
+    def _global_plan(self, planner: _SavePlanner, plans: Optional[list[Any]]) -> tuple[bool, Any]:
         """Rank 0: (True, every rank's part of the global plan), or (False, why not: None when a
         rank has no local plan, having failed)."""
         assert plans is not None
@@ -157,7 +164,7 @@ class DcpWriter:
         self._metadata = dataclasses.replace(metadata, planner_data=merged)
         return True, global_plans
 
-    def _write(self, plan: Any, planner: DefaultSavePlanner, sink: PayloadSink) -> list[Any]:
+    def _write(self, plan: Any, planner: _SavePlanner, sink: PayloadSink) -> list[Any]:
         """Write ``plan``'s records through ``sink``; their places (DCP's ``WriteResult``)."""
         files = _Files(self.coll.rank, sink)
         for item in plan.items:
