@@ -3,15 +3,16 @@
 Run as ``python tests/dcp_worker.py PHASE RANK WORLD_SIZE RENDEZVOUS OUTDIR``, one process per
 rank (tests/launching.py), in a gloo group of its own; each writes ``OUTDIR/PHASE_rank{RANK}.json``:
 
-* ``save`` (2 ranks): FSDP2 (``fully_shard`` on CPU) trained 5 steps with the torchtnt adapter's
-  saver in DCP's format (snapshots at steps 2 and 4), each rank with its own RNG seed and a
-  per-rank tally; records the whole state, this rank's RNG state and tally at step 4.
+* ``save`` (2 ranks): FSDP2 (``fully_shard`` on CPU) and DDP, each trained 5 steps with the
+  torchtnt adapter's saver in DCP's format (snapshots at steps 2 and 4), each rank with its own
+  RNG seed and a per-rank tally; records the whole state, this rank's RNG state and tally at
+  step 4, the files each rank wrote and (rank 0) the entries of the metadata.
 * ``restore`` (2 ranks, new processes): restore_from_latest into freshly built units (other
   seeds): the whole state, the RNG state and the tally of each rank; and torchtnt's own
-  ``DistributedCheckpointSaver.restore`` of the same snapshot.
-* ``world1`` / ``world4`` (1 and 4 ranks): the same restore without the tally (saved per rank with
-  different values: refused by name, which ``refused`` records), resharded by DCP's planner; on one
-  rank, also stock ``dcp.load`` into an unsharded model.
+  ``DistributedCheckpointSaver.restore`` of the FSDP2 snapshot.
+* ``world1`` / ``world4`` (1 and 4 ranks): the same restores without the tally (saved per rank
+  with different values: refused by name, which ``tally`` records), resharded by DCP's planner;
+  on one rank, also stock ``dcp.load`` into an unsharded model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import StateMismatchError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+
+#: FSDP2 (sharded: DTensor values) and DDP (the model replicated, the optimizer saved per rank)
+WRAPPINGS = ("fsdp2", "ddp")
 
 
 def rng_digest() -> str:
@@ -55,24 +59,33 @@ def tally(unit: Unit) -> Any:
 
 
 def phase_save(rank: int, out: str, record: dict[str, Any]) -> None:
-    unit = Unit("fsdp2", seed=0, per_rank=True)
-    torch.manual_seed(100 + rank)  # per-rank RNG states
-    capture = Capture()
-    saver = TorchSnapshotSaver(
-        os.path.join(out, "fsdp2"), save_every_n_train_steps=2, save_on_train_end=False,
-        collective_timeout_s=60, format="dcp",
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train(unit, loader(rank), max_epochs=1, callbacks=[capture, saver])
-    record["at_step_4"] = capture.state
-    record["committed"] = [os.path.basename(r.path) for r in saver.snapshotter.stats.committed]
-    record["warnings"] = [str(w.message) for w in caught if "snapshot" in str(w.message)]
-    record["files"] = sorted(os.listdir(os.path.join(out, "fsdp2", "epoch_0_step_4", str(rank))))
+    for wrapping in WRAPPINGS:
+        unit = Unit(wrapping, seed=0, per_rank=True)
+        torch.manual_seed(100 + rank)  # per-rank RNG states
+        capture = Capture()
+        saver = TorchSnapshotSaver(
+            os.path.join(out, wrapping), save_every_n_train_steps=2, save_on_train_end=False,
+            collective_timeout_s=60, format="dcp",
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(unit, loader(rank), max_epochs=1, callbacks=[capture, saver])
+        newest = os.path.join(out, wrapping, "epoch_0_step_4")
+        record[wrapping] = {
+            "at_step_4": capture.state,
+            "committed": [os.path.basename(r.path) for r in saver.snapshotter.stats.committed],
+            "warnings": [str(w.message) for w in caught if "snapshot" in str(w.message)],
+            "files": sorted(os.listdir(os.path.join(newest, str(rank)))),
+        }
+        if rank == 0:
+            import pickle
+
+            with open(os.path.join(newest, ".metadata"), "rb") as f:  # the test's own snapshot
+                record[wrapping]["entries"] = sorted(pickle.load(f).state_dict_metadata)
 
 
-def restore_into(rank: int, out: str, per_rank: bool) -> dict[str, Any]:
-    unit = Unit("fsdp2", seed=7 + rank, per_rank=per_rank)
+def restore_into(wrapping: str, rank: int, out: str, per_rank: bool) -> dict[str, Any]:
+    unit = Unit(wrapping, seed=7 + rank, per_rank=per_rank)
     if per_rank:
         unit.tally.state = {"rank": torch.tensor([-1]), "note": ""}
     torch.manual_seed(999)
@@ -81,7 +94,7 @@ def restore_into(rank: int, out: str, per_rank: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         try:
             result["restored"] = TorchSnapshotSaver.restore_from_latest(
-                os.path.join(out, "fsdp2"), unit, collective_timeout_s=60
+                os.path.join(out, wrapping), unit, collective_timeout_s=60
             )
         except StateMismatchError as exc:
             result["refused"] = str(exc)
@@ -95,8 +108,9 @@ def restore_into(rank: int, out: str, per_rank: bool) -> dict[str, Any]:
 
 
 def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
-    record["result"] = restore_into(rank, out, per_rank=True)
-    # torchtnt's own DCP restore reads the same snapshot (its optimizer state dict is keyed by
+    for wrapping in WRAPPINGS:
+        record[wrapping] = restore_into(wrapping, rank, out, per_rank=True)
+    # torchtnt's own DCP restore reads the FSDP2 snapshot (its optimizer state dict is keyed by
     # parameter ids, the plugin saves FSDP2's by names: the optimizer is left out)
     from torchtnt.framework.callbacks.checkpointer_types import RestoreOptions
     from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
@@ -113,8 +127,9 @@ def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
 
 
 def phase_other_world(rank: int, out: str, record: dict[str, Any]) -> None:
-    record["tally"] = restore_into(rank, out, per_rank=True)
-    record["result"] = restore_into(rank, out, per_rank=False)
+    record["tally"] = restore_into("fsdp2", rank, out, per_rank=True)
+    for wrapping in WRAPPINGS:
+        record[wrapping] = restore_into(wrapping, rank, out, per_rank=False)
     if dist.get_world_size() == 1:
         # stock DCP reads the 2-rank snapshot's sharded model into a whole, unsharded one
         import torch.distributed.checkpoint as dcp
@@ -137,7 +152,6 @@ PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {
 def main() -> None:
     phase, rank_s, world_s, rendezvous, out = sys.argv[1:6]
     rank, world = int(rank_s), int(world_s)
-    os.environ["FSDP_WORKER_WRAPPINGS"] = "fsdp2"
     run_rank(rank, world, rendezvous, os.path.join(out, f"{phase}_rank{rank}.json"),
              lambda record: PHASES[phase](rank, out, record))
 

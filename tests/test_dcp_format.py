@@ -439,36 +439,50 @@ def ranks(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_ranks_saves_dcp_and_restores_bitwise_with_each_ranks_own_values(ranks):
+@pytest.mark.parametrize("wrapping", ["fsdp2", "ddp"])
+def test_two_ranks_save_dcp_and_restore_bitwise_with_each_ranks_own_values(ranks, wrapping):
     for rank, (saved, restored) in enumerate(zip(ranks["save"], ranks["restore"], strict=True)):
+        saved, result = saved[wrapping], restored[wrapping]
         assert saved["committed"] == ["epoch_0_step_2", "epoch_0_step_4"] and not saved["warnings"]
         assert saved["files"] and all(f.startswith(f"__{rank}_") and f.endswith(".distcp") for f in saved["files"])
-        result = restored["result"]
         assert result["restored"] is True and result["steps"] == 4 and not result["warnings"]
         expected = saved["at_step_4"]
         assert result["whole"] == expected["whole"]
         assert result["rng"] == expected["rng"]  # each rank's own RNG state
         assert result["tally"] == expected["tally"] == [[rank], f"rank {rank}"]
-        # torchtnt's DCP restore, which knows no per-rank values, gets rank 0's on every rank
+    assert ranks["save"][0][wrapping]["at_step_4"]["rng"] != ranks["save"][1][wrapping]["at_step_4"]["rng"]
+    entries = ranks["save"][0][wrapping]["entries"]
+    assert "per_rank.1.tally.rank" in entries and "per_rank.0.rng_state.rng_state" in entries
+    # the model is shared (FSDP2: each rank's chunks; DDP: replicated, written once), not per rank
+    assert any(e.startswith("app_state.model.") for e in entries)
+    assert not any(e.startswith(("per_rank.0.model.", "per_rank.1.model.")) for e in entries)
+
+
+@pytest.mark.slow
+def test_torchtnts_dcp_restore_reads_a_snapshot_of_two_ranks(ranks):
+    """torchtnt's DCP restore, which knows no per-rank values, gets rank 0's on every rank."""
+    for restored in ranks["restore"]:
+        expected = ranks["save"][0]["fsdp2"]["at_step_4"]["whole"]
         by_torchtnt = restored["torchtnt"]
-        assert by_torchtnt["model"] == {k: v for k, v in expected["whole"].items() if k.startswith("model/")}
+        assert by_torchtnt["model"] == {k: v for k, v in expected.items() if k.startswith("model/")}
         assert by_torchtnt["steps"] == 4 and by_torchtnt["tally"] == [[0], "rank 0"]
-    assert ranks["save"][0]["at_step_4"]["rng"] != ranks["save"][1]["at_step_4"]["rng"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["world1", "world4"])
-def test_fsdp2_dcp_snapshot_reshards_onto_one_and_four_ranks(ranks, phase):
-    """DCP's planner reshards the model and Adam's state; values equal on both saved ranks map;
-    the RNG states (per rank) are not restored, with a warning; the per-rank tally, different on
-    each saved rank, is refused by name."""
-    expected = ranks["save"][0]["at_step_4"]["whole"]
+@pytest.mark.parametrize("wrapping", ["fsdp2", "ddp"])
+def test_a_two_rank_dcp_snapshot_restores_onto_one_and_four_ranks(ranks, phase, wrapping):
+    """DCP's planner reshards FSDP2's model and Adam's state; DDP's replicated model, and values
+    equal on both saved ranks (DDP's optimizer state, the progress), map onto any rank; the RNG
+    states (per rank) are not restored, with a warning; a per-rank tally, different on each
+    saved rank, is refused by name."""
+    expected = ranks["save"][0][wrapping]["at_step_4"]["whole"]
     for record in ranks[phase]:
         assert "tally" in record["tally"]["refused"] and "cannot restore" in record["tally"]["refused"]
-        result = record["result"]
+        result = record[wrapping]
         assert result["restored"] is True and result["steps"] == 4
         assert result["whole"] == expected
         assert any("RNG states are per rank" in w for w in result["warnings"]), result["warnings"]
-    if phase == "world1":
+    if phase == "world1" and wrapping == "fsdp2":
         stock = ranks[phase][0]["stock"]
         assert stock == {k: v for k, v in expected.items() if k.startswith("model/")}
