@@ -209,6 +209,25 @@ def test_the_plugin_restores_what_stock_dcp_save_wrote(tmp_path, quiet_stock_dcp
     assert any("not written by this plugin" in note for note in verdict.notes)
 
 
+def test_a_record_that_is_not_its_chunk_is_found_by_the_deep_verify_and_refused_by_restore(tmp_path, quiet_stock_dcp):
+    """A checkpoint of dcp.save whose metadata points a tensor at another tensor's record (long
+    enough, so only decoding it tells): verify --checksums finds it, restore refuses it."""
+    dcp.save({"a": torch.arange(6.0), "b": torch.arange(4, dtype=torch.int64)}, checkpoint_id=str(tmp_path / "ckpt"))
+    meta = pickle.loads((tmp_path / "ckpt" / METADATA).read_bytes())  # the test's own checkpoint
+    where = {index.fqn: (index, info) for index, info in meta.storage_data.items()}
+    meta.storage_data[where["b"][0]] = where["a"][1]
+    (tmp_path / "ckpt" / METADATA).write_bytes(pickle.dumps(meta))
+
+    store = LocalStore(str(tmp_path))
+    assert verify.check(store, "ckpt").intact  # sizes and structure add up
+    verdict = verify.check(store, "ckpt", checksums=True)
+    assert verdict.problem == f"entry b: its record in {where['a'][1].relative_path} does not hold the chunk its entry describes"
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "ckpt")])
+    assert result.exit_code == 1 and "does not hold the chunk" in result.output
+    with pytest.raises(SnapshotCorruptError, match="entry b.*does not hold the chunk its entry describes"):
+        restore(str(tmp_path / "ckpt"), {"b": Holder(torch.zeros(4, dtype=torch.int64))})
+
+
 def test_the_plugin_restores_what_torchtnts_dcp_saver_wrote(tmp_path, quiet_stock_dcp):
     """torchtnt's own DistributedCheckpointSaver's checkpoints (``epoch_E_train_step_S``) are
     found by restore_from_latest and restored by path."""
