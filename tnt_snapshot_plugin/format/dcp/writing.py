@@ -124,9 +124,10 @@ class DcpWriter:
                 prefix = shared if replicated is None or is_sharded(value) or replicated(path) else own
                 name = fqn(prefix, path)
                 if name in state:
+                    other = mappings[name][len(prefix):]
                     raise UnrestorableStateError(
-                        f"snapshot {job.name}: the app-state entries {'/'.join(map(str, mappings[name][1:]))!r} "
-                        f"and {'/'.join(map(str, path))!r} have the same name {name!r} in DCP's format, which "
+                        f"snapshot {job.name}: the app-state entries {'/'.join(map(str, other))!r} and "
+                        f"{'/'.join(map(str, path))!r} have the same name {name!r} in DCP's format, which "
                         "joins keys with dots; rename one of them, or save with format='torchsnapshot'"
                     )
                 state[name] = value
@@ -145,7 +146,10 @@ class DcpWriter:
         try:
             global_plans, metadata = planner.create_global_plan(plans)
         except Exception as exc:  # DCP's planner refuses the state (chunks that do not tile)
-            return False, f"DCP's planner refuses the state ({type(exc).__name__}: {exc})"
+            return False, (
+                f"DCP's planner refuses the state ({type(exc).__name__}: {exc}); nothing was committed. "
+                "The ranks' DTensor or ShardedTensor chunks of one tensor must cover it exactly once"
+            )
         merged: dict[str, Path] = {}
         for plan in plans:
             merged.update(plan.planner_data or {})
