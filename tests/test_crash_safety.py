@@ -1,8 +1,8 @@
 """Crash safety with real torchtnt runs and real torchsnapshot writes to disk.
 
-Restore fallback over damaged snapshots; commit-aware retention with asynchronous snapshots;
-failures while saving (an I/O error, a full disk, a directory removed during a save); staging
-leftovers. Failures come from the real disk where a test can make it fail (a full tmpfs when this
+Restore fallback over damaged snapshots (of each on-disk format); commit-aware retention with
+asynchronous snapshots; failures while saving (an I/O error, a full disk, a directory removed
+during a save); staging leftovers. Failures come from the real disk where a test can make it fail (a full tmpfs when this
 process may mount one, a file the kernel refuses to delete); otherwise from the in-package
 ``FaultyStore`` around the real local store (the saver opens it through a ``fake://`` dirpath,
 ``faulty_local`` in conftest.py), raising the error the kernel would raise where the plugin writes
@@ -74,11 +74,12 @@ def restored_weights(path_or_dir, latest: bool = True, **kwargs) -> tuple[ToyUni
 # Restore fallback
 
 
-@pytest.fixture(scope="module")
-def two_snapshots(tmp_path_factory):
-    """epoch_0_step_2 and epoch_0_step_4 of a real run, and the weights at each step."""
+@pytest.fixture(scope="module", params=["torchsnapshot", "dcp"])
+def two_snapshots(tmp_path_factory, request):
+    """epoch_0_step_2 and epoch_0_step_4 of a real run, in each on-disk format, and the weights
+    at each step."""
     dirpath = tmp_path_factory.mktemp("two_snapshots")
-    _, record = run(dirpath, 4, save_every_n_train_steps=2, save_on_train_end=False)
+    _, record = run(dirpath, 4, save_every_n_train_steps=2, save_on_train_end=False, format=request.param)
     assert complete_in_commit_order(dirpath) == ["epoch_0_step_2", "epoch_0_step_4"]
     return dirpath, record.weights
 
@@ -89,6 +90,11 @@ def snapshots(two_snapshots, tmp_path):
     dirpath = tmp_path / "snapshots"
     shutil.copytree(source, dirpath)
     return dirpath, step_weights
+
+
+def metadata_of(snapshot: Path) -> Path:
+    """The snapshot's metadata file, in whichever format it was written."""
+    return next(p for p in (snapshot / METADATA, snapshot / ".metadata") if p.exists())
 
 
 def largest_data_file(snapshot: Path) -> Path:
@@ -118,11 +124,11 @@ DAMAGE = {
         r"file \S+ has \d+ bytes, the metadata reads up to byte \d+",
     ),
     "metadata is not yaml": (
-        lambda s: (s / METADATA).write_bytes(b"\x00\xff{[ not: yaml: at all"),
+        lambda s: metadata_of(s).write_bytes(b"\x00\xff{[ not: yaml: at all"),
         r"metadata",
     ),
-    "truncated metadata": (lambda s: truncate(s / METADATA), r"metadata"),
-    "metadata emptied": (lambda s: (s / METADATA).write_bytes(b""), r"metadata"),
+    "truncated metadata": (lambda s: truncate(metadata_of(s)), r"metadata"),
+    "metadata emptied": (lambda s: metadata_of(s).write_bytes(b""), r"metadata"),
     "data file missing": (lambda s: largest_data_file(s).unlink(), r"file \S+ is missing"),
 }
 
@@ -167,7 +173,7 @@ def test_damaged_older_snapshot_is_not_looked_at_when_the_newest_is_good(snapsho
 def test_every_snapshot_damaged_raises_instead_of_starting_from_scratch(snapshots):
     dirpath, _ = snapshots
     truncate(largest_data_file(dirpath / "epoch_0_step_4"))
-    truncate(dirpath / "epoch_0_step_2" / METADATA)
+    truncate(metadata_of(dirpath / "epoch_0_step_2"))
     fresh = ToyUnit(seed=123)
     with pytest.warns(SnapshotFallbackWarning, match="skipping damaged snapshot") as caught:
         with pytest.raises(SnapshotCorruptError, match="every snapshot in .* is damaged") as raised:

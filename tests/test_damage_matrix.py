@@ -1,18 +1,20 @@
 """Verify means restore: every kind of damage to a committed snapshot, met by `tnt-snapshot ls`,
 `tnt-snapshot verify` and restore_from_latest, which must agree on which snapshot restores.
 
-Two snapshots are written by a real torchtnt run (epoch_0_step_2, epoch_0_step_4). Each file kind
-of the newest one (metadata, index, writer marker, a pack of small tensors, a tensor file of its
-own, an object) is flipped, truncated, deleted or swapped with the older snapshot's, and each
-field of its index is edited. In every case restore either restores the newest snapshot exactly
-(the damage touched nothing restore reads), or falls back to the older one with a warning naming
-the newest; ls marks, and verify reports, that same snapshot.
+Two snapshots are written by a real torchtnt run (epoch_0_step_2, epoch_0_step_4), in each on-disk
+format (torchsnapshot's, DCP's). Each file kind of the newest one (metadata, index, writer marker,
+a pack of small tensors, a tensor file of its own, an object) is flipped, truncated, deleted or
+swapped with the older snapshot's, and each field of its index is edited. In every case restore
+either restores the newest snapshot exactly (the damage touched nothing restore reads), or falls
+back to the older one with a warning naming the newest; ls marks, and verify reports, that same
+snapshot.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -29,10 +31,11 @@ from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data
 
 OLD, NEW = "epoch_0_step_2", "epoch_0_step_4"
 METADATA, INDEX, MARKER = ".snapshot_metadata", ".tnt_snapshot_index.json", ".tnt_writer.json"
+DCP_METADATA = ".metadata"
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+@pytest.fixture(scope="module", params=["torchsnapshot", "dcp"])
+def written(tmp_path_factory, request) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
     root = tmp_path_factory.mktemp("damage") / "run"
     seed_everything(5)
     unit = ToyUnit()
@@ -45,7 +48,9 @@ def written(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]
             step = unit.train_progress.num_steps_completed
             expected[f"epoch_0_step_{step}"] = {**weights(unit), "big": unit.extra.state["big"].clone()}
 
-    saver = Capture(str(root), save_every_n_train_steps=2, async_checkpoint=False, save_on_train_end=False)
+    saver = Capture(
+        str(root), save_every_n_train_steps=2, async_checkpoint=False, save_on_train_end=False, format=request.param
+    )
     train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [OLD, NEW]
     return root, expected
@@ -53,6 +58,8 @@ def written(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]
 
 def files_of(snapshot: Path) -> dict[str, Path]:
     """One file of each kind in a snapshot."""
+    if (snapshot / DCP_METADATA).exists():
+        return dcp_files_of(snapshot)
     index = json.loads((snapshot / INDEX).read_text())
     payloads = [snapshot / rel for rel in index["files"]]
     metadata = json.loads((snapshot / METADATA).read_text())["manifest"]
@@ -66,6 +73,24 @@ def files_of(snapshot: Path) -> dict[str, Path]:
         "writer marker": snapshot / MARKER,
         "pack": packs[0],
         "own file": snapshot / big,
+        "object": snapshot / obj,
+    }
+
+
+def dcp_files_of(snapshot: Path) -> dict[str, Path]:
+    """One file of each kind in a snapshot in DCP's format: its object and small tensors lie in
+    files of packed records, the large tensor in a file of its own."""
+    meta = pickle.loads((snapshot / DCP_METADATA).read_bytes())  # the test's own snapshot
+    where = {index.fqn: info.relative_path for index, info in meta.storage_data.items()}
+    own, obj = where["app_state.extra.big"], where["app_state.extra.opaque"]
+    packs = sorted({where["app_state.model.0.weight"], obj})
+    assert own not in packs
+    return {
+        "metadata": snapshot / DCP_METADATA,
+        "index": snapshot / INDEX,
+        "writer marker": snapshot / MARKER,
+        "pack": snapshot / packs[0],
+        "own file": snapshot / own,
         "object": snapshot / obj,
     }
 
@@ -101,7 +126,7 @@ def edit_index(field: str, change: Callable[[object], object]) -> Callable[[Path
 def first_file(change: Callable[[object], object]) -> Callable[[object], object]:
     def on(mapping: object) -> object:
         assert isinstance(mapping, dict)
-        key = sorted(k for k in mapping if k != METADATA)[0]
+        key = sorted(k for k in mapping if k not in (METADATA, DCP_METADATA))[0]
         return {**mapping, key: change(mapping[key])}
 
     return on

@@ -4,7 +4,8 @@ traceback, or drive the terminal.
 
 Each case crafts the newest of two snapshots written by a real torchtnt run, as an attacker
 would (the metadata edited, its checksum and the index's seal written again), and runs it through
-restore_from_latest, restore by path, and all six CLI commands. Files outside the snapshot are
+restore_from_latest, restore by path, and all six CLI commands. The cases that do not edit
+torchsnapshot's metadata run for DCP's format too (through ls, verify and prune). Files outside the snapshot are
 FIFOs: opening one for reading would release a writer thread, which the test then sees."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 import threading
 import warnings
@@ -38,17 +40,28 @@ from toy import Holder, StatefulLoader, ToyUnit, make_data
 
 OLD, NEW = "epoch_0_step_2", "epoch_0_step_4"
 METADATA, INDEX = ".snapshot_metadata", ".tnt_snapshot_index.json"
+DCP_METADATA = ".metadata"
 ESCAPE = "\x1b]0;owned\x07\x1b[2J"
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hostile") / "run"
-    unit = ToyUnit()
-    unit.extra = Holder({"w": torch.arange(16.0), "obj": (1, "two")})
-    saver = TorchSnapshotSaver(str(root), save_every_n_train_steps=2, async_checkpoint=False, save_on_train_end=False)
-    train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
-    return root
+def writes(tmp_path_factory) -> Callable[[str], Path]:
+    """``writes(format)``: the directory of two snapshots of a real torchtnt run in that format
+    (each written once per module)."""
+    made: dict[str, Path] = {}
+
+    def write(fmt: str) -> Path:
+        if fmt not in made:
+            root = made[fmt] = tmp_path_factory.mktemp(f"hostile_{fmt}") / "run"
+            unit = ToyUnit()
+            unit.extra = Holder({"w": torch.arange(16.0), "obj": (1, "two")})
+            saver = TorchSnapshotSaver(
+                str(root), save_every_n_train_steps=2, async_checkpoint=False, save_on_train_end=False, format=fmt
+            )
+            train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
+        return made[fmt]
+
+    return write
 
 
 class Fifo:
@@ -89,9 +102,20 @@ def _reseal(snapshot: Path, changed: dict[str, bytes]) -> None:
     index.pop("seal", None)
     for rel, data in changed.items():
         index["checksums"][rel] = record_views([memoryview(data)])
-        if rel != METADATA:
+        if rel not in (METADATA, DCP_METADATA):
             index["files"][rel] = len(data)
     (snapshot / INDEX).write_bytes(seal_index(index))
+
+
+def _object_file(snapshot: Path) -> Path:
+    """The file holding the ``extra/obj`` entry, in either format."""
+    if (snapshot / DCP_METADATA).exists():
+        meta = pickle.loads((snapshot / DCP_METADATA).read_bytes())  # the test's own snapshot
+        [rel] = [info.relative_path for index, info in meta.storage_data.items() if index.fqn == "app_state.extra.obj"]
+        return snapshot / rel
+    doc = json.loads((snapshot / METADATA).read_text())
+    [entry] = [e for p, e in doc["manifest"].items() if p.endswith("/extra/obj")]
+    return snapshot / entry["location"]
 
 
 def _edit_entry(snapshot: Path, suffix: str, **fields: Any) -> None:
@@ -112,11 +136,23 @@ class _Planted:
 
 
 def plant_pickle(snapshot: Path, tmp: Path) -> None:
-    doc = json.loads((snapshot / METADATA).read_text())
-    [entry] = [e for p, e in doc["manifest"].items() if e["type"] == "object" and "/extra/obj" in p]
     buffer = io.BytesIO()
     torch.save(_Planted(str(tmp / "marker")), buffer)  # as torch.save writes objects
     data = buffer.getvalue()
+    if (snapshot / DCP_METADATA).exists():  # a file of its own, and the metadata pointing at it
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        rel = "0/__0_99.distcp"
+        (snapshot / rel).write_bytes(data)
+        meta = pickle.loads((snapshot / DCP_METADATA).read_bytes())
+        for index in meta.storage_data:
+            if index.fqn == "app_state.extra.obj":
+                meta.storage_data[index] = _StorageInfo(rel, 0, len(data))
+        (snapshot / DCP_METADATA).write_bytes(pickle.dumps(meta))
+        _reseal(snapshot, {rel: data, DCP_METADATA: (snapshot / DCP_METADATA).read_bytes()})
+        return
+    doc = json.loads((snapshot / METADATA).read_text())
+    [entry] = [e for p, e in doc["manifest"].items() if e["type"] == "object" and "/extra/obj" in p]
     (snapshot / entry["location"]).write_bytes(data)
     _reseal(snapshot, {entry["location"]: data})
 
@@ -143,25 +179,22 @@ def deep_path(snapshot: Path, tmp: Path) -> None:
 
 
 def symlinked_payload(snapshot: Path, tmp: Path) -> None:
-    doc = json.loads((snapshot / METADATA).read_text())
-    [entry] = [e for p, e in doc["manifest"].items() if p.endswith("/extra/obj")]
-    target = snapshot / entry["location"]
+    target = _object_file(snapshot)
     target.unlink()
     target.symlink_to(tmp / "outside")
 
 
 def fifo_payload(snapshot: Path, tmp: Path) -> None:
     """A payload replaced by a FIFO inside the snapshot: opening it to read would block forever."""
-    doc = json.loads((snapshot / METADATA).read_text())
-    [entry] = [e for p, e in doc["manifest"].items() if p.endswith("/extra/obj")]
-    target = snapshot / entry["location"]
+    target = _object_file(snapshot)
     target.unlink()
     os.mkfifo(target)
 
 
 def symlinked_metadata(snapshot: Path, tmp: Path) -> None:
-    (snapshot / METADATA).unlink()
-    (snapshot / METADATA).symlink_to(tmp / "outside")
+    metadata = snapshot / (DCP_METADATA if (snapshot / DCP_METADATA).exists() else METADATA)
+    metadata.unlink()
+    metadata.symlink_to(tmp / "outside")
 
 
 def symlinked_index(snapshot: Path, tmp: Path) -> None:
@@ -196,26 +229,38 @@ RAISES: dict[str, type[Exception]] = {
 HARMLESS = {"control characters in a key and a value"}
 
 
-def cli_commands(run: Path, tmp: Path) -> list[list[str]]:
-    return [
+#: the cases that do not edit torchsnapshot's metadata, run for DCP's format too
+FORMAT_NEUTRAL = (
+    "payload is a symlink out", "payload is a FIFO", "metadata is a symlink out", "index is a symlink out",
+    "planted pickle",
+)
+PARAMS = [("torchsnapshot", case) for case in CASES] + [("dcp", case) for case in FORMAT_NEUTRAL]
+
+
+def cli_commands(run: Path, tmp: Path, fmt: str) -> list[list[str]]:
+    commands = [
         ["ls", str(run)],
-        ["inspect", str(run / NEW)],
         ["verify", str(run)],
         ["verify", str(run / NEW)],
-        ["diff", str(run / OLD), str(run / NEW)],
-        ["export", str(run / NEW), str(tmp / "out.pt"), "--key", "extra", "--force"],
         ["prune", str(run), "--keep-last", "1", "--dry-run"],
     ]
+    if fmt == "torchsnapshot":  # the commands that read entries read torchsnapshot's manifest
+        commands += [
+            ["inspect", str(run / NEW)],
+            ["diff", str(run / OLD), str(run / NEW)],
+            ["export", str(run / NEW), str(tmp / "out.pt"), "--key", "extra", "--force"],
+        ]
+    return commands
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_hostile_snapshot_opens_nothing_outside_runs_nothing_and_prints_no_traceback(written, tmp_path, case):
+@pytest.mark.parametrize("fmt,case", PARAMS, ids=[f"{fmt}-{case}" for fmt, case in PARAMS])
+def test_a_hostile_snapshot_opens_nothing_outside_runs_nothing_and_prints_no_traceback(writes, tmp_path, fmt, case):
     run = tmp_path / "run"
-    shutil.copytree(written, run)
+    shutil.copytree(writes(fmt), run)
     fifo = Fifo(tmp_path / "outside")
     CASES[case](run / NEW, tmp_path)
 
-    for args in cli_commands(run, tmp_path):
+    for args in cli_commands(run, tmp_path, fmt):
         result = CliRunner().invoke(cli, args, catch_exceptions=True)
         out = result.stdout + result.stderr
         assert result.exception is None or isinstance(result.exception, SystemExit), (args, out, result.exception)

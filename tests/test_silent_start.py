@@ -100,7 +100,7 @@ def test_a_dirpath_of_other_tools_checkpoints_names_them(tmp_path):
     assert f"dirpath {dirpath} holds no snapshot to restore, only " in message
     assert "other tools' checkpoint files (epoch=0-step=4.ckpt, last.ckpt)" in message
     assert "torch.distributed.checkpoint checkpoints (dcp_step_4)" in message
-    assert "snapshots never committed, without .snapshot_metadata (epoch_0_train_step_4)" in message
+    assert "snapshots never committed, without .snapshot_metadata or .metadata (epoch_0_train_step_4)" in message
     assert "other files (notes.txt): nothing was restored" in message
     assert "pass the dirpath the saver wrote to" in message
 

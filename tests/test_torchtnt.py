@@ -147,7 +147,7 @@ def test_restore_from_latest_false_for_missing_or_empty_dirpath(tmp_path):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
     # a directory that looks like a snapshot but was never committed is not picked
     (tmp_path / "epoch_3_step_30").mkdir()
-    with pytest.warns(NothingToRestoreWarning, match=r"snapshots never committed, without \.snapshot_metadata \(epoch_3_step_30\)"):
+    with pytest.warns(NothingToRestoreWarning, match=r"snapshots never committed, without \.snapshot_metadata or \.metadata \(epoch_3_step_30\)"):
         assert TorchSnapshotSaver.restore_from_latest(str(tmp_path), unit) is False
 
 

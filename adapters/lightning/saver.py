@@ -180,6 +180,9 @@ class TorchSnapshotSaver(ModelCheckpoint):
             UnrestorableStateError naming the entry and type, whatever ``on_save_error`` says.
             False: no check, and ``ckpt_path`` snapshots load with full pickle (trusted
             snapshots only), as ``trainer.fit(..., weights_only=False)`` asks for one fit.
+        format: the on-disk format: ``"torchsnapshot"`` (default) or ``"dcp"``
+            (``torch.distributed.checkpoint``'s, which ``dcp.load`` reads). ``ckpt_path`` resumes
+            from either.
 
     ``ModelCheckpoint``'s ``filename``, ``save_weights_only``, ``auto_insert_metric_name``,
     ``enable_version_counter`` and ``save_on_exception`` have no meaning here: passing one raises
@@ -224,6 +227,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
         collective_timeout_s: float = 600.0,
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
+        format: Any = "torchsnapshot",
         **not_applicable: Any,
     ) -> None:
         # ModelCheckpoint.__init__ configures the .ckpt files this class replaces by snapshots.
@@ -239,7 +243,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
             keep_last_n_checkpoints=keep_last_n_checkpoints, async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end, on_save_error=on_save_error,
             preemption_signals=preemption_signals, collective_timeout_s=collective_timeout_s,
-            weights_only=weights_only,
+            weights_only=weights_only, format=format,
         )
         self._config = saver_config(self._arguments)
         self.verbose, self.save_last, self.save_top_k = verbose, save_last, save_top_k

@@ -45,7 +45,8 @@ __all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "TorchSnapshotSaver"]
 
 
 class TorchSnapshotSaver(Callback):
-    """Periodically snapshot a torchtnt unit's whole training state, in torchsnapshot's format.
+    """Periodically snapshot a torchtnt unit's whole training state, in torchsnapshot's format
+    (or DCP's: ``format="dcp"``).
 
     The snapshot holds the unit's tracked modules, optimizers, LR schedulers, progress (train and,
     under ``fit()``, eval) and other stateful attributes, the RNG state (torch CPU and CUDA,
@@ -122,6 +123,10 @@ class TorchSnapshotSaver(Callback):
             best-k: objects with ``keep(ours) -> set of names`` (``policies.KeepEveryNSteps(10_000)``,
             ``policies.KeepOnePerNHours(6)``, or your own); a snapshot any policy keeps is kept, and
             retention never deletes the newest snapshot nor one the plugin did not write.
+        format: the on-disk format: ``"torchsnapshot"`` (default: what torchsnapshot and torchtnt's
+            ``TorchSnapshotSaver`` read) or ``"dcp"`` (``torch.distributed.checkpoint``'s: what
+            ``dcp.load`` and torchtnt's ``DistributedCheckpointSaver.restore`` read). Restore reads
+            either, whichever this saver writes.
 
     Under torch.distributed the constructor is a collective: it broadcasts rank 0's ``dirpath``.
     Initialise the process group first: with ``WORLD_SIZE`` > 1 in the environment and none
@@ -155,6 +160,7 @@ class TorchSnapshotSaver(Callback):
         best_checkpoint_config: Optional[Any] = None,
         save_policies: Optional[Iterable[Any]] = None,
         preservation_policies: Optional[Iterable[Any]] = None,
+        format: Any = "torchsnapshot",
     ) -> None:
         require_process_group("constructing the saver")
         self._metric_logger = metric_logger
@@ -168,6 +174,7 @@ class TorchSnapshotSaver(Callback):
             preemption_signals=preemption_signals, collective_timeout_s=collective_timeout_s,
             storage_timeout_s=storage_timeout_s,
             save_policies=save_policies, preservation_policies=preservation_policies,
+            format=format,
         )
         self._snapshotter = snapshotter = Snapshotter(
             dirpath,

@@ -1,5 +1,5 @@
-"""Which formats the plugin writes and reads: the built-in ones (torchsnapshot's, the default),
-and any other registered with :func:`register_format` (a format of one's own, a test's).
+"""Which formats the plugin writes and reads: the built-in ones (torchsnapshot's, the default, and
+DCP's, ``"dcp"``), and any other registered with :func:`register_format` (a format of one's own, a test's).
 
 A snapshot's format is the one the plugin's index records (``"snapshot_format"``; an index
 without it is torchsnapshot's), or, for a snapshot another tool wrote, the format whose metadata
@@ -23,7 +23,12 @@ DEFAULT = "torchsnapshot"
 #: The built-in formats, by name: (module, attribute), imported on first use.
 _BUILTIN: dict[str, tuple[str, str]] = {
     "torchsnapshot": ("tnt_snapshot_plugin.format.torchsnapshot", "FORMAT"),
+    "dcp": ("tnt_snapshot_plugin.format.dcp", "FORMAT"),
 }
+
+#: The built-in formats' metadata files (each format's ``metadata_file`` is its entry here), known
+#: without importing the formats: listing a dirpath imports nothing heavy.
+BUILTIN_METADATA = {"torchsnapshot": ".snapshot_metadata", "dcp": ".metadata"}
 
 #: Formats registered by name (:func:`register_format`), beside the built-in ones.
 _registered: dict[str, Format] = {}
@@ -78,7 +83,7 @@ def metadata_files() -> list[str]:
     """The metadata file of every format known (a snapshot holding one is complete)."""
     found: list[str] = []
     for name in names():
-        metadata = _METADATA_OF_BUILTIN.get(name) if name not in _registered else _registered[name].metadata_file
+        metadata = BUILTIN_METADATA.get(name) if name not in _registered else _registered[name].metadata_file
         if metadata is None:
             metadata = get_format(name).metadata_file
         if metadata not in found:
@@ -86,9 +91,6 @@ def metadata_files() -> list[str]:
     return found
 
 
-#: The built-in formats' metadata files, known without importing the formats (listing a dirpath
-#: imports nothing heavy).
-_METADATA_OF_BUILTIN = {"torchsnapshot": ".snapshot_metadata"}
 
 
 def format_of(store: Store, name: str, index: Optional[dict[str, Any]]) -> Optional[Format]:
@@ -100,7 +102,7 @@ def format_of(store: Store, name: str, index: Optional[dict[str, Any]]) -> Optio
             return get_format(recorded)
         return None
     for fmt_name in names():
-        metadata = _METADATA_OF_BUILTIN.get(fmt_name) if fmt_name not in _registered else _registered[fmt_name].metadata_file
+        metadata = BUILTIN_METADATA.get(fmt_name) if fmt_name not in _registered else _registered[fmt_name].metadata_file
         if metadata is not None and store.has_file(name, metadata):
             return get_format(fmt_name)
     return None

@@ -13,8 +13,10 @@ from urllib.parse import unquote
 import numpy as np
 import torch
 
+from tnt_snapshot_plugin.format.registry import BUILTIN_METADATA
+
 #: The manifest file; a snapshot without it is incomplete.
-METADATA_FNAME = ".snapshot_metadata"
+METADATA_FNAME = BUILTIN_METADATA["torchsnapshot"]
 
 #: The ``version`` the plugin writes into the metadata: the torchsnapshot release whose format
 #: it writes.
