@@ -17,7 +17,7 @@ from tnt_snapshot_plugin.errors import (
     SnapshotNotFoundError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.format import holdings, listing
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.stores import Store, open_store
 from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for, s3_error
@@ -96,10 +96,10 @@ def _not_a_directory_of_snapshots(
     if listing.is_complete(store, name):
         return
     inner = open_target(store.child(name), storage_options)
-    names = holdings.complete_names(inner)
+    names = listing.complete_names(inner)
     if names:
         raise UsageProblem(
-            f"{target} is a directory of snapshots, not a snapshot: {holdings.describe(inner)}; "
+            f"{target} is a directory of snapshots, not a snapshot: {listing.describe(inner)}; "
             f"name one, e.g. {inner.child(names[-1])}"
         )
 

@@ -20,11 +20,12 @@ from tnt_snapshot_plugin.cli.output import (
     STATUS_STAGING,
 )
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotError, SnapshotNotFoundError
-from tnt_snapshot_plugin.format import holdings, verify
+from tnt_snapshot_plugin.format import listing, verify
 from tnt_snapshot_plugin.format.index import INDEX_FNAME, PARTS_DIR
 from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies import retention
+from tnt_snapshot_plugin.restoring.latest import restore_order
 from tnt_snapshot_plugin.stores import LEASE_FNAME, LOCK_FNAME, WRITER_FNAME, LocalStore, Store
 from tnt_snapshot_plugin.stores.ownership import holder_text, writer_gone
 from tnt_snapshot_plugin.stores.s3 import S3Store, s3_errors
@@ -109,14 +110,14 @@ def snapshot_files(store: Store, name: str) -> tuple[dict[str, FileInfo], float]
         if not os.path.isdir(path):
             if os.path.exists(path):
                 raise UsageProblem(f"{store.child(name)} is a file, not a snapshot directory")
-            raise SnapshotNotFoundError(f"{store.child(name)} does not exist; {holdings.describe(store)}")
+            raise SnapshotNotFoundError(f"{store.child(name)} does not exist; {listing.describe(store)}")
         return _walk_local(path)
     assert isinstance(store, S3Store)
     prefix = store._key(name) + "/"
     files = {key[len(prefix):]: info for key, info in _s3_objects(store, prefix)}
     if not files:
         raise SnapshotNotFoundError(
-            f"{store.child(name)} does not exist (no objects under it); {holdings.describe(store)}"
+            f"{store.child(name)} does not exist (no objects under it); {listing.describe(store)}"
         )
     return files, max(i.mtime for i in files.values())
 
@@ -374,8 +375,9 @@ def restore_pick(
     ``verify.check`` finds intact and whose payloads match their checksums (restore verifies
     every byte it reads, and falls back from a snapshot that does not). A snapshot found damaged
     on the way is marked so."""
-    candidates = commit_order(s for s in snapshots if s.status in (STATUS_COMPLETE, STATUS_DAMAGED))
-    for info in reversed(candidates):
+    by_name = {s.name: s for s in snapshots if s.parsed is not None and s.status in (STATUS_COMPLETE, STATUS_DAMAGED)}
+    for listed in restore_order(_listed(info) for info in by_name.values()):
+        info = by_name[listed.text]
         if info.status != STATUS_COMPLETE:
             continue
         if not info.checksummed:

@@ -4,7 +4,9 @@ index of each says (checked), who wrote a child, and the snapshots in commit ord
 
 Every reader of a dirpath asks here: the saver (its claims, leftovers, retention), restore
 (latest and best), and every ``tnt-snapshot`` command; :func:`remove` is the one way the plugin
-deletes a child of ``dirpath``: only one it provably wrote.
+deletes a child of ``dirpath``: only one it provably wrote. :func:`describe` says what a dirpath
+holds in words, for the messages of restore and the command line ("... does not exist; run1 holds
+3 complete snapshots, the newest epoch_2_step_10").
 """
 
 from __future__ import annotations
@@ -158,3 +160,29 @@ class Deletions:
 
     def child(self, name: str) -> str:
         return self.store.child(name)
+
+
+#: How many snapshot names a message lists before "...".
+SHOWN = 5
+
+
+def complete_names(store: Store) -> list[str]:
+    """The complete snapshots in ``store``'s directory, oldest first in commit order; [] when
+    the directory cannot be listed (missing, not a directory, unreachable)."""
+    try:
+        return [s.text for s in complete_snapshots(store)]
+    except Exception:  # a message about another problem must not fail on this one
+        return []
+
+
+def describe(store: Store) -> str:
+    """``"DIR holds 3 complete snapshots: a, b, c (the newest c)"``, or ``"DIR holds no
+    complete snapshot"``."""
+    names = complete_names(store)
+    if not names:
+        return f"{store.url} holds no complete snapshot"
+    if len(names) == 1:
+        return f"{store.url} holds one complete snapshot, {names[0]}"
+    shown = names[-SHOWN:]
+    more = "..., " if len(names) > SHOWN else ""
+    return f"{store.url} holds {len(names)} complete snapshots: {more}{', '.join(shown)} (the newest {names[-1]})"

@@ -9,7 +9,7 @@ from typing import Optional
 
 from tnt_snapshot_plugin.distributed import Collectives
 from tnt_snapshot_plugin.errors import SnapshotNotFoundError
-from tnt_snapshot_plugin.format import holdings, listing
+from tnt_snapshot_plugin.format import listing
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.stores import LocalStore, Store
 
@@ -48,7 +48,7 @@ def require_complete(store: Store, name: str, path: str, coll: Collectives) -> N
             )
         if isinstance(store, LocalStore) and os.path.lexists(os.path.join(store.root, name)):
             return f"{path} is a file, not a snapshot directory; pass a directory written by the saver"
-        return f"snapshot {path} does not exist; {holdings.describe(store)}"
+        return f"snapshot {path} does not exist; {listing.describe(store)}"
 
     problem = coll.on_rank0(check)
     if problem is not None:

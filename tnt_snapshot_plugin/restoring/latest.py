@@ -292,13 +292,20 @@ def _kind(store: Store, name: str, is_dir: bool) -> str:
     return "other directories"
 
 
+def restore_order(listed: Iterable[retention.Listed]) -> list[retention.Listed]:
+    """The complete snapshots ``listed``, in the order :func:`restore_from_latest` tries them:
+    newest first in commit order. It restores the first that its check finds intact and that
+    loads; ``tnt-snapshot ls`` marks the one it would restore by walking the same order."""
+    return retention.commit_order(listed)[::-1]
+
+
 def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[str]) -> list[str]:
     """The complete snapshots to try, newest first (rank 0's listing); a newer directory holding
     the plugin's index but no metadata is warned about."""
     problem = coll.on_rank0(lambda: not_a_directory(store))
     if problem is not None:
         raise ConfigError(f"dirpath {dirpath!r} {problem}; pass the directory the saver wrote to")
-    candidates: list[str] = coll.on_rank0(lambda: [s.text for s in reversed(listing.complete_snapshots(store))])
+    candidates: list[str] = coll.on_rank0(lambda: [r.text for r in restore_order(listing.listed(store))])
     if coll.rank == 0 and newest is None:
         for name in _uncommitted_after(store, candidates[0] if candidates else None):
             _warn_uncommitted(store, name, candidates[0] if candidates else None)
