@@ -177,6 +177,7 @@ def test_every_public_name_imports_and_the_package_imports_neither_torch_nor_a_f
 def test_the_public_api_holds_what_users_import():
     import tnt_snapshot_plugin as p
     from tnt_snapshot_plugin import errors, policies, restoring, stores
+    from tnt_snapshot_plugin.format import base, registry
     from tnt_snapshot_plugin.saving.saver import Snapshotter
 
     assert p.Snapshotter is Snapshotter
@@ -185,6 +186,7 @@ def test_the_public_api_holds_what_users_import():
     )
     assert (p.latest_snapshot, p.best_snapshot) == (restoring.latest_snapshot, restoring.best_snapshot)
     assert (p.Store, p.open_store) == (stores.Store, stores.open_store)
+    assert (p.Format, p.register_format) == (base.Format, registry.register_format)
     assert p.testing.MemoryStore is not None and p.PROJECT_NAME == "tnt_snapshot_plugin"
     for name in policies.__all__:
         if name[0].isupper() and name not in ("MODES", "FreedEarly", "Listed", "Retention", "PluginDecision"):

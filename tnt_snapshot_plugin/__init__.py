@@ -1,4 +1,5 @@
-"""tnt_snapshot_plugin: crash-safe, asynchronous checkpoints in torchsnapshot's format for torchtnt and Lightning.
+"""tnt_snapshot_plugin: crash-safe, asynchronous checkpoints for torchtnt and Lightning, in torchsnapshot's
+format or DCP's (``torch.distributed.checkpoint``).
 
 The core (this package) is framework-neutral: it never imports torchtnt or Lightning. The adapters
 live in :mod:`tnt_snapshot_plugin.adapters.torchtnt` and :mod:`tnt_snapshot_plugin.adapters.lightning`.
@@ -7,7 +8,8 @@ What users import is here: the core saver (:class:`Snapshotter`, configured by
 :class:`SnapshotConfig`), the restores (:class:`RestoreRequest`, :func:`restore`,
 :func:`restore_from_latest`, :func:`latest_snapshot`, :func:`best_snapshot`), the save and
 preservation policies, the errors and warnings, the ``hookimpl`` marker, the :class:`Store`
-protocol with :func:`open_store`, and the fakes for tests (:mod:`tnt_snapshot_plugin.testing`).
+protocol with :func:`open_store`, the :class:`Format` protocol with :func:`register_format`, and
+the fakes for tests (:mod:`tnt_snapshot_plugin.testing`).
 
 Importing this package is cheap: torch loads only when a saver or restore runs; torchsnapshot never.
 """
@@ -82,6 +84,8 @@ _LAZY = {
     "restore_from_latest": ("restoring", "restore_from_latest"),
     "Store": ("stores", "Store"),
     "open_store": ("stores", "open_store"),
+    "Format": ("format.base", "Format"),
+    "register_format": ("format.registry", "register_format"),
     "testing": ("testing", None),
 }
 
@@ -116,6 +120,9 @@ __all__ = [
     # storage
     "Store",
     "open_store",
+    # on-disk formats
+    "Format",
+    "register_format",
     # plugins
     "PROJECT_NAME",
     "hookimpl",
