@@ -409,10 +409,12 @@ def step_during_write_table(sdw: dict[str, Any]) -> str:
         "steps); each step's body is timed, and the method's own signal says whether a write is in "
         "flight right before and right after it. *×quiet*: the in-flight steps' median (p95) over the "
         "quiet steps' median (p95). Each method in fresh processes, "
-        f"{sdw['rounds']} interleaved round(s), {sdw['snapshots_per_run']} snapshots a run; on 2 ranks "
+        f"{sdw['rounds']} interleaved round(s), {sdw['snapshots_per_run']} snapshots a run (more where K "
+        f"is small: at least {sdw.get('min_steps', 0)} steps a run); on 2 ranks "
         "each rank holds and writes a state of the given size, and steps of both ranks are pooled. "
         "*steps*: in flight / quiet / partly (left out); *write*: the median time a write was seen "
-        "in flight.\n"
+        "in flight. *(partly)*: every write of that method ended within one step; its figures are of the "
+        "steps during which a write ended.\n"
     ]
     head = (
         "| method | step | quiet median | in flight: median | ×quiet | quiet p95 | in flight: p95 | ×quiet (p95) "
@@ -435,9 +437,10 @@ def step_during_write_table(sdw: dict[str, Any]) -> str:
                     lines.append(f"| {name} | {kind} | {v.get('error', '-')} | | | | | | {counts} | "
                                  f"{_fmt_s(v.get('write_s'))} | {every} |")
                     continue
+                partly = " (partly)" if v.get("basis") == "partly in flight" else ""
                 lines.append(
-                    f"| {name} | {kind} | {_fmt_s(v['quiet_median_s'])} | {_fmt_s(v['in_flight_median_s'])} "
-                    f"| {v['median_ratio']:.2f}x | {_fmt_s(v['quiet_p95_s'])} | {_fmt_s(v['in_flight_p95_s'])} "
+                    f"| {name} | {kind} | {_fmt_s(v['quiet_median_s'])} | {_fmt_s(v['in_flight_median_s'])}{partly} "
+                    f"| {v['median_ratio']:.2f}x | {_fmt_s(v['quiet_p95_s'])} | {_fmt_s(v['in_flight_p95_s'])}{partly} "
                     f"| {v['p95_ratio']:.2f}x | {counts} | {_fmt_s(v.get('write_s'))} | {every} |"
                 )
         out.append(f"#### {config['label']}\n\n" + head + "\n".join(lines) + "\n")
@@ -467,17 +470,18 @@ def step_during_write_plot(sdw: dict[str, Any], path: str | Path, title: str = "
         rows = {row["name"]: row for row in config["methods"]}
         top = 1.0
         for k, kind in enumerate(kinds):
-            ys, med, p95 = [], [], []
+            ys, med, p95, notes = [], [], [], []
             for i, name in enumerate(names):
                 v = rows[name].get("kinds", {}).get(kind, {})
                 if "median_ratio" in v:
                     ys.append(i + (k - (len(kinds) - 1) / 2) * height)
                     med.append(v["median_ratio"])
                     p95.append(v["p95_ratio"])
+                    notes.append(" (partly)" if v.get("basis") == "partly in flight" else "")
             ax.barh(ys, med, height=height, color=colors[k % len(colors)], label=f"{kind}: median")
             ax.scatter(p95, ys, marker="|", s=120, color="black", label="p95" if k == 0 else None, zorder=3)
-            for y, m in zip(ys, med, strict=True):
-                ax.text(m, y, f" {m:.2f}x", va="center", fontsize=7)
+            for y, m, note in zip(ys, med, notes, strict=True):
+                ax.text(m, y, f" {m:.2f}x{note}", va="center", fontsize=7)
             top = max([top, *med, *p95])
         for i, name in enumerate(names):
             if not rows[name].get("built", True):
@@ -568,21 +572,27 @@ def plots(results: dict[str, Any], outdir: str | Path, prefix: str = "perf_") ->
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python benchmarks/report.py RESULTS.json [--plots DIR] [--markdown FILE] [--no-targets]``:
-    the report of a results file written by run.py (``--out``), as markdown and as plots."""
+    the report of a results file written by run.py or step_during_write.py (``--out``), as
+    markdown and as plots (for step_during_write.py's: one, named after the results file)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("results", help="a results JSON written by benchmarks/run.py")
+    parser.add_argument("results", help="a results JSON written by benchmarks/run.py or step_during_write.py")
     parser.add_argument("--plots", default=None, help="draw one PNG per state size into this directory")
     parser.add_argument("--markdown", default=None, help="write the tables to this file (default: stdout)")
     parser.add_argument("--no-targets", action="store_true", help="leave out the targets and their count")
     args = parser.parse_args(argv)
     results = json.loads(Path(args.results).read_text())
-    text = markdown(results, targets=not args.no_targets)
+    alone = "sizes" not in results and "configs" in results  # written by step_during_write.py --out
+    text = step_during_write_table(results) if alone else markdown(results, targets=not args.no_targets)
     if args.markdown:
         Path(args.markdown).write_text(text)
     else:
         print(text)
     if args.plots:
-        for path in plots(results, args.plots):
+        if alone:
+            written = [step_during_write_plot(results, Path(args.plots) / f"{Path(args.results).stem}.png")]
+        else:
+            written = plots(results, args.plots)
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

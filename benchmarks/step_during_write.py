@@ -28,7 +28,9 @@ the method's own signal says, right before and right after it, whether a write i
   ``Trainer.save_checkpoint`` hands it): the future of its executor's last submitted save not done.
 
 A step with a write in flight at both ends is "in flight"; with none at either end, "quiet"; the
-others (the write ended during the step) are counted apart and left out of the ratios. The figures:
+others (the write ended during the step) are counted apart and left out of the ratios, unless no
+step was in flight at both ends (every write of the method ended within a step): then they stand
+for the in-flight steps, and the figures say so ("partly in flight"). The figures:
 the median and p95 of in-flight steps divided by those of quiet steps. The first two steps of each
 run warm up and are left out. A write's end is each method's own: the plugin and DCP fsync their
 files; torchtnt's TorchSnapshotSaver and Lightning do not.
@@ -41,9 +43,11 @@ exist; its row says so.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import platform
 import shutil
 import socket
 import statistics
@@ -53,6 +57,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from typing import Any, Callable, Optional
 
 MiB = 1024 * 1024
@@ -123,19 +128,21 @@ SIZES = {
 
 @dataclass(frozen=True)
 class Effort:
-    """Which states and rank counts, rounds per method and step kind, snapshots per run, and the step's work."""
+    """Which states and rank counts, rounds per method and step kind, snapshots per run (more
+    where K is small, so that a run has at least ``min_steps`` steps), and the step's work."""
 
     sizes: tuple[str, ...]
     ranks: tuple[int, ...]
     rounds: int
     snapshots: int
     work: str
+    min_steps: int = 60
 
 
 EFFORT = {
     "full": Effort(("64MiB", "1GiB"), (1, 2), rounds=3, snapshots=3, work="full"),
     "quick": Effort(("64MiB",), (1,), rounds=2, snapshots=3, work="full"),
-    "smoke": Effort(("8MiB",), (1,), rounds=1, snapshots=2, work="smoke"),
+    "smoke": Effort(("8MiB",), (1,), rounds=1, snapshots=2, work="smoke", min_steps=20),
 }
 
 
@@ -494,23 +501,29 @@ def _p95(xs: list[float]) -> float:
 
 
 def summarize(samples: list[tuple[float, bool, bool]], writes: list[float], every: list[int]) -> dict[str, Any]:
-    """The figures of one method and step kind from its steps (every run and rank pooled)."""
+    """The figures of one method and step kind from its steps (every run and rank pooled).
+
+    ``basis``: "in flight" (steps with a write in flight at both ends), or "partly in flight"
+    where no step had one at both ends (every write ended within a step): the steps during which
+    a write ended then stand for the in-flight ones."""
     quiet = [s for s, before, after in samples if not before and not after]
     flight = [s for s, before, after in samples if before and after]
+    partly = [s for s, before, after in samples if before != after]
     out: dict[str, Any] = {
         "quiet_steps": len(quiet),
         "in_flight_steps": len(flight),
-        "partial_steps": len(samples) - len(quiet) - len(flight),
+        "partial_steps": len(partly),
         "writes": len(writes),
         "write_s": statistics.median(writes) if writes else None,
         "every": every,
     }
-    if quiet and flight:
+    compared, out["basis"] = (flight, "in flight") if flight else (partly, "partly in flight")
+    if quiet and compared:
         out.update(
             quiet_median_s=statistics.median(quiet),
             quiet_p95_s=_p95(quiet),
-            in_flight_median_s=statistics.median(flight),
-            in_flight_p95_s=_p95(flight),
+            in_flight_median_s=statistics.median(compared),
+            in_flight_p95_s=_p95(compared),
         )
         out["median_ratio"] = out["in_flight_median_s"] / out["quiet_median_s"]
         out["p95_ratio"] = out["in_flight_p95_s"] / out["quiet_p95_s"]
@@ -532,7 +545,13 @@ def step_during_write(
     work = WORK[effort.work]
     scratch = tempfile.mkdtemp(prefix="tnt_bench_sdw_", dir=workdir)
     results: dict[str, Any] = {
-        "rounds": effort.rounds, "snapshots_per_run": effort.snapshots, "warmup_steps": WARMUP_STEPS,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": metadata.version("torch"),
+            "platform": platform.platform(), "load_average_at_start": os.getloadavg(),
+        },
+        "rounds": effort.rounds, "snapshots_per_run": effort.snapshots, "min_steps": effort.min_steps,
+        "warmup_steps": WARMUP_STEPS,
         "in_flight_share": IN_FLIGHT_SHARE, "work": asdict(work), "kinds": list(kinds), "configs": [],
     }
     try:
@@ -580,7 +599,8 @@ def step_during_write(
                         cal = calibration[name]
                         every = max(2, math.ceil(cal["write_s"] / cal["step_s"][kind] / IN_FLIGHT_SHARE))
                         # snapshots at K, 2K, ...; K - 1 steps after the last let its write finish
-                        steps = (effort.snapshots + 1) * every - 1
+                        snapshots = max(effort.snapshots, math.ceil((effort.min_steps + 1) / every) - 1)
+                        steps = (snapshots + 1) * every - 1
                         t = time.perf_counter()
                         try:
                             ranks_out = _run({**base, "method": name, "kind": kind, "every": every, "steps": steps,
@@ -610,6 +630,7 @@ def step_during_write(
             })
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
     return results
 
 
@@ -620,7 +641,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", nargs="*", choices=sorted(SIZES), default=None, help="states (default: by level)")
     parser.add_argument("--ranks", nargs="*", type=int, choices=(1, 2), default=None, help="gloo ranks (default: by level)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (every method once per round and step kind)")
-    parser.add_argument("--snapshots", type=int, default=None, help="snapshots per run")
+    parser.add_argument("--snapshots", type=int, default=None, help="snapshots per run (at least; more where K is small)")
     parser.add_argument("--methods", nargs="*", default=None, help="only methods whose name contains one of these")
     parser.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS), help="step kinds")
     parser.add_argument("--dir", default=None, help="scratch directory's parent (default: /tmp)")
@@ -642,6 +663,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.rounds or effort.rounds,
         args.snapshots or effort.snapshots,
         effort.work,
+        effort.min_steps,
     )
     results = step_during_write(effort, args.methods, tuple(args.kinds), args.dir)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
