@@ -140,7 +140,7 @@ class Effort:
 
 
 EFFORT = {
-    "full": Effort(("64MiB", "1GiB"), (1, 2), rounds=3, snapshots=3, work="full"),
+    "full": Effort(("64MiB", "1GiB"), (1, 2), rounds=2, snapshots=2, work="full"),
     "quick": Effort(("64MiB",), (1,), rounds=2, snapshots=3, work="full"),
     "smoke": Effort(("8MiB",), (1,), rounds=1, snapshots=2, work="smoke", min_steps=20),
 }
