@@ -404,9 +404,9 @@ def step_during_write_table(sdw: dict[str, Any]) -> str:
     """The tables of ``step_during_write.py``: per state and rank count, each method's step time
     while a write is in flight against the steps with none, for each step kind."""
     out = [
-        "A real torchtnt loop snapshots every K steps through each method's own cadence (K from a "
-        f"calibration run, so that a write is in flight for about {sdw['in_flight_share']:.0%} of the "
-        "steps); each step's body is timed, and the method's own signal says whether a write is in "
+        "A real torchtnt loop snapshots every K steps through each method's own cadence (K: a "
+        f"calibration run's write time over {sdw['in_flight_share']:g} of its step time, so that one "
+        "write follows another closely); each step's body is timed, and the method's own signal says whether a write is in "
         "flight right before and right after it. *×quiet*: the in-flight steps' median (p95) over the "
         "quiet steps' median (p95). Each method in fresh processes, "
         f"{sdw['rounds']} interleaved round(s), {sdw['snapshots_per_run']} snapshots a run (more where K "

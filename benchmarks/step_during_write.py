@@ -15,8 +15,9 @@ fp32 tensors of the given size; on 2 ranks each rank holds a state of that size 
 sharded training does) and writes it.
 
 Every ``K`` steps the method snapshots through its own cadence. ``K`` comes from a calibration run
-of the method (the faster of its first two writes over the step time, divided by 0.75), so that a
-write is in flight for most steps and usually done before the next one is due. Each step's body is timed, and
+of the method (the faster of its first two writes over the step time, divided by 0.75), so that one
+write follows another closely and is usually done before the next is due (steps that a write slows
+down make fewer of them fit in it, and the share of in-flight steps lower). Each step's body is timed, and
 the method's own signal says, right before and right after it, whether a write is in flight:
 
 * tnt_snapshot_plugin: ``snapshotter.jobs.pending`` is a job whose write is not done;
