@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -363,6 +364,9 @@ def markdown(results: dict[str, Any], targets: bool = True) -> str:
     if "first_stall" in results:
         out.append("### First snapshot stall\n")
         out.append(first_stall_table(results["first_stall"]))
+    if "step_during_write" in results:
+        out.append("### Step time during a write\n")
+        out.append(step_during_write_table(results["step_during_write"]))
     if not targets:
         return "\n".join(out)
     run = run_targets(results)
@@ -396,6 +400,112 @@ def first_stall_table(first: dict[str, Any]) -> str:
     return out
 
 
+def step_during_write_table(sdw: dict[str, Any]) -> str:
+    """The tables of ``step_during_write.py``: per state and rank count, each method's step time
+    while a write is in flight against the steps with none, for each step kind."""
+    out = [
+        "A real torchtnt loop snapshots every K steps through each method's own cadence (K: a "
+        f"calibration run's write time over {sdw['in_flight_share']:g} of its step time, so that one "
+        "write follows another closely); each step's body is timed, and the method's own signal says whether a write is in "
+        "flight right before and right after it. *×quiet*: the in-flight steps' median (p95) over the "
+        "quiet steps' median (p95). Each method in fresh processes, "
+        f"{sdw['rounds']} interleaved round(s), {sdw['snapshots_per_run']} snapshots a run (more where K "
+        f"is small: at least {sdw.get('min_steps', 0)} steps a run); on 2 ranks "
+        "each rank holds and writes a state of the given size, and steps of both ranks are pooled. "
+        "*steps*: in flight / quiet / partly (left out); *write*: the median time a write was seen "
+        "in flight. *(partly)*: every write of that method ended within one step; its figures are of the "
+        "steps during which a write ended.\n"
+    ]
+    head = (
+        "| method | step | quiet median | in flight: median | ×quiet | quiet p95 | in flight: p95 | ×quiet (p95) "
+        "| steps | write | K |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    for config in sdw["configs"]:
+        lines = []
+        for row in config["methods"]:
+            name = row["name"] if row.get("peer") else f"**{row['name']}**"
+            if not row.get("built", True):
+                lines.append(f"| {name} | {row.get('note', 'not built')} |" + " |" * 9)
+                continue
+            if "kinds" not in row:
+                lines.append(f"| {name} | failed: {row.get('error', 'no figures')[:100]} |" + " |" * 9)
+                continue
+            for kind, v in row["kinds"].items():
+                every = "/".join(str(k) for k in sorted(set(v["every"]))) or "-"
+                counts = f"{v['in_flight_steps']} / {v['quiet_steps']} / {v['partial_steps']}"
+                if "median_ratio" not in v:
+                    lines.append(f"| {name} | {kind} | {v.get('error', '-')} | | | | | | {counts} | "
+                                 f"{_fmt_s(v.get('write_s'))} | {every} |")
+                    continue
+                partly = " (partly)" if v.get("basis") == "partly in flight" else ""
+                lines.append(
+                    f"| {name} | {kind} | {_fmt_s(v['quiet_median_s'])} | {_fmt_s(v['in_flight_median_s'])}{partly} "
+                    f"| {v['median_ratio']:.2f}x | {_fmt_s(v['quiet_p95_s'])} | {_fmt_s(v['in_flight_p95_s'])}{partly} "
+                    f"| {v['p95_ratio']:.2f}x | {counts} | {_fmt_s(v.get('write_s'))} | {every} |"
+                )
+        out.append(f"#### {config['label']}\n\n" + head + "\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
+def step_during_write_plot(sdw: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """One panel per state and rank count: each method's in-flight step time over its quiet
+    step time (bars: medians; black ticks: p95), both step kinds, a dashed line at 1x. Needs
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    configs = sdw["configs"]
+    kinds = sdw["kinds"]
+    names = [row["name"] for row in configs[0]["methods"]] if configs else []
+    cols = min(2, len(configs)) or 1
+    nrows = math.ceil(len(configs) / cols) or 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 0.5 * len(names) * nrows + 1.6 * nrows), squeeze=False)
+    colors = ("#1b9e77", "#7570b3", "#d95f02")
+    height = 0.8 / max(1, len(kinds))
+    for ax, config in zip(axes.flat, configs, strict=False):  # spare panels stay empty
+        rows = {row["name"]: row for row in config["methods"]}
+        top = 1.0
+        for k, kind in enumerate(kinds):
+            ys, med, p95, notes = [], [], [], []
+            for i, name in enumerate(names):
+                v = rows[name].get("kinds", {}).get(kind, {})
+                if "median_ratio" in v:
+                    ys.append(i + (k - (len(kinds) - 1) / 2) * height)
+                    med.append(v["median_ratio"])
+                    p95.append(v["p95_ratio"])
+                    notes.append(" (partly)" if v.get("basis") == "partly in flight" else "")
+            ax.barh(ys, med, height=height, color=colors[k % len(colors)], label=f"{kind}: median")
+            ax.scatter(p95, ys, marker="|", s=120, color="black", label="p95" if k == 0 else None, zorder=3)
+            for y, m, note in zip(ys, med, notes, strict=True):
+                ax.text(m, y, f" {m:.2f}x{note}", va="center", fontsize=7)
+            top = max([top, *med, *p95])
+        for i, name in enumerate(names):
+            if not rows[name].get("built", True):
+                ax.text(1.02, i, " not built", va="center", fontsize=8, style="italic")
+            elif "kinds" not in rows[name]:
+                ax.text(1.02, i, " failed", va="center", fontsize=8, color="red")
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlim(0, top * 1.15)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{config['label']}", fontsize=10)
+        ax.set_xlabel("step time while a write is in flight / with none (x)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=7)
+    for ax in list(axes.flat)[len(configs):]:
+        ax.axis("off")
+    fig.suptitle(title or "Step time during a background write (real torchtnt loop)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 #: The three panels of a size's figure: the figure's key, its title and the floor it is drawn against.
 PANELS = (
     ("stall_s", "stall (training blocked)", "copy_s", "in-memory copy"),
@@ -412,7 +522,8 @@ def plot_slug(label: str) -> str:
 def plots(results: dict[str, Any], outdir: str | Path, prefix: str = "perf_") -> list[Path]:
     """Draw one PNG per state size into ``outdir``: stall, durable and restore of every method
     side by side (horizontal bars, log scale: methods differ by orders of magnitude), this
-    plugin's rows highlighted, and the machine's floor measured in the same run as a dashed line.
+    plugin's rows highlighted, and the machine's floor measured in the same run as a dashed line;
+    and, when the results have it, the step time during a write (``step_during_write_plot``).
     Returns the files written. Needs matplotlib."""
     import matplotlib
 
@@ -454,26 +565,34 @@ def plots(results: dict[str, Any], outdir: str | Path, prefix: str = "perf_") ->
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
+    if results.get("step_during_write", {}).get("configs"):
+        written.append(step_during_write_plot(results["step_during_write"], outdir / f"{prefix}step_during_write.png"))
     return written
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python benchmarks/report.py RESULTS.json [--plots DIR] [--markdown FILE] [--no-targets]``:
-    the report of a results file written by run.py (``--out``), as markdown and as plots."""
+    the report of a results file written by run.py or step_during_write.py (``--out``), as
+    markdown and as plots (for step_during_write.py's: one, named after the results file)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("results", help="a results JSON written by benchmarks/run.py")
+    parser.add_argument("results", help="a results JSON written by benchmarks/run.py or step_during_write.py")
     parser.add_argument("--plots", default=None, help="draw one PNG per state size into this directory")
     parser.add_argument("--markdown", default=None, help="write the tables to this file (default: stdout)")
     parser.add_argument("--no-targets", action="store_true", help="leave out the targets and their count")
     args = parser.parse_args(argv)
     results = json.loads(Path(args.results).read_text())
-    text = markdown(results, targets=not args.no_targets)
+    alone = "sizes" not in results and "configs" in results  # written by step_during_write.py --out
+    text = step_during_write_table(results) if alone else markdown(results, targets=not args.no_targets)
     if args.markdown:
         Path(args.markdown).write_text(text)
     else:
         print(text)
     if args.plots:
-        for path in plots(results, args.plots):
+        if alone:
+            written = [step_during_write_plot(results, Path(args.plots) / f"{Path(args.results).stem}.png")]
+        else:
+            written = plots(results, args.plots)
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -6,7 +6,7 @@ torch.distributed.checkpoint and Lightning, with the machine's own floors.
     python benchmarks/run.py --quick         # small states, one pass (< 1 minute)
     python benchmarks/run.py --smoke         # every part, on the least work (figures meaningless)
     python benchmarks/run.py --out results.json --sizes 64MiB --reps 5
-    python benchmarks/run.py --sizes 10k --skip hooks loop first-stall   # one state only
+    python benchmarks/run.py --sizes 10k --skip hooks loop first-stall step-during-write   # one state only
 
 For each state size it measures, per method: the training stall per snapshot, the time until the
 snapshot is durable, the restore time into preallocated tensors (cold page cache) and the peak
@@ -98,7 +98,7 @@ EFFORT = {
     "smoke": Effort(2_000, 3, (10, 1, 1, 0.0), (10, 1, 1, 0.0), (5, 1), (4, 1), 4 * MiB),
 }
 #: Parts of the run besides the per-size method tables (--skip leaves them out).
-EXTRAS = ("hooks", "loop", "checksums", "first-stall")
+EXTRAS = ("hooks", "loop", "checksums", "first-stall", "step-during-write")
 
 
 def make_model(spec: StateSpec, seed: int) -> torch.nn.Module:
@@ -312,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=EXTRAS,
         help="leave out these parts: the warm-loop hook cost, the real-loop hook cost, the checksum "
-        "cost (per size), the first snapshot stall",
+        "cost (per size), the first snapshot stall, the step time during a write",
     )
     args = parser.parse_args(argv)
 
@@ -421,6 +421,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results["first_stall_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"  first stall: FAILED {results['first_stall_error']}", file=log, flush=True)
             timings["first stall"] = time.perf_counter() - t
+        if "step-during-write" not in args.skip:
+            from step_during_write import EFFORT as SDW_EFFORT
+            from step_during_write import step_during_write
+
+            t = time.perf_counter()
+            print("## step time during a write (fresh processes per method and round)", file=log, flush=True)
+            try:
+                results["step_during_write"] = step_during_write(SDW_EFFORT[level], workdir=workdir, log=log)
+            except Exception as exc:
+                results["step_during_write_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  step during write: FAILED {results['step_during_write_error']}", file=log, flush=True)
+            timings["step during write"] = time.perf_counter() - t
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - started
@@ -443,6 +455,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nraw numbers: {args.out}  (wall {results['wall_s']:.0f}s)", file=log)
     print("wall per part: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), file=log)
     failed = [r["name"] for s in results["sizes"] for r in s["methods"] if "error" in r or not r.get("restore_ok", False)]
+    if "step_during_write_error" in results:
+        failed.append("step during write")
+    for config in results.get("step_during_write", {}).get("configs", []):
+        failed += [
+            f"step during write: {r['name']} ({config['label']})" for r in config["methods"]
+            if r["built"] and ("error" in r or r.get("errors") or any("error" in v for v in r.get("kinds", {}).values()))
+        ]
     if failed:
         print(f"FAILED or restored wrong data: {failed}", file=log)
         return 1

@@ -33,6 +33,16 @@ METHODS = [
     "Lightning ModelCheckpoint (save_checkpoint)",
 ]
 
+SDW_METHODS = [
+    "tnt_snapshot_plugin (thread writer)",
+    "tnt_snapshot_plugin (process writer)",
+    "torch.distributed.checkpoint async_save (thread)",
+    "torch.distributed.checkpoint async_save (PROCESS)",
+    "torchtnt TorchSnapshotSaver async",
+    "torchtnt DistributedCheckpointSaver async",
+    "Lightning AsyncCheckpointIO",
+]
+
 
 @pytest.mark.slow
 def test_smoke_benchmark_produces_the_table_and_the_json(tmp_path):
@@ -89,6 +99,28 @@ def test_smoke_benchmark_produces_the_table_and_the_json(tmp_path):
         assert sums["on"]["hash_write"] > 0 and sums["off"]["hash_write"] == 0
     first = results["first_stall"]
     assert len(first["prepared"]["stalls"]) == len(first["not prepared"]["stalls"]) == 1
+    # the step time during a write (benchmarks/step_during_write.py): every method, both steps
+    sdw = results["step_during_write"]
+    assert [c["label"] for c in sdw["configs"]] == ["8 MiB (8 x 1 MiB), 1 rank"]
+    (config,) = sdw["configs"]
+    assert [m["name"] for m in config["methods"]] == SDW_METHODS
+    for row in config["methods"]:
+        if row["name"] == "tnt_snapshot_plugin (process writer)":
+            assert row["built"] is False and "not built" in row["note"] and "kinds" not in row
+            continue
+        assert row["built"] is True and "error" not in row and not row.get("errors"), row
+        assert set(row["kinds"]) == {"python-heavy", "one-large-op"}, row["name"]
+        for kind, v in row["kinds"].items():
+            assert "error" not in v, (row["name"], kind, v)
+            assert v["quiet_steps"] > 0 and v["writes"] > 0, (row["name"], kind)
+            compared = v["in_flight_steps"] if v["basis"] == "in flight" else v["partial_steps"]
+            assert compared > 0 and (v["basis"] == "in flight") == (v["in_flight_steps"] > 0), (row["name"], kind)
+            assert v["every"] and all(k >= 2 for k in v["every"]), (row["name"], kind)
+            for key in ("quiet_median_s", "in_flight_median_s", "quiet_p95_s", "in_flight_p95_s"):
+                assert v[key] > 0, (row["name"], kind, key)
+            assert v["in_flight_p95_s"] >= v["in_flight_median_s"] and v["quiet_p95_s"] >= v["quiet_median_s"]
+            assert v["median_ratio"] == v["in_flight_median_s"] / v["quiet_median_s"]
+            assert v["p95_ratio"] == v["in_flight_p95_s"] / v["quiet_p95_s"]
     # every target, with its verdict, in the JSON: per size and for the whole run
     targets = results["targets"]
     assert [t for size in results["sizes"] for t in size["targets"]] == targets[: len(targets) - 5]
@@ -100,13 +132,24 @@ def test_smoke_benchmark_produces_the_table_and_the_json(tmp_path):
 
     table = table_file.read_text()
     assert table in proc.stdout  # printed too
-    rows = table.splitlines()
+    assert table.count("### Step time during a write") == 1
+    before, sdw_part = table.split("### Step time during a write")
+    rows = before.splitlines()
     for name in METHODS:  # one row per state size
         assert sum(r.startswith((f"| {name} |", f"| **{name}** |")) for r in rows) == 2, name
     for floor in ("copy into preallocated buffers", "disk sequential write + fsync", "disk cold sequential read"):
         assert table.count(floor) == 2, floor
     assert "×best peer" in table and "×floor" in table
     assert "### Hook cost" in table and "### First snapshot stall" in table
+    assert "#### 8 MiB (8 x 1 MiB), 1 rank" in sdw_part
+    sdw_rows = sdw_part.splitlines()
+    for name in SDW_METHODS:  # a row per step kind, with both ratios; the process writer: not built
+        mine = [r for r in sdw_rows if r.startswith((f"| {name} |", f"| **{name}** |"))]
+        if name == "tnt_snapshot_plugin (process writer)":
+            assert len(mine) == 1 and "not built" in mine[0], mine
+        else:
+            assert [r.split(" | ")[1] for r in mine] == ["python-heavy", "one-large-op"], mine
+            assert all(r.count("x |") == 2 for r in mine), mine
     for size in results["sizes"]:
         assert f"targets at {size['label']}" in table
     assert "targets measured once per run" in table and "targets met" in table
