@@ -282,37 +282,14 @@ def resume_bitwise_on(url: str, storage: dict[str, Any]) -> None:
     assert_bitwise_equal(weights(resumed), weights(reference))
 
 
-BUCKET = "dcp-format"
-
-
-@pytest.fixture(scope="module")
-def s3_options(tmp_path_factory):
-    """moto's S3 server on a free loopback port (started as tests/test_s3.py does), a bucket,
-    and the storage_options of the plugin's S3 store pointing at it."""
-    import boto3
-    from test_s3 import _start_moto, _stop
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc, endpoint = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log", env)
-    options = {
-        "endpoint_url": endpoint, "region_name": "us-east-1",
-        "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-    }
-    boto3.session.Session().client("s3", **options).create_bucket(Bucket=BUCKET)
-    try:
-        yield options
-    finally:
-        _stop(proc)
-
-
 @pytest.mark.slow
-def test_dcp_snapshots_on_s3_resume_bitwise(s3_options, monkeypatch):
+def test_dcp_snapshots_on_s3_resume_bitwise(s3_options, run_url, monkeypatch):
     """On moto's S3 server, through the plugin's S3 store (the metadata written last); nothing
     reaches S3 through the environment."""
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # a closed port
-    resume_bitwise_on(f"s3://{BUCKET}/run-{uuid.uuid4().hex[:8]}", s3_options)
+    resume_bitwise_on(run_url, s3_options)
 
 
 def test_dcp_snapshots_on_an_fsspec_store_resume_bitwise():
