@@ -189,7 +189,7 @@ def test_the_public_api_holds_what_users_import():
     assert (p.Format, p.register_format) == (base.Format, registry.register_format)
     assert p.testing.MemoryStore is not None and p.PROJECT_NAME == "tnt_snapshot_plugin"
     for name in policies.__all__:
-        if name[0].isupper() and name not in ("MODES", "FreedEarly", "Listed", "Retention", "PluginDecision"):
+        if name[0].isupper() and name not in ("MODES", "Listed", "PluginDecision"):
             assert getattr(p, name) is getattr(policies, name), name
     for name, value in vars(errors).items():
         if isinstance(value, type) and issubclass(value, (errors.SnapshotError, errors.SnapshotWarning)):

@@ -192,7 +192,8 @@ def test_retention_applies_its_own_policies_to_its_own_store_and_spares_its_prot
     at train start it deletes what its policies let go of its directory, never a protected name,
     never the newest; without a policy it deletes nothing."""
     from tnt_snapshot_plugin.distributed import Collectives
-    from tnt_snapshot_plugin.policies import Retention, from_settings
+    from tnt_snapshot_plugin.policies import from_settings
+    from tnt_snapshot_plugin.policies.retaining import Retention
     from tnt_snapshot_plugin.stores import LocalStore
 
     config = SnapshotConfig.build(async_snapshot=False, preemption_signals=[], save_on_train_end=False)

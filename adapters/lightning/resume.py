@@ -112,8 +112,9 @@ class Resume:
 
     def drop_hint_filter(self) -> None:
         entry, self._hint_filter = self._hint_filter, None
-        if entry is not None and entry in warnings.filters:
-            warnings.filters.remove(entry)
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+        if entry is not None and entry in filters:
+            filters.remove(entry)
             warnings._filters_mutated()  # type: ignore[attr-defined]
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -158,7 +159,7 @@ class Resume:
         if resolved is None or trainer.ckpt_path != resolved or not trainer.is_global_zero:
             return
         others = [
-            type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
+            type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)  # type: ignore[attr-defined]
         ]
         if others:
             warnings.warn(

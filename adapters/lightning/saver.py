@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import datetime
 import signal
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 import pluggy
 import pytorch_lightning as pl
@@ -206,7 +206,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
         *,
         monitor: Optional[str] = None,
         verbose: bool = False,
-        save_last: Optional[Union[bool, str]] = None,
+        save_last: Optional[Union[bool, Literal["link"]]] = None,
         save_top_k: Optional[int] = None,
         mode: str = "min",
         every_n_train_steps: Optional[int] = None,
@@ -246,7 +246,9 @@ class TorchSnapshotSaver(ModelCheckpoint):
             weights_only=weights_only, format=format,
         )
         self._config = saver_config(self._arguments)
-        self.verbose, self.save_last, self.save_top_k = verbose, save_last, save_top_k
+        self.verbose, self.save_last = verbose, save_last
+        #: None: no best-k (ModelCheckpoint itself has no None)
+        self.save_top_k = save_top_k  # type: ignore[assignment]
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._trainer: Optional[pl.Trainer] = None
         self._collect: Callable[[bool], dict[str, Value]] = _not_started
@@ -283,8 +285,8 @@ class TorchSnapshotSaver(ModelCheckpoint):
         """The framework-neutral engine (stats, wait(), the plugin manager)."""
         return self._engine.required
 
-    @property
-    def dirpath(self) -> Optional[str]:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def dirpath(self) -> Optional[str]:
         """Parent directory the snapshots are saved to (rank 0's, once training started); None
         until ``setup`` resolves it when none was given."""
         return self._engine.dirpath

@@ -16,12 +16,12 @@ from tnt_snapshot_plugin.naming import SnapshotName
 
 
 @cli.command("inspect")
-@click.argument("snapshot")
+@click.argument("target", metavar="SNAPSHOT")
 @json_flag
 @s3_flags
-def inspect_command(snapshot: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
+def inspect_command(target: str, as_json: bool, endpoint_url: Optional[str], region: Optional[str]) -> int:
     """Every entry of SNAPSHOT: key path, kind, dtype, shape, bytes, replicated."""
-    store, name = split_target(snapshot, s3_options(endpoint_url, region))
+    store, name = split_target(target, s3_options(endpoint_url, region))
     files, _ = snapshot_files(store, name)
     snapshot = Snapshot(store, name)
     index = snapshot.index or {}

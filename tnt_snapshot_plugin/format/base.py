@@ -59,11 +59,16 @@ class PayloadSink(Protocol):
     """Where a format writer hands its payload files: each is written (durably, checksummed, on
     the writer's I/O threads) as soon as it is submitted."""
 
-    #: the storage's failure :meth:`submit` raised, if any (to tell it from the format's own)
-    failed: Optional[BaseException]
-    #: whether a payload's buffers may be reused once :meth:`submit` returns (it was written, or
-    #: the store copied it)
-    copies: bool
+    @property
+    def failed(self) -> Optional[BaseException]:
+        """The storage's failure :meth:`submit` raised, if any (to tell it from the format's own)."""
+        ...
+
+    @property
+    def copies(self) -> bool:
+        """Whether a payload's buffers may be reused once :meth:`submit` returns (it was written,
+        or the store copied it)."""
+        ...
 
     def submit(self, payload: Payload) -> None: ...
 

@@ -10,7 +10,8 @@ adapters' ``save_policies`` / ``preservation_policies``).
 * :mod:`.preservation`: which of the plugin's snapshots to keep, :meth:`PreservationPolicy.keep`
   (``LatestN``, ``BestN``, ``KeepEveryNSteps``, ``KeepOnePerNHours``, ``AnyPreservation``);
 * :mod:`.retention`: commit order ("latest"), ranking by a metric, and what may ever be deleted;
-* :mod:`.retaining`: :class:`Retention`, which applies them to one saver's directory.
+* :mod:`.retaining`: ``Retention``, which applies them to one saver's directory (imported from
+  there: it reads the directory through the format's listing).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from tnt_snapshot_plugin.policies.preservation import (
     preservation,
     to_delete,
 )
-from tnt_snapshot_plugin.policies.retaining import FreedEarly, Retention
 from tnt_snapshot_plugin.policies.retention import Listed, commit_order
 from tnt_snapshot_plugin.policies.save import (
     AnySave,
@@ -51,7 +51,6 @@ __all__ = [
     "EveryNEvalEpochs",
     "EveryNSeconds",
     "EveryNSteps",
-    "FreedEarly",
     "KeepEveryNSteps",
     "KeepOnePerNHours",
     "LatestN",
@@ -59,7 +58,6 @@ __all__ = [
     "Moment",
     "PluginDecision",
     "PreservationPolicy",
-    "Retention",
     "SavePolicy",
     "commit_order",
     "from_settings",

@@ -196,6 +196,7 @@ class _Restore:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
         request, coll = self.request, self.coll
         wanted = self.wanted()
+        assert self.format is not None  # resolve() found it
         verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
         reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
         present = reader.keys()

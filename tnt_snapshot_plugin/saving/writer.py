@@ -50,7 +50,8 @@ from tnt_snapshot_plugin.format.checksums import new_hasher, record_views, recor
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.objects import LoadCheck
 from tnt_snapshot_plugin.format.registry import DEFAULT, get_format
-from tnt_snapshot_plugin.policies import Retention, preservation, retention
+from tnt_snapshot_plugin.policies import preservation, retention
+from tnt_snapshot_plugin.policies.retaining import Retention
 from tnt_snapshot_plugin.stores import DirLock, Store
 from tnt_snapshot_plugin.stores.commit import buffers
 from tnt_snapshot_plugin.stores.ownership import writer_identity
@@ -168,8 +169,9 @@ class SnapshotWriter:
             raise
 
         def commit() -> int:
-            assert gathered is not None  # rank 0
-            return self._commit(job, writer, [part[0] for part in gathered], [part[1] for part in gathered], locked)
+            assert gathered is not None  # rank 0; no rank failed, so every part is there
+            parts = [part for part in gathered if part is not None]
+            return self._commit(job, writer, [part[0] for part in parts], [part[1] for part in parts], locked)
 
         # every rank learns the bytes of all ranks' files with the commit's outcome
         try:

@@ -190,10 +190,6 @@ class LocalStore(Store):
         # A child that is a symlink holds nothing of ours (listing skips it too): never followed.
         return not os.path.islink(os.path.join(self.root, name)) and os.path.isfile(os.path.join(self.root, name, rel))
 
-    def is_complete(self, name: str) -> bool:
-        # A symlink named like a snapshot is not one of ours (listing skips it too).
-        return not os.path.islink(os.path.join(self.root, name)) and super().is_complete(name)
-
     def read_file(self, name: str, rel: str) -> bytes:
         """File ``rel`` of child ``name``: only a regular file inside ``dirpath`` (symlinks
         resolved) is opened; SnapshotCorruptError for anything else (a FIFO, a device, a link

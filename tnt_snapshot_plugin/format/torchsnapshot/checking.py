@@ -161,7 +161,7 @@ def check_payloads(files: SnapshotFiles, verdict: Verdict) -> None:
                 verdict.problems.append(f"entry {path}: its payload {rel} holds a tensor on the meta device")
             elif entry.get("type", "Tensor") == "Tensor" and (
                 not isinstance(value, torch.Tensor)
-                or value.dtype != DTYPES_BY_NAME.get(entry.get("dtype"))
+                or value.dtype != DTYPES_BY_NAME.get(str(entry.get("dtype")))
                 or list(value.shape) != entry.get("shape")
             ):
                 verdict.problems.append(f"entry {path}: its payload {rel} does not hold the tensor its entry describes")
