@@ -59,8 +59,8 @@ class SnapshotName:
     #: True for torchtnt's phase-aware names (``..._train_step_T``), which this plugin reads
     #: but never writes (and so never deletes).
     phase_aware: bool = False
-    #: who writes names of this form: :data:`PLUGIN`, :data:`TORCHTNT` (phase-aware names; the
-    #: plugin's own form too, which torchtnt wrote before 0.2.4) or :data:`TORCHTITAN`
+    #: who writes names of this form: :data:`PLUGIN` (the plugin's form), :data:`TORCHTNT`
+    #: (phase-aware names) or :data:`TORCHTITAN`
     origin: str = PLUGIN
 
     @classmethod

@@ -172,7 +172,7 @@ class TitanRestore:
             return
         parts = []
         if unit_keys:
-            parts.append(f"the unit's {', '.join(sorted(unit_keys))} (no counterpart in it) keep their values")
+            parts.append(f"the unit's entries without a counterpart keep their values ({', '.join(sorted(unit_keys))})")
         if lost:
             parts.append("its dataloader state (torchtitan's, per data-parallel rank) is not restored")
         warnings.warn(
