@@ -129,6 +129,15 @@ class NothingToRestoreWarning(SnapshotWarning):
     other tools' checkpoints, incomplete snapshots). Issued once per restore, on rank 0."""
 
 
+class PassedOverWarning(SnapshotWarning):
+    """restore_from_latest (or Lightning's ``ckpt_path="last"``) passed over checkpoints of the
+    dirpath that it cannot consider: a directory holding a format's metadata file under a name
+    that orders nothing (neither the plugin's, torchtnt's nor torchtitan's), or one named as
+    another tool's checkpoint without that tool's metadata file (nothing says it is complete)
+    that would have been tried before the one restored. One line per restore, on rank 0, naming
+    them."""
+
+
 class SnapshotFallbackWarning(SnapshotWarning):
     """restore_from_latest skipped the newest snapshot (damaged: the file and the problem named)
     and restored an older one; or, after such a fallback, put back an optional entry the older

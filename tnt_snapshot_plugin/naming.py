@@ -12,7 +12,10 @@ A monitored metric's name and value follow as ``_{name}={value}``; a ``/`` in th
 ``val/loss``) is written ``%2F`` there, which no other name character makes.
 It also reads the phase-aware names torchtnt's own savers write
 (``epoch_E_train_step_T``, ``epoch_E_train_step_T_eval_step_V``, each optionally followed by
-``_metric=value``), so a run can resume from snapshots torchtnt wrote.
+``_metric=value``), so a run can resume from snapshots torchtnt wrote; and, where
+``restore_from_latest`` lists a dirpath (:meth:`SnapshotName.parse_listed`), torchtitan's
+``step-N`` (N: train steps completed; torchtitan counts no epochs, so they order as epoch 0).
+Names other tools write are read, never written, and never deleted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ _NAME = re.compile(
     r"|train_step_(?P<train_step>\d+)(?:_eval_step_(?P<eval_step>\d+))?)"
     r"(?:_(?P<metric>[A-Za-z_](?:[A-Za-z0-9_.]|%2F)*)=(?P<value>[-+0-9.eE]+|nan|inf|-inf))?$"
 )
+
+#: torchtitan's checkpoint directories (``CheckpointManager._create_checkpoint_id``).
+_TORCHTITAN = re.compile(r"step-(?P<step>\d+)")
+
+#: Who writes a name: the plugin, torchtnt's savers (phase-aware names), torchtitan.
+PLUGIN, TORCHTNT, TORCHTITAN = "plugin", "torchtnt", "torchtitan"
 
 _METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./]*")
 
@@ -50,6 +59,9 @@ class SnapshotName:
     #: True for torchtnt's phase-aware names (``..._train_step_T``), which this plugin reads
     #: but never writes (and so never deletes).
     phase_aware: bool = False
+    #: who writes names of this form: :data:`PLUGIN` (the plugin's form), :data:`TORCHTNT`
+    #: (phase-aware names) or :data:`TORCHTITAN`
+    origin: str = PLUGIN
 
     @classmethod
     def of(
@@ -106,7 +118,28 @@ class SnapshotName:
             metric_value=float(value) if value is not None else None,
             text=text,
             phase_aware=match["step"] is None,
+            origin=TORCHTNT if match["step"] is None else PLUGIN,
         )
+
+    @classmethod
+    def parse_listed(cls, text: str) -> Optional["SnapshotName"]:
+        """Parse a directory name as ``restore_from_latest`` lists a dirpath: the names
+        :meth:`parse` reads, and torchtitan's ``step-N`` (epoch 0, step N). Only restore's
+        listing reads torchtitan's names: everything else (retention, the saver, the command
+        line) treats them as other tools' directories."""
+        parsed = cls.parse(text)
+        if parsed is not None or not isinstance(text, str):
+            return parsed
+        match = _TORCHTITAN.fullmatch(text)
+        if match is None:
+            return None
+        return cls(epoch=0, step=int(match["step"]), text=text, origin=TORCHTITAN)
+
+    @property
+    def foreign(self) -> bool:
+        """Whether the name is one the plugin reads but never writes (torchtnt's phase-aware
+        names, torchtitan's)."""
+        return self.phase_aware or self.origin == TORCHTITAN
 
     @property
     def sort_key(self) -> tuple[int, int, int, str]:

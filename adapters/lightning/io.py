@@ -19,7 +19,13 @@ from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.app_state import RNG_STATE_KEY, RNGState
 from tnt_snapshot_plugin.config import collective_timeout
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
-from tnt_snapshot_plugin.errors import ConfigError, SnapshotNotFoundError, StateMismatchError
+from tnt_snapshot_plugin.errors import (
+    ConfigError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+    UnrestorableStateError,
+)
+from tnt_snapshot_plugin.format.objects import allowed_globals, refusal
 from tnt_snapshot_plugin.format.registry import metadata_files
 from tnt_snapshot_plugin.naming import SnapshotName
 from tnt_snapshot_plugin.restoring import RestoreRequest
@@ -68,6 +74,9 @@ class SnapshotCheckpointIO(CheckpointIO):
         #: A snapshot path (ckpt_path="last" resolved to it): if it cannot be loaded, the
         #: snapshots before it in its directory are tried, with a warning naming it.
         self.fall_back_from: Optional[str] = None
+        #: A ModelCheckpoint file ckpt_path="last" resolved to: loaded with
+        #: ``torch.load(weights_only=True)`` and the plugin's allow-list, whatever the wrapped IO.
+        self.model_checkpoint: Optional[str] = None
         self._restored: Optional[Restored] = None
         self._installed = False  # by install(), in place of the Trainer's own
 
@@ -96,6 +105,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         io.weights_only = weights_only
         io.collective_timeout_s = collective_timeout(collective_timeout_s)
         io.fall_back_from = None
+        io.model_checkpoint = None
         io._restored = None
         return io
 
@@ -147,6 +157,9 @@ class SnapshotCheckpointIO(CheckpointIO):
         with a warning naming it, and the one before it loaded, as ``restore_from_latest`` does.
         """
         snapshot = snapshot_path(path)
+        if snapshot is None and self.model_checkpoint is not None and os.fspath(path) == self.model_checkpoint:
+            self.model_checkpoint = None
+            return load_model_checkpoint(os.fspath(path), map_location)
         if snapshot is None:
             return self.wrapped.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         checkpoint: dict[str, Any] = {}
@@ -191,6 +204,28 @@ class SnapshotCheckpointIO(CheckpointIO):
             self._own_collectives = Collectives.create(None, self.collective_timeout_s)
         return self._own_collectives
 
+
+
+def load_model_checkpoint(path: str, map_location: Optional[Any]) -> dict[str, Any]:
+    """A ``ModelCheckpoint`` file, loaded with ``torch.load(weights_only=True)`` and the plugin's
+    allow-list (``format.objects``); UnrestorableStateError naming what it refuses."""
+    import pickle
+
+    import torch
+
+    with allowed_globals():
+        try:
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnrestorableStateError(
+                f"ModelCheckpoint file {path} holds an object that torch.load(weights_only=True) and "
+                f"the plugin's allow-list refuse: {refusal(exc)}. If that class is safe, allow it "
+                "with torch.serialization.add_safe_globals([...]) before fit; if you trust the file "
+                f'(you wrote it), pass fit(..., ckpt_path="{path}", weights_only=False)'
+            ) from exc
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise StateMismatchError(f"{path} is not a Lightning checkpoint (no state_dict in it); pass another ckpt_path")
+    return checkpoint
 
 
 def check_strategy_can_resume(trainer: pl.Trainer) -> None:

@@ -1,10 +1,14 @@
 """Resuming a Lightning fit from a snapshot: ``ckpt_path="last"`` resolved to the newest
-complete snapshot (``ModelCheckpoint._find_last_checkpoints``), the snapshot-reading CheckpointIO
-installed for the stage and put back after it, the snapshot resumed from kept out of retention's
-reach, and the RNG state set again around a mid-epoch resume's first batch."""
+complete snapshot (``ModelCheckpoint._find_last_checkpoints``), or to the newest
+``ModelCheckpoint`` ``.ckpt`` file of the dirpath when no snapshot is newer (a run switched to
+the saver resumes from it once), the snapshot-reading CheckpointIO installed for the stage and
+put back after it, the snapshot resumed from kept out of retention's reach, and the RNG state
+set again around a mid-epoch resume's first batch."""
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 from typing import Any, Optional
 
@@ -20,7 +24,8 @@ from tnt_snapshot_plugin.app_state import RNGState
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives
 from tnt_snapshot_plugin.errors import ConfigError, ImplicitResumeWarning, NothingToRestoreWarning
-from tnt_snapshot_plugin.restoring.latest import found_in
+from tnt_snapshot_plugin.format.registry import metadata_files
+from tnt_snapshot_plugin.restoring.latest import found_in, warn_passed_over
 from tnt_snapshot_plugin.saving.saver import Snapshotter
 from tnt_snapshot_plugin.stores import LocalStore, open_store, split_snapshot_path
 
@@ -28,6 +33,9 @@ _NOT_ASKED = "<not asked>"
 #: Lightning's advice when ``ckpt_path="last"`` finds nothing, which names ModelCheckpoint's
 #: ``save_last``; the saver says what applies instead (see ``_find_last_checkpoints``).
 _LAST_HINT = r'\.\w+\(ckpt_path="last"\) is set, but there is no last checkpoint available'
+#: The files ``ModelCheckpoint`` writes: ``last.ckpt`` (``last-v1.ckpt``, ...) and its default
+#: ``epoch=E-step=S.ckpt`` (and what a ``filename`` template adds after it).
+_MODEL_CHECKPOINT = re.compile(r"(last(-v\d+)?|epoch=\d+-step=\d+.*)\.ckpt")
 
 
 class Resume:
@@ -46,6 +54,8 @@ class Resume:
         self._hint_filter: Optional[Any] = None
         #: the snapshot ckpt_path="last" resolved to for this fit (announced at train start)
         self._last_asked: Optional[str] = None
+        #: the ModelCheckpoint file ckpt_path="last" resolved to (None: a snapshot, or nothing)
+        self._from_ckpt: Optional[str] = None
         self._rng_after_first_fetch: Optional[dict[str, Any]] = None
 
     @property
@@ -88,6 +98,12 @@ class Resume:
             self._resolved_last = None
             return set()
         path = self.ckpt_path
+        if trainer.is_global_zero and path is not None:
+            warn_passed_over(store, split_snapshot_path(path)[1])
+        ckpt = newer_model_checkpoint(store.root, path)
+        self._from_ckpt = ckpt
+        if ckpt is not None:
+            path = ckpt
         self._resolved_last = path
         if path is None:
             found = found_in(store)
@@ -136,8 +152,10 @@ class Resume:
         )
         resolved, self._resolved_last = self._resolved_last, _NOT_ASKED
         # ckpt_path="last" resolved to this snapshot: if it cannot be loaded, the ones before it
-        # are tried, as restore_from_latest does.
-        self.io.fall_back_from = resolved if resolved != _NOT_ASKED else None
+        # are tried, as restore_from_latest does; to a ModelCheckpoint file: loaded safely.
+        from_ckpt, self._from_ckpt = self._from_ckpt, None
+        self.io.fall_back_from = resolved if resolved != _NOT_ASKED and from_ckpt is None else None
+        self.io.model_checkpoint = from_ckpt
         coll = snapshotter.collectives
         answers = coll.all_gather(resolved)
         if len(set(answers)) > 1:
@@ -168,6 +186,11 @@ class Resume:
                 f"fit(ckpt_path=None) when an OnExceptionCheckpoint is present: "
                 f"{', '.join(others)}); to start fresh, use a new dirpath or remove that callback",
                 category=ImplicitResumeWarning, stacklevel=3,
+            )
+        elif resolved.endswith(".ckpt"):
+            rank_zero_info(
+                f'TorchSnapshotSaver: ckpt_path="last": resuming from ModelCheckpoint\'s {resolved}, '
+                f"newer than every snapshot in {self.dirpath}; snapshots are taken from here on"
             )
         else:
             rank_zero_info(f'TorchSnapshotSaver: ckpt_path="last": resuming from snapshot {resolved}')
@@ -210,6 +233,33 @@ class Resume:
         self.drop_hint_filter()
         if self.io is not None:
             self.io.uninstall(trainer)
+
+
+def newer_model_checkpoint(dirpath: str, snapshot: Optional[str]) -> Optional[str]:
+    """The newest ``ModelCheckpoint`` file in local ``dirpath`` (by modification time) when it is
+    newer than ``snapshot`` (the newest snapshot's path, its metadata file's time; None: no
+    snapshot), else None."""
+    try:
+        with os.scandir(dirpath) as entries:
+            found = [
+                (e.stat(follow_symlinks=False).st_mtime, e.path)
+                for e in entries
+                if e.is_file(follow_symlinks=False) and _MODEL_CHECKPOINT.fullmatch(e.name)
+            ]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not found:
+        return None
+    mtime, newest = max(found)
+    if snapshot is not None:
+        times = [
+            os.stat(os.path.join(snapshot, name)).st_mtime
+            for name in metadata_files()
+            if os.path.isfile(os.path.join(snapshot, name))
+        ]
+        if times and max(times) >= mtime:
+            return None
+    return os.path.normpath(newest)
 
 
 def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:

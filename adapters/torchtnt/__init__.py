@@ -10,11 +10,18 @@ Switch with one import line::
     # later, in a new process
     TorchSnapshotSaver.restore_from_latest("/ckpts/run1", unit, train_dataloader=dataloader)
 
-The package: ``saver`` (the callback), ``restore`` (its static restores), ``state`` (what a unit
-contributes to a snapshot), ``options`` (torchtnt's arguments mapped onto the core's
-configuration), ``fsdp`` (optimizer state of FSDP modules) and ``demo`` (the demo job).
+torchtnt's ``DistributedCheckpointSaver`` is replaced the same way (DCP's format)::
+
+    from tnt_snapshot_plugin.adapters.torchtnt import DistributedCheckpointSaver
+
+The package: ``saver`` (the callback), ``dcp_saver`` (the DCP saver: the callback with DCP's
+format fixed), ``restore`` (their static restores), ``titan`` (torchtitan's checkpoints restored
+into a unit), ``state`` (what a unit contributes to a snapshot), ``options`` (torchtnt's
+arguments mapped onto the core's configuration), ``fsdp`` (optimizer state of FSDP modules) and
+``demo`` (the demo job).
 """
 
+from .dcp_saver import DistributedCheckpointSaver
 from .saver import EVAL_PROGRESS_KEY, TRAIN_PROGRESS_KEY, TorchSnapshotSaver
 
-__all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "TorchSnapshotSaver"]
+__all__ = ["EVAL_PROGRESS_KEY", "TRAIN_PROGRESS_KEY", "DistributedCheckpointSaver", "TorchSnapshotSaver"]

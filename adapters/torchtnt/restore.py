@@ -15,9 +15,11 @@ from torchtnt.framework.unit import AppStateMixin
 from tnt_snapshot_plugin import restoring
 from tnt_snapshot_plugin.adapters.torchtnt.options import knobs_of
 from tnt_snapshot_plugin.adapters.torchtnt.state import unit_state
+from tnt_snapshot_plugin.adapters.torchtnt.titan import TitanRestore, is_titan
 from tnt_snapshot_plugin.app_state import TRAIN_DATALOADER_KEY, RNGState, check_collisions, is_stateful
 from tnt_snapshot_plugin.distributed import require_process_group
 from tnt_snapshot_plugin.errors import ConfigError, DataLoaderReplayWarning, NothingToRestoreWarning
+from tnt_snapshot_plugin.naming import TORCHTITAN
 from tnt_snapshot_plugin.restoring import RestoreRequest
 
 TRAIN_PROGRESS_KEY = "train_progress"
@@ -52,6 +54,7 @@ def restore(
     collective_timeout_s: float = 600.0,
     plugin_manager: Optional[pluggy.PluginManager] = None,
     weights_only: bool = True,
+    planner: Optional[Any] = None,
 ) -> None:
     """Restore the snapshot at ``path`` into ``unit`` (and ``train_dataloader``, if given).
 
@@ -72,16 +75,28 @@ def restore(
     raised by the unit's own ``load_state_dict`` propagates as it is.
     ``weights_only=False`` loads the snapshot's objects with full pickle (only for snapshots
     you trust); by default an object torch's restricted unpickler refuses raises
-    UnrestorableStateError.
+    UnrestorableStateError. ``planner``: a DCP ``LoadPlanner`` that plans the tensor reads of a
+    snapshot in DCP's format (ConfigError for one in torchsnapshot's).
+
+    A torchtitan checkpoint (``.../step-N``) is restored into what maps onto the unit (its
+    model, optimizer, LR scheduler and step count: :mod:`.titan`), the rest named in a
+    PartialRestoreWarning.
     """
     request, options = unit_request(
         unit, train_dataloader, restore_options, storage_options, knob_options, plugin_manager, weights_only,
         strict=strict, restore_train_progress=restore_train_progress, restore_eval_progress=restore_eval_progress,
-        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
+        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers, planner=planner,
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
+        assert request.collectives is not None
+        path = request.collectives.broadcast(path)  # rank 0's
+        rank = request.collectives.rank
+        if is_titan(path):
+            titan = options.titan(unit, request)
+            titan.request.restore(path)
+            titan.apply(path, rank)
+            return
         request.restore(path)
-        rank = request.collectives.rank if request.collectives is not None else 0
     options.hand_rng_to_saver(unit)
     options.warn_replay(unit, train_dataloader, path, rank)
 
@@ -104,6 +119,7 @@ def restore_from_latest(
     collective_timeout_s: float = 600.0,
     plugin_manager: Optional[pluggy.PluginManager] = None,
     weights_only: bool = True,
+    planner: Optional[Any] = None,
 ) -> bool:
     """Restore the newest complete snapshot in ``dirpath`` (arguments as :meth:`restore`).
 
@@ -115,16 +131,27 @@ def restore_from_latest(
     snapshot that does not fit the unit, or an error from the unit's own code, is raised at
     once, with no fallback. Under torch.distributed rank 0's ``dirpath`` is used and rank 0
     picks the snapshot.
-    ``weights_only``: as :meth:`restore`.
+    ``weights_only``, ``planner``: as :meth:`restore`.
+
+    Besides the plugin's snapshots it considers other tools' checkpoints in ``dirpath``:
+    torchtnt's savers' (``epoch_E_train_step_S``, in torchsnapshot's or DCP's format) and
+    torchtitan's (``step-N``, restored as :meth:`restore` restores them). They order by their
+    names, before every snapshot of the plugin's (see restoring.restore_from_latest).
     """
     request, options = unit_request(
         unit, train_dataloader, restore_options, storage_options, knob_options, plugin_manager, weights_only,
         strict=strict, restore_train_progress=restore_train_progress, restore_eval_progress=restore_eval_progress,
-        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
+        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers, planner=planner,
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
-        restored = restoring.restore_from_latest(dirpath, request=request, fallback=fallback)
+        titan = options.titan(unit, request)
+        restored = restoring.restore_from_latest(
+            dirpath, request=request, fallback=fallback, layouts={TORCHTITAN: titan.request}
+        )
         rank = request.collectives.rank if request.collectives is not None else 0
+        if restored is not None and is_titan(restored):
+            titan.apply(restored, rank)
+            return True
     if restored is not None:
         options.hand_rng_to_saver(unit)
         options.warn_replay(unit, train_dataloader, restored, rank)
@@ -150,6 +177,7 @@ def restore_from_best(
     collective_timeout_s: float = 600.0,
     plugin_manager: Optional[pluggy.PluginManager] = None,
     weights_only: bool = True,
+    planner: Optional[Any] = None,
 ) -> bool:
     """Restore the best complete snapshot in ``dirpath`` by ``metric_name`` (torchtnt 0.2.4's
     signature; other arguments as :meth:`restore`).
@@ -163,7 +191,7 @@ def restore_from_best(
     request, options = unit_request(
         unit, train_dataloader, restore_options, storage_options, knob_options, plugin_manager, weights_only,
         strict=strict, restore_train_progress=restore_train_progress, restore_eval_progress=restore_eval_progress,
-        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers,
+        restore_optimizers=restore_optimizers, restore_lr_schedulers=restore_lr_schedulers, planner=planner,
     )
     with request.on_ranks(process_group, collective_timeout_s) as request:
         path = restoring.best_snapshot(
@@ -244,6 +272,19 @@ class Options:
             stacklevel=3,
         )
 
+    def titan(self, unit: Any, request: RestoreRequest) -> TitanRestore:
+        """The restore of a torchtitan checkpoint into ``unit`` as these options say."""
+        skip = set()
+        if not self.restore_train_progress:
+            skip.add(TRAIN_PROGRESS_KEY)
+        if not self.restore_eval_progress:
+            skip.add(EVAL_PROGRESS_KEY)
+        if not self.restore_optimizers:
+            skip.update(unit.tracked_optimizers())
+        if not self.restore_lr_schedulers:
+            skip.update(unit.tracked_lr_schedulers())
+        return TitanRestore(unit, request, skip, self.strict)
+
     def hand_rng_to_saver(self, unit: Any) -> None:
         """After a restore that loaded the train progress: the RNG state it set, kept on the unit
         for the saver of the run that follows (set again after the first batch of a mid-epoch
@@ -261,6 +302,7 @@ def unit_request(
     knob_options: Any,
     plugin_manager: Optional[pluggy.PluginManager],
     weights_only: bool,
+    planner: Optional[Any] = None,
     **flags: Optional[bool],
 ) -> tuple[RestoreRequest, Options]:
     """The request that restores ``unit`` (and ``train_dataloader``) as torchtnt's arguments
@@ -277,12 +319,44 @@ def unit_request(
     require_process_group("restoring")
     options = Options.merge(restore_options, **flags)
     knobs = knobs_of("knob_options", knob_options)
+    check_planner(planner)
     app_state, optional = restore_state(unit, train_dataloader, options)
     request = RestoreRequest(
         app_state, optional_keys=optional, storage_options=storage_options, plugin_manager=plugin_manager,
         strict=options.strict, io_concurrency=knobs.max_per_rank_io_concurrency, weights_only=weights_only,
+        planner=planner,
     )
     return request, options
+
+
+#: What the plugin's DCP reader asks of a LoadPlanner; it never calls the others.
+_PLANNER_CALLS = ("set_up_planner", "create_local_plan", "resolve_tensor", "commit_tensor")
+_PLANNER_UNCALLED = ("create_global_plan", "finish_plan", "load_bytes")
+
+
+def check_planner(planner: Any) -> None:
+    """ConfigError unless ``planner`` is None or a DCP ``LoadPlanner`` whose overrides the
+    plugin's DCP reader honours (it plans each rank's reads alone, and loads values that are not
+    tensors under its allow-list, never through ``load_bytes``)."""
+    if planner is None:
+        return
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
+    if not isinstance(planner, LoadPlanner):
+        raise ConfigError(
+            f"planner must be a torch.distributed.checkpoint LoadPlanner (DefaultLoadPlanner or a "
+            f"subclass) or None, got {type(planner).__name__}"
+        )
+    base = DefaultLoadPlanner if isinstance(planner, DefaultLoadPlanner) else LoadPlanner
+    overridden = [name for name in _PLANNER_UNCALLED if getattr(type(planner), name) is not getattr(base, name)]
+    if overridden:
+        raise ConfigError(
+            f"planner {type(planner).__name__} overrides {', '.join(overridden)}, which restore "
+            f"never calls: it plans each rank's reads with {', '.join(_PLANNER_CALLS)} only, and "
+            "loads values that are not tensors under its allow-list (torch.load(weights_only=True)); "
+            "pass a planner that customises those methods only, or planner=None"
+        )
 
 
 class _OptimizerStateOnLoad:

@@ -12,6 +12,7 @@ holds in words, for the messages of restore and the command line ("... does not 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError
@@ -19,7 +20,7 @@ from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.index import complete as complete_index
 from tnt_snapshot_plugin.format.index import parse as parse_index
 from tnt_snapshot_plugin.format.registry import metadata_files
-from tnt_snapshot_plugin.naming import SnapshotName
+from tnt_snapshot_plugin.naming import SnapshotName, is_staging_name
 from tnt_snapshot_plugin.policies.retention import Listed, commit_order, from_index
 from tnt_snapshot_plugin.stores.base import WRITER_FNAME, Store, check_deletable_name, is_missing_key
 from tnt_snapshot_plugin.stores.ownership import staged_by_this_process
@@ -101,16 +102,19 @@ def provably_ours(store: Store, name: str) -> bool:
     return read_index(store, name) is not None or read_json(store, name, WRITER_FNAME) is not None
 
 
-def listed(store: Store) -> list[Listed]:
+def listed(store: Store, *, torchtitan: bool = False) -> list[Listed]:
     """Complete snapshots in ``dirpath`` with what their indexes say, in commit order (oldest
     first): one listing, then one read of each index and one existence check each. A snapshot
     whose index is damaged is listed with the reason (``Listed.problem``), in its place by
-    (epoch, step)."""
+    (epoch, step). ``torchtitan``: torchtitan's ``step-N`` checkpoints too (restore's listing:
+    ``SnapshotName.parse_listed``); other tools' checkpoints carry no commit sequence number, so
+    they come before the plugin's, ordered by their names' (epoch, step)."""
+    parse = SnapshotName.parse_listed if torchtitan else SnapshotName.parse
     found = []
     for text in store.list_names():
-        parsed = SnapshotName.parse(text)
+        parsed = parse(text)
         if parsed is not None and is_complete(store, text):
-            if parsed.phase_aware:
+            if parsed.foreign:
                 found.append(from_index(parsed, None))
                 continue
             index, problem = checked_index(store, text)
@@ -118,9 +122,52 @@ def listed(store: Store) -> list[Listed]:
     return commit_order(found)
 
 
-def complete_snapshots(store: Store) -> list[SnapshotName]:
-    """Complete snapshots in ``dirpath``, oldest first in commit order (policies.retention)."""
-    return [r.name for r in listed(store)]
+def complete_snapshots(store: Store, *, torchtitan: bool = False) -> list[SnapshotName]:
+    """Complete snapshots in ``dirpath``, oldest first in commit order (policies.retention);
+    ``torchtitan``: as :func:`listed`."""
+    return [r.name for r in listed(store, torchtitan=torchtitan)]
+
+
+#: How many children of a dirpath :func:`passed_over` looks into (one or two requests each on
+#: an object store).
+LOOKED_INTO = 50
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """Checkpoints in a dirpath that restore's listing cannot put in order (:func:`passed_over`)."""
+
+    #: directories holding a format's metadata file under a name that orders nothing
+    unordered: list[str]
+    #: directories named as another tool names its checkpoints (torchtnt's phase-aware names,
+    #: torchtitan's ``step-N``) without that tool's metadata file, which it writes last: an
+    #: unfinished or interrupted save, or a copy that lost it; nothing says they are complete
+    undecided: list[str]
+
+
+def passed_over(store: Store) -> PassedOver:
+    """The checkpoints of ``store``'s dirpath that ``restore_from_latest`` cannot consider, for
+    its warning: complete ones it cannot order, and other tools' that it cannot judge complete
+    (the plugin's own unfinished writes are its staging directories and interrupted commits,
+    said elsewhere). Looks into the first :data:`LOOKED_INTO` such children, by name."""
+    unordered: list[str] = []
+    undecided: list[str] = []
+    looked = 0
+    for text in sorted(store.list_names()):
+        if looked >= LOOKED_INTO:
+            break
+        if text.startswith(".") or is_staging_name(text):
+            continue
+        parsed = SnapshotName.parse_listed(text)
+        if parsed is not None and not parsed.foreign:
+            continue  # the plugin's form: commit order and its checks say the rest
+        looked += 1
+        complete = is_complete(store, text)
+        if parsed is None and complete:
+            unordered.append(text)
+        elif parsed is not None and not complete:
+            undecided.append(text)
+    return PassedOver(unordered, undecided)
 
 
 def occupant(store: Store, name: str) -> Optional[str]:

@@ -19,6 +19,7 @@ from tnt_snapshot_plugin.errors import (
     ConfigError,
     InterruptedCommitWarning,
     NothingToRestoreWarning,
+    PassedOverWarning,
     SnapshotCorruptError,
     SnapshotFallbackWarning,
 )
@@ -51,7 +52,7 @@ def latest_snapshot(
     store = open_store(dirpath, storage_options)
 
     def newest() -> Optional[str]:
-        for found in reversed(listing.complete_snapshots(store)):
+        for found in reversed(listing.complete_snapshots(store, torchtitan=True)):
             problem = verify.check(store, found.text).problem if verified else None
             if problem is None:
                 return store.child(found.text)
@@ -129,6 +130,7 @@ def restore_from_latest(
     newest: Optional[str] = None,
     loaded_keys: Optional[list[str]] = None,
     request: Optional[RestoreRequest] = None,
+    layouts: Optional[Mapping[str, RestoreRequest]] = None,
     **fields: Any,
 ) -> Optional[str]:
     """Restore the newest complete snapshot of ``dirpath``; the restored path, or None if none.
@@ -145,6 +147,16 @@ def restore_from_latest(
     ``load_state_dict``, is raised at once: an older snapshot would not fit either.
     ``newest``: a snapshot name; only it and the snapshots before it are tried. ``loaded_keys``:
     a list that gets the keys loaded from the snapshot restored.
+
+    Other tools' checkpoints are candidates too: torchtnt's (``epoch_E_train_step_S...``) and
+    torchtitan's (``step-N``), before the plugin's (they carry no commit sequence number), in
+    the order of their names. ``layouts``: the request that restores a checkpoint of another
+    tool's layout, by the origin of its name (``naming.TORCHTITAN``: its entries are
+    torchtitan's keys, not the plugin's); a checkpoint of any other origin is restored by
+    ``request``, by key. Checkpoints it cannot consider are named in a PassedOverWarning: a
+    directory holding a format's metadata under a name that orders nothing (restore it by path),
+    and another tool's checkpoint without its metadata file that would have been tried before
+    the one restored.
     """
     if request is None:
         assert app_state is not None, "restore_from_latest needs app_state or request"
@@ -153,12 +165,14 @@ def restore_from_latest(
     request = request.replace(collectives=coll)
     dirpath = coll.broadcast(dirpath)  # rank 0's, as the saver writes to rank 0's
     store = open_store(dirpath, request.storage_options)
-    fallbacks = _Fallbacks(request, store, fallback)
+    fallbacks = _Fallbacks(request, store, fallback, {k: r.replace(collectives=coll) for k, r in (layouts or {}).items()})
     for name in _candidates(store, dirpath, coll, newest):
         loaded = fallbacks.attempt(name)
         if loaded is not None:
             if loaded_keys is not None:
                 loaded_keys.extend(loaded)
+            if coll.rank == 0 and newest is None:
+                warn_passed_over(store, name)
             return store.child(name)
     if fallbacks.damaged:
         # Never start from scratch silently when snapshots exist but none can be read.
@@ -185,8 +199,11 @@ class _Fallbacks:
     loads every entry again, and an optional entry the snapshot restored lacks is put back as it
     was before the first try (kept deep-copied, only for optional entries: small by nature)."""
 
-    def __init__(self, request: RestoreRequest, store: Store, fallback: bool) -> None:
+    def __init__(
+        self, request: RestoreRequest, store: Store, fallback: bool, layouts: Mapping[str, RestoreRequest]
+    ) -> None:
         self.request, self.store, self.fallback = request, store, fallback
+        self.layouts = layouts
         self.coll = request.collectives or Collectives(None)
         self.optional = [k for k in request.optional_keys if k in request.app_state]
         self.before: dict[str, Any] = {}
@@ -201,7 +218,7 @@ class _Fallbacks:
             if not self.damaged:
                 self.before = _optional_state(self.request.app_state, self.optional)
             try:
-                loaded = self.request.restore(path, checked[0] if checked else None)
+                loaded = self._request_for(name).restore(path, checked[0] if checked else None)
             except SnapshotCorruptError as exc:
                 if self.coll.world_size > 1 and not getattr(exc, "all_ranks", False):
                     raise  # raised on this rank only: the others cannot follow to another snapshot
@@ -213,6 +230,11 @@ class _Fallbacks:
                 return loaded
         _skip(path, problem, self.fallback, self.damaged)
         return None
+
+    def _request_for(self, name: str) -> RestoreRequest:
+        """The request that restores checkpoint ``name``: its layout's, else the request's."""
+        parsed = SnapshotName.parse_listed(name)
+        return self.layouts.get(parsed.origin, self.request) if parsed is not None else self.request
 
 
 class Found(NamedTuple):
@@ -283,13 +305,57 @@ def _kind(store: Store, name: str, is_dir: bool) -> str:
         return "other files"
     if is_staging_name(name):
         return "interrupted snapshot writes, never restored"
-    if SnapshotName.parse(name) is not None:
+    parsed = SnapshotName.parse_listed(name)
+    if parsed is not None:
         if listing.is_complete(store, name):
             return "damaged snapshots"
+        if parsed.foreign:
+            return (
+                f"other tools' checkpoints without their metadata file ({' or '.join(registry.metadata_files())}), "
+                "which nothing says are complete"
+            )
         return f"snapshots never committed, without {' or '.join(registry.metadata_files())}"
     if store.has_file(name, ".metadata"):
         return "torch.distributed.checkpoint checkpoints"
     return "other directories"
+
+
+def warn_passed_over(store: Store, restored: Optional[str]) -> None:
+    """(Rank 0, once per restore) a PassedOverWarning naming the checkpoints of ``store``'s
+    dirpath that restore could not consider (``listing.passed_over``): those whose names order
+    nothing, and other tools' checkpoints without their metadata file that would have been tried
+    before ``restored`` (the checkpoint restored: its name; None when none was)."""
+    found = listing.passed_over(store)
+    after = SnapshotName.parse_listed(restored) if restored is not None else None
+    undecided = [
+        name for name in found.undecided
+        if after is None or (after.foreign and (parsed := SnapshotName.parse_listed(name)) is not None and parsed > after)
+    ]
+    parts = []
+    if found.unordered:
+        parts.append(
+            f"checkpoints whose names order nothing ({_named(found.unordered)}): restore one by path "
+            "(restore(path, ...)) if it is the one to resume from, or rename it"
+        )
+    if undecided:
+        parts.append(
+            f"directories named as other tools' checkpoints that hold no metadata file, which those "
+            f"tools write last, so nothing says they are complete ({_named(undecided)}): an "
+            "interrupted or unfinished save, or an incomplete copy"
+        )
+    if not parts:
+        return
+    chosen = f"restored {store.child(restored)}" if restored is not None else "restored nothing"
+    warnings.warn(
+        f"restore_from_latest {chosen} and passed over, in {store.url}, " + "; and ".join(parts),
+        PassedOverWarning,
+        stacklevel=4,
+    )
+
+
+def _named(names: list[str]) -> str:
+    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    return ", ".join(names[:_NAMED]) + more
 
 
 def restore_order(listed: Iterable[retention.Listed]) -> list[retention.Listed]:
@@ -305,7 +371,7 @@ def _candidates(store: Store, dirpath: str, coll: Collectives, newest: Optional[
     problem = coll.on_rank0(lambda: not_a_directory(store))
     if problem is not None:
         raise ConfigError(f"dirpath {dirpath!r} {problem}; pass the directory the saver wrote to")
-    candidates: list[str] = coll.on_rank0(lambda: [r.text for r in restore_order(listing.listed(store))])
+    candidates: list[str] = coll.on_rank0(lambda: [r.text for r in restore_order(listing.listed(store, torchtitan=True))])
     if coll.rank == 0 and newest is None:
         for name in _uncommitted_after(store, candidates[0] if candidates else None):
             _warn_uncommitted(store, name, candidates[0] if candidates else None)

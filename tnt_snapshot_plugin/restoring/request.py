@@ -25,6 +25,7 @@ import pluggy
 from tnt_snapshot_plugin.app_state import RESERVED_KEYS, RNG_STATE_KEY, RNGState, Value, check_collisions
 from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
 from tnt_snapshot_plugin.errors import (
+    ConfigError,
     PartialRestoreWarning,
     SnapshotCorruptError,
     SnapshotError,
@@ -60,7 +61,9 @@ class RestoreRequest:
     ranges) a rank reads at once (None: the store's default). ``weights_only=False`` unpickles
     object entries with full pickle (trusted snapshots only). ``plugin_manager``: the saver's
     (its ``tnt_snapshot_plugin_extra_state`` and ``after_restore`` hooks are called); None: a new
-    manager with the entry-point plugins only.
+    manager with the entry-point plugins only. ``planner``: a DCP ``LoadPlanner`` that plans the
+    tensor reads of a snapshot in DCP's format (``DcpReader.plan_with``); ConfigError for a
+    snapshot in a format that has no planner.
     """
 
     app_state: Mapping[str, Any]
@@ -72,6 +75,7 @@ class RestoreRequest:
     rest: Optional[dict[str, Any]] = None
     io_concurrency: Optional[int] = None
     weights_only: bool = True
+    planner: Optional[Any] = None
 
     def replace(self, **changes: Any) -> RestoreRequest:
         return dataclasses.replace(self, **changes)
@@ -198,7 +202,16 @@ class _Restore:
         wanted = self.wanted()
         assert self.format is not None  # resolve() found it
         verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
+        assert self.format is not None  # resolve() found it
         reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+        if request.planner is not None:
+            plan_with = getattr(reader, "plan_with", None)
+            if plan_with is None:
+                raise ConfigError(
+                    f"planner plans reads of checkpoints in DCP's format; {self.path} is in the "
+                    f"{self.format.name} format, which has no planner: pass planner=None to restore it"
+                )
+            plan_with(request.planner)
         present = reader.keys()
         restore_rng = True
         if reader.world_size != coll.world_size:

@@ -77,6 +77,17 @@ class DcpReader:
             self.source = collectives.rank if collectives.rank < self.world_size else 0
         #: the dicts whose keys were ints, as the index records them (None: no index of the plugin's)
         self.int_keys = int_keys_of(index) if plugin else None
+        #: the user's LoadPlanner (:meth:`plan_with`); None: DCP's DefaultLoadPlanner
+        self._planner: Any = None
+
+    def plan_with(self, planner: Any) -> None:
+        """Plan the tensor reads with ``planner`` (a DCP ``LoadPlanner``) instead of DCP's
+        default one: for each app-state entry in turn it is set up with that entry's tensors by
+        fully qualified name (``app_state.<key>.<...>``, flattened), plans their reads, resolves
+        the tensor each read is copied into and is handed it once filled (``commit_tensor``).
+        Values that are not tensors load under the plugin's allow-list, never through the
+        planner's ``load_bytes``."""
+        self._planner = planner
 
     # -- the seam -------------------------------------------------------------------------
 
@@ -187,7 +198,9 @@ class DcpReader:
         if not targets:
             return
         parsed = self.parsed
-        planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False)
+        planner = self._planner
+        if planner is None:
+            planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False)
         planner.set_up_planner(targets, parsed.meta, self.coll.rank == 0)
         try:
             plan = planner.create_local_plan()
@@ -218,6 +231,8 @@ class DcpReader:
                 if target.size() != source.size():
                     raise self._corrupt(record.relative_path, name, "a read does not fit its target")
                 target.copy_(source)
+                if self._planner is not None:
+                    self._planner.commit_tensor(item, target)
 
     @staticmethod
     def _stored(buf: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> Optional[torch.Tensor]:
