@@ -191,12 +191,16 @@ _TEST_FILE = re.compile(r"\btests/[\w/]*\.py\b|\btest_\w+\.py\b|`::test_\w+")
 _MAY_NAME_TESTS = {"contributing.md"}
 
 
+def _nav_section(title: str) -> list[str]:
+    config = (ROOT / "mkdocs.yml").read_text()
+    section = re.search(rf"^  - {re.escape(title)}:\n((?:      - .*\n)+)", config, flags=re.M)
+    assert section is not None, f"mkdocs.yml's nav has no {title!r} section"
+    return re.findall(r":\s+([\w/-]+\.md)\s*$", section.group(1), flags=re.M)
+
+
 def _reference_pages() -> set[str]:
     """The pages under "Reference" in mkdocs.yml's nav."""
-    config = (ROOT / "mkdocs.yml").read_text()
-    section = re.search(r"^  - Reference:\n((?:      - .*\n)+)", config, flags=re.M)
-    assert section is not None, "mkdocs.yml's nav has no Reference section"
-    return set(re.findall(r":\s+([\w/-]+\.md)\s*$", section.group(1), flags=re.M))
+    return set(_nav_section("Reference"))
 
 
 def guide_problems(page: str, text: str) -> list[str]:
@@ -273,3 +277,20 @@ def test_the_cli_reference_holds_every_command_and_option():
             else:
                 assert all(opt in rendered for opt in param.opts), f"{name} {param.opts}"
     assert "--version" in rendered
+
+
+#: A how-to guide shows code within this many lines of its top: the task, then how to do it.
+CODE_WITHIN_LINES = 12
+
+
+def test_every_how_to_guide_starts_with_the_task_and_its_code():
+    guides = _nav_section("How-to guides")
+    assert "resume.md" in guides and len(guides) >= 10
+    late = []
+    for name in guides:
+        lines = (ROOT / "docs" / name).read_text().splitlines()
+        assert lines[0].startswith("# "), f"docs/{name} starts with its title"
+        first_fence = next((n for n, line in enumerate(lines) if line.startswith("```")), len(lines))
+        if first_fence >= CODE_WITHIN_LINES:
+            late.append(f"docs/{name}: first code at line {first_fence + 1}")
+    assert not late, late
