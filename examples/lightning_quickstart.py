@@ -1,31 +1,31 @@
-"""Train a LightningModule with snapshots, then resume with ``ckpt_path="last"`` in a new Trainer.
+"""The Lightning quickstart: train with snapshots; run again, and ``fit`` resumes where it stopped.
 
-The script checks that the resumed run ends bitwise equal to a run that was never interrupted.
-It runs on CPU in seconds:
+The model and the data are the script's own, tiny, on CPU; it runs in seconds:
 
-    python examples/lightning_quickstart.py [--dirpath DIR]
+    python examples/lightning_quickstart.py
 
-DIR (a new or empty directory) defaults to a new temporary one; the snapshots stay there
-(``tnt-snapshot ls DIR`` lists them).
+The snapshots go to ``checkpoints/lightning`` in the working directory, which must not exist yet.
+The script runs the quickstart twice. The first run stops at step 35, as a killed job would. The
+second run resumes with ``ckpt_path="last"`` and trains to the end. The script then checks that
+the result is bitwise equal to a run that was never interrupted.
 """
 
 import argparse
+import os
 import sys
-import tempfile
-
-import pytorch_lightning as pl
-import torch
-from pytorch_lightning import Trainer
-from torch.utils.data import DataLoader, TensorDataset
 
 # --8<-- [start:imports]
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
 from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver
 
 # --8<-- [end:imports]
 
-class Regressor(pl.LightningModule):
-    """Learns y = sum(x). Dropout draws from torch's RNG: a bitwise resume restores it too."""
 
+# --8<-- [start:model]
+class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
@@ -36,46 +36,67 @@ class Regressor(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
+# --8<-- [end:model]
 
 
-def make_dataloader() -> DataLoader:
-    """25 shuffled batches an epoch; the order comes from torch's RNG."""
-    x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True)
+# --8<-- [start:data]
+x = torch.randn(200, 4)
+train_dataloader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8, shuffle=True)
+# --8<-- [end:data]
+
+
+def fit_or_resume() -> Regressor:
+    """The quickstart: resume from the newest snapshot if there is one, then train to 2 epochs."""
+    # --8<-- [start:quickstart]
+    model = Regressor()
+    saver = TorchSnapshotSaver("checkpoints/lightning", every_n_epochs=1, keep_last_n_snapshots=2)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[saver])
+    trainer.fit(model, train_dataloader, ckpt_path="last")  # a first run starts fresh; a rerun resumes
+    # --8<-- [end:quickstart]
+    return model
+
+
+class Crash(RuntimeError):
+    """The interruption this script simulates."""
+
+
+def crash_at_step(step: int) -> torch.utils.hooks.RemovableHandle:
+    """Make the model's forward pass raise at train step ``step``, as if the job died there."""
+    steps = 0
+
+    def count(module: torch.nn.Module, args: tuple) -> None:
+        nonlocal steps
+        if isinstance(module, torch.nn.Sequential):
+            steps += 1
+            if steps == step:
+                raise Crash(f"stopped at step {step}")
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(count)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Train with snapshots, then resume with ckpt_path='last'.")
-    parser.add_argument("--dirpath", help="where the snapshots go (default: a new temporary directory)")
-    dirpath = parser.parse_args(argv).dirpath or tempfile.mkdtemp(prefix="lightning-quickstart-")
-    train_dataloader = make_dataloader()
+    argparse.ArgumentParser(description="Train with snapshots, stop, resume.").parse_args(argv)
+    if os.path.exists("checkpoints/lightning"):
+        print("checkpoints/lightning exists already: run the example in another directory", file=sys.stderr)
+        return 2
 
     torch.manual_seed(0)
-    model = Regressor()
-    # --8<-- [start:quickstart]
-    saver = TorchSnapshotSaver(
-        dirpath,
-        every_n_train_steps=35,      # trainer.global_step: optimizer steps; and a final snapshot
-        keep_last_n_snapshots=2,     # the newest 2 are kept, and the one a run resumed from
-    )
-    trainer = Trainer(max_epochs=2, callbacks=[saver], logger=False, enable_progress_bar=False)
-    trainer.fit(model, train_dataloader, ckpt_path="last")  # a first run starts fresh; a rerun resumes
-    # --8<-- [end:quickstart]
-    print(f"trained 2 epochs ({trainer.global_step} steps) into {dirpath}")
+    crash = crash_at_step(35)
+    try:
+        fit_or_resume()
+    except Crash as stopped:
+        print(f"first run: {stopped}; snapshots: {sorted(os.listdir('checkpoints/lightning'))}")
+    finally:
+        crash.remove()
 
-    torch.manual_seed(1234)  # a new process: other initial weights, another RNG state
-    model = Regressor()
-    saver = TorchSnapshotSaver(dirpath, every_n_train_steps=35, keep_last_n_snapshots=2)
-    trainer = Trainer(
-        max_epochs=4, callbacks=[saver], logger=False, enable_progress_bar=False, enable_model_summary=False
-    )
-    trainer.fit(model, train_dataloader, ckpt_path="last")  # two more epochs
-    print(f"resumed and trained on to step {trainer.global_step}")
+    torch.manual_seed(1234)  # as in a new process: other initial weights, another RNG state
+    model = fit_or_resume()
+    print(f"second run: resumed and trained to step {model.trainer.global_step}")
 
     torch.manual_seed(0)
     uninterrupted = Regressor()
-    reference = Trainer(
-        max_epochs=4, enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False
+    reference = pl.Trainer(
+        max_epochs=2, enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False
     )
     reference.fit(uninterrupted, train_dataloader)
     same = all(

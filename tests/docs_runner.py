@@ -3,15 +3,18 @@
     python tests/docs_runner.py README.md        (in an empty working directory)
 
 The page's ```python blocks run in order, in one namespace, so a later block may use what an
-earlier one made. A block whose fence says ``not run`` (```python title="not run: ...") is skipped:
-the docs' placeholders, such as an endpoint no test can reach, are marked so.
+earlier one made. Two kinds of block are skipped:
+
+- a block whose fence says ``not run`` (```python title="not run: ..."): the docs' placeholders,
+  such as an endpoint no test can reach, are marked so;
+- a block made only of pymdownx.snippets includes (``--8<-- "examples/FILE.py:NAME"``): it shows
+  regions of an example, and tests/test_examples.py runs the example itself.
 
 The examples use a few names that stand for the user's own objects; this runner provides small,
 real ones, and only those a page mentions:
 
 - ``unit``, ``train_dataloader``: a torchtnt ``TrainUnit`` and a resumable loader (tests/toy.py);
-- ``model``, ``dm``: a ``LightningModule`` and a ``LightningDataModule`` (tests/lightning_toy.py);
-- ``ema``, ``current_loss``, ``upload_manifest``: the README plugin example's model and functions.
+- ``model``, ``dm``: a ``LightningModule`` and a ``LightningDataModule`` (tests/lightning_toy.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 #: The marker that keeps a block from running.
 NOT_RUN = "not run"
+#: A line that includes a file, or a marked region of one, where the site is built.
+INCLUDE = re.compile(r'^--8<-- "[^"]+"$')
 
 
 def blocks(text: str) -> list[tuple[str, str]]:
@@ -34,8 +39,14 @@ def blocks(text: str) -> list[tuple[str, str]]:
     return [(info.strip(), code) for info, code in FENCE.findall(text)]
 
 
+def included(code: str) -> bool:
+    """Whether a block is made only of snippet includes (and blank lines)."""
+    lines = [line for line in code.splitlines() if line.strip()]
+    return bool(lines) and all(INCLUDE.match(line) for line in lines)
+
+
 def runnable(text: str) -> list[str]:
-    return [code for info, code in blocks(text) if NOT_RUN not in info]
+    return [code for info, code in blocks(text) if NOT_RUN not in info and not included(code)]
 
 
 def _uses(code: str, name: str) -> bool:
@@ -63,12 +74,6 @@ def fixtures(code: str) -> dict[str, Any]:
 
         ns["model"] = ToyModule()
         ns["dm"] = DataModule()
-    if _uses(code, "ema"):
-        import torch
-
-        ns["ema"] = torch.nn.Linear(4, 1)
-        ns["current_loss"] = lambda: 0.25
-        ns["upload_manifest"] = lambda path: None
     return ns
 
 

@@ -10,7 +10,9 @@ The examples mark the regions the README and the docs quote with pymdownx.snippe
 ```python block right after the line ``<!-- excerpt: examples/FILE.py NAME [NAME ...] -->``; it
 must equal those regions byte for byte: each region's lines dedented, without leading or trailing
 blank lines, the regions joined by one blank line (mkdocs pages may include the same regions with
-``--8<-- "examples/FILE.py:NAME"`` lines, which are checked to name existing regions).
+``--8<-- "examples/FILE.py:NAME"`` lines, which are checked to name existing regions). Every
+```python block of the README quotes an example, or says why not on the line before it
+(``<!-- not an excerpt: WHY -->``); its two quickstarts quote whole programs, which run as pasted.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ MAX_REGION_LINES = 16
 LONGER_REGIONS = {("ema_plugin.py", "plugin"): 40}
 MARKER = re.compile(r"--8<-- \[(start|end):([\w-]+)\]")
 EXCERPT = re.compile(r"^<!-- excerpt: (examples/[\w.]+\.py)((?: [\w-]+)+) -->\n```python\n(.*?)^```", re.M | re.S)
+NOT_AN_EXCERPT = re.compile(r"^<!-- not an excerpt: .+ -->$")
 INCLUDE = re.compile(r'--8<-- "(examples/[\w.]+\.py):([\w-]+)"')
 
 pytestmark = [pytest.mark.slow, pytest.mark.frameworks]
@@ -127,33 +130,32 @@ def excerpt_problems(markdown: str, where: str) -> list[str]:
 # -- the examples run ---------------------------------------------------------------------------
 
 
-def test_torchtnt_quickstart_resumes_bitwise(tmp_path, capsys):
-    printed = run("torchtnt_quickstart.py", ["--dirpath", str(tmp_path)], capsys)
+def test_torchtnt_quickstart_resumes_bitwise(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the quickstart writes to checkpoints/run1, as the README's does
+    printed = run("torchtnt_quickstart.py", [], capsys)
     assert printed == [
-        f"trained 2 epochs (50 steps) into {tmp_path}",
-        f"resumed from {tmp_path / 'epoch_2_step_50'}",
+        "first run: stopped at step 35; newest snapshot: checkpoints/run1/epoch_1_step_25",
+        "second run: resumed and trained to step 50",
         "the resumed run equals an uninterrupted one bitwise: True",
     ]
-    # a step snapshot at 35 and 70, a final one at the end of each run; the newest 2 kept
-    assert snapshots_by_step(tmp_path) == ["epoch_2_step_70", "epoch_4_step_100"]
+    # an epoch-end snapshot of each epoch; the second run's ends where the first run's would have
+    assert snapshots_by_step(tmp_path / "checkpoints" / "run1") == ["epoch_1_step_25", "epoch_2_step_50"]
+    # a second time in the same directory: refused, so the crash it simulates is never skipped
+    assert load("torchtnt_quickstart.py").main([]) == 2
+    assert "checkpoints/run1 exists already" in capsys.readouterr().err
 
 
 def test_torchtnt_quickstart_runs_as_a_script_as_its_docstring_says(tmp_path):
-    """``python examples/torchtnt_quickstart.py`` in a fresh interpreter: its default directory
-    (a new temporary one), its exit status, its output, no warning from the plugin."""
+    """``python examples/torchtnt_quickstart.py`` in a fresh interpreter, in an empty working
+    directory: its exit status, its output, no warning from the plugin."""
     script = EXAMPLES / "torchtnt_quickstart.py"
-    assert "python examples/torchtnt_quickstart.py [--dirpath DIR]" in (load(script.name).__doc__ or "")
+    assert "python examples/torchtnt_quickstart.py\n" in (load(script.name).__doc__ or "")
     done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    first, resumed, verdict = done.stdout.splitlines()
-    dirpath = Path(first.rsplit(" into ", 1)[1])
-    assert dirpath.parent == tmp_path and dirpath.name.startswith("torchtnt-quickstart-")
-    assert resumed == f"resumed from {dirpath / 'epoch_2_step_50'}"
-    assert verdict == "the resumed run equals an uninterrupted one bitwise: True"
-    assert snapshots_by_step(dirpath) == ["epoch_2_step_70", "epoch_4_step_100"]
+    assert done.stdout.splitlines()[-1] == "the resumed run equals an uninterrupted one bitwise: True"
+    assert snapshots_by_step(tmp_path / "checkpoints" / "run1") == ["epoch_1_step_25", "epoch_2_step_50"]
     assert "Traceback" not in done.stderr
     assert not plugin_warnings(done.stderr), done.stderr
 
@@ -173,16 +175,16 @@ def plugin_warnings(stderr: str) -> list[str]:
     return found
 
 
-def test_lightning_quickstart_resumes_bitwise_with_ckpt_path_last(tmp_path, capsys):
-    printed = run("lightning_quickstart.py", ["--dirpath", str(tmp_path)], capsys)
+def test_lightning_quickstart_resumes_bitwise_with_ckpt_path_last(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the quickstart writes to checkpoints/lightning, as the README's does
+    printed = run("lightning_quickstart.py", [], capsys)
     expected = [
-        f"trained 2 epochs (50 steps) into {tmp_path}",
-        "resumed and trained on to step 100",
+        "first run: stopped at step 35; snapshots: ['epoch_1_step_25']",
+        "second run: resumed and trained to step 50",
         "the resumed run equals an uninterrupted one bitwise: True",
     ]
     assert in_order(expected, printed), printed
-    # the newest 2, and the one the run resumed from (never deleted, as with ModelCheckpoint)
-    assert snapshots_by_step(tmp_path) == ["epoch_2_step_50", "epoch_2_step_70", "epoch_4_step_100"]
+    assert snapshots_by_step(tmp_path / "checkpoints" / "lightning") == ["epoch_1_step_25", "epoch_2_step_50"]
 
 
 def test_switch_from_model_checkpoint_keeps_the_same_best(tmp_path, capsys):
@@ -291,6 +293,20 @@ def test_the_readme_and_the_docs_quote_the_examples_byte_for_byte():
     assert not problems, "\n".join(problems)
 
 
+def test_every_python_block_of_the_readme_quotes_an_example_or_says_why_not():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    unmarked = [
+        f"README.md:{n + 1}" for n, line in enumerate(lines)
+        if line == "```python" and not (n and (lines[n - 1].startswith("<!-- excerpt: ") or NOT_AN_EXCERPT.match(lines[n - 1])))
+    ]
+    assert not unmarked, f"python blocks that neither quote an example nor say why not: {unmarked}"
+    # the quickstarts are whole programs: the imports, the model, the data and the quickstart itself
+    quoted = {file: names.split() for file, names, _ in EXCERPT.findall((ROOT / "README.md").read_text())}
+    whole = ["imports", "model", "data", "quickstart"]
+    assert quoted.get("examples/torchtnt_quickstart.py") == whole, quoted
+    assert quoted.get("examples/lightning_quickstart.py") == whole, quoted
+
+
 def test_a_quote_that_differs_from_its_example_is_found():
     """The check above on made-up pages: an exact quote passes; an edited one, a region that does
     not exist and an include of a missing region are each reported."""
@@ -304,7 +320,7 @@ def test_a_quote_that_differs_from_its_example_is_found():
     assert excerpt_problems(page.replace(" quickstart -->", " quick -->"), "page.md") == [
         "page.md: examples/torchtnt_quickstart.py has no region ['quick']"
     ]
-    included = '```python\n--8<-- "examples/torchtnt_quickstart.py:resume"\n--8<-- "examples/ema_plugin.py:nothing"\n```\n'
+    included = '```python\n--8<-- "examples/torchtnt_quickstart.py:quickstart"\n--8<-- "examples/ema_plugin.py:nothing"\n```\n'
     assert excerpt_problems(included, "page.md") == ["page.md: includes examples/ema_plugin.py:nothing, which does not exist"]
     assert in_order(["a", "c"], ["a", "b", "c"]) and not in_order(["c", "a"], ["a", "b", "c"])
 

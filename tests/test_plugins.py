@@ -1,13 +1,13 @@
 """A plugin manager per saver: registration checked at once, late plugins called, savers kept apart.
 
-Real Snapshotters writing to disk, a real torchtnt ``train()`` for the README's example.
+Real Snapshotters writing to disk. The plugin example a user copies, examples/ema_plugin.py,
+runs in tests/test_examples.py.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import re
 
 import pluggy
 import pytest
@@ -178,50 +178,6 @@ def test_metrics_go_through_each_savers_own_manager_even_when_shared(tmp_path, p
     a.report_metrics(None)
     b.report_metrics(None)
     assert pm.get_plugins() == set()
-
-
-def _readme_plugin_example() -> str:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Hook reference"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-@pytest.mark.frameworks
-def test_the_readme_plugin_example_runs_verbatim(tmp_path, monkeypatch, capsys):
-    from torchtnt.framework.train import train
-
-    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-    from toy import StatefulLoader, ToyUnit, make_data
-
-    monkeypatch.chdir(tmp_path)
-    ema = torch.nn.Linear(4, 1)
-    with torch.no_grad():
-        ema.weight.fill_(0.25)
-    uploaded = []
-    # The names the example leaves to its reader: the EMA model, a loss, an upload.
-    namespace = {"ema": ema, "current_loss": lambda: 0.125, "upload_manifest": uploaded.append}
-    exec(compile(_readme_plugin_example(), "README.md", "exec"), namespace)
-    saver = namespace["saver"]
-    assert isinstance(saver, TorchSnapshotSaver)
-
-    # 1,200 steps in one epoch: the plugin asks for step 1000, the epoch cadence for step 1200.
-    train(ToyUnit(), StatefulLoader(make_data(4 * 1200)), max_epochs=1, callbacks=[saver])
-    run = tmp_path / "checkpoints" / "run1"
-    assert visible_by_name(run) == ["epoch_0_step_1000_loss=0.1250", "epoch_1_step_1200_loss=0.1250"]
-    assert [os.path.basename(p) for p in uploaded] == visible_by_name(run)
-
-    with torch.no_grad():
-        ema.weight.zero_()
-    TorchSnapshotSaver.restore(str(run / visible_by_name(run)[-1]), ToyUnit(),
-                               plugin_manager=saver.snapshotter.plugin_manager)
-    assert torch.all(ema.weight == 0.25)  # restored into the plugin's module
-    printed = capsys.readouterr().out
-    assert "resumed from" in printed and "'ema'" in printed
-
-    # Another saver in the same process knows nothing of that plugin.
-    other = TorchSnapshotSaver(str(tmp_path / "other"), save_every_n_epochs=1)
-    train(ToyUnit(), StatefulLoader(make_data(8)), max_epochs=1, callbacks=[other])
-    assert visible_by_name(tmp_path / "other") == ["epoch_1_step_2"]
 
 
 @pytest.mark.frameworks
