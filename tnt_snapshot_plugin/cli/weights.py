@@ -11,6 +11,7 @@ over it; a failure removes what was written (click.ClickException, exit status 1
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -171,13 +172,51 @@ def _write_file(path: str, write: Callable[[str], None]) -> None:
     fileio.fsync_dir(directory)
 
 
+class _File(io.RawIOBase):
+    """A file ``torch.save`` writes to that keeps the error of a failed write: torch itself
+    reports only that the position is not where it expected (a full disk, say)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.pos = 0
+        self.error: Optional[OSError] = None
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        finally:
+            self.pos += done
+        return done
+
+
 def write_torch(path: str, value: Any) -> None:
     """``value`` as a ``torch.save`` file at ``path``, whole or not at all."""
     import torch
 
     def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # through a Python file: a failed write is an OSError naming its cause
-            torch.save(value, f)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        file = _File(fd)
+        try:
+            torch.save(value, file)  # type: ignore[arg-type]  # a file torch.save writes to
+        except RuntimeError:
+            if file.error is not None:
+                raise file.error from None  # what failed, not where torch found itself
+            raise
+        finally:
+            os.close(fd)
 
     _write_file(path, write)
 
