@@ -148,9 +148,10 @@ def test_a_torchtnt_snapshot_round_trips_bitwise_through_dcp(tnt_run, tmp_path):
     assert expected["train_progress"]["num_steps_completed"] == 9 and expected["loader"]
     for copy in (tmp_path / "dcp" / NAME, tmp_path / "rt" / NAME):
         assert differences(expected, restored(copy)) == [], copy
-    # the same entries, read by the command line from either copy of torchsnapshot's format
-    code, out, _ = run_cli("diff", str(src), str(tmp_path / "rt" / NAME))
-    assert code == 0 and "identical" in out, out
+    # the same entries, read by the command line from every copy (a list DCP stores whole, by item)
+    for copy in (tmp_path / "dcp" / NAME, tmp_path / "rt" / NAME):
+        code, out, _ = run_cli("diff", str(src), str(copy))
+        assert code == 0 and out.endswith("identical\n") and "added" not in out, out
 
     # each is a snapshot of the plugin's: its format, the index's checksums, intact
     for fmt, copy in (("dcp", tmp_path / "dcp"), ("torchsnapshot", tmp_path / "rt")):
@@ -434,6 +435,22 @@ def test_a_two_rank_snapshot_converts_with_each_ranks_own_values(tmp_path, fault
     for name in ("ddp_dcp", "ddp_rt", "fsdp2_ts"):
         index = json.loads((target / name / "epoch_0_step_4" / INDEX).read_text())
         assert index["world_size"] == 2 and len(index["parts"]) == 2
+
+    # the command line reads a two-rank DCP snapshot by the paths of its torchsnapshot original:
+    # each rank's own values under its rank, the replicated model once
+    code, out, err = run_cli("diff", str(ddp), str(target / "ddp_dcp" / "epoch_0_step_4"))
+    assert code == 0 and out.endswith("identical\n") and "added" not in out, (out, err)
+    for snapshot in (ddp, target / "ddp_dcp" / "epoch_0_step_4"):
+        code, out, _ = run_cli("inspect", str(snapshot), "--json")
+        rows = {row["path"]: row for row in json.loads(out)["entries"]}
+        assert [rows[f"{r}/tally/note"]["value"] for r in (0, 1)] == ["rank 0", "rank 1"], snapshot
+        assert rows["1/tally/rank"]["kind"] == "tensor" and not rows["1/tally/rank"]["replicated"], snapshot
+        models = [row for path, row in rows.items() if "/model/" in path]
+        assert models and all(row["path"].startswith("0/") and row["replicated"] for row in models), snapshot
+    run_cli("export", str(ddp), str(tmp_path / "ts.pt"))
+    run_cli("export", str(target / "ddp_dcp" / "epoch_0_step_4"), str(tmp_path / "dcp.pt"))
+    exported = [torch.load(tmp_path / name, weights_only=True) for name in ("ts.pt", "dcp.pt")]
+    assert exported[0] and differences(*exported) == []
 
     # torchsnapshot's sharded entries are not read whole by its reader: refused by name
     code, out, err = run_cli("convert", str(fsdp2_ts), str(tmp_path / "refused" / "epoch_0_step_4"), "--to", "dcp")

@@ -3,7 +3,8 @@ the format lists them (``Format.entries``: each entry's kind, dtype, shape, byte
 values (``Format.read_entry``, ``Format.read_key``; torch, imported lazily), from a snapshot the
 check restore makes (``format.verify.check``) finds intact. A stored object whose format does not
 record what it holds (DCP's pickled values) is read to show it: a number, a string or bytes as a
-value, anything else by its class."""
+value, a list leaf by leaf (the paths torchsnapshot's format gives its items, so that ``diff``
+compares the two formats entry by entry), anything else by its class."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Snapshot:
         assert self.verdict.format is not None
         self.format = self.verdict.format
         self._files: Optional[SnapshotFiles] = None
+        self._values: dict[str, Any] = {}  # the leaves of stored lists (_decoded), by path
         self.entries = self.format.entries(self.verdict)
         if decode_objects:
             self.entries = self._decoded(self.entries)
@@ -64,6 +66,8 @@ class Snapshot:
 
     def value(self, path: str) -> Any:
         """The value of leaf entry ``path``."""
+        if path in self._values:
+            return self._values[path]
         return self.format.read_entry(self.files, self.verdict, path)
 
     def key(self, key: str) -> Any:
@@ -80,15 +84,35 @@ class Snapshot:
                 value = self.value(path)
             except UnrestorableStateError:
                 continue  # a type this process does not allow-list: an object of unknown type
-            kind = type(value)
-            if kind in _PRIMITIVES:
-                out[path] = replace(info, kind="value", type=kind.__name__, dtype=kind.__name__, value=value)
+            if type(value) is list:  # listed leaf by leaf, as torchsnapshot's format stores a list
+                del out[path]
+                out.update(self._leaves(path, info, value))
             else:
-                out[path] = replace(info, dtype=f"{kind.__module__}.{kind.__qualname__}")
+                out[path] = _described(info, value)
+        return out
+
+    def _leaves(self, path: str, info: EntryInfo, value: list[Any]) -> dict[str, EntryInfo]:
+        """The leaf entries of a stored list, by the paths torchsnapshot's format gives them."""
+        from tnt_snapshot_plugin.format.torchsnapshot.writer import flatten
+
+        _, leaves = flatten("list", value)
+        out: dict[str, EntryInfo] = {}
+        for sub, item in leaves.items():
+            leaf = path + sub.removeprefix("list")
+            self._values[leaf] = item
+            out[leaf] = _described(replace(info, nbytes=None, locations=[]), item)
         return out
 
     def top_keys(self) -> set[str]:
         return {path.split("/")[1] for path in self.entries if path.startswith("0/")}
+
+
+def _described(info: EntryInfo, value: Any) -> EntryInfo:
+    """``info`` of an object that was read: a primitive as a value, anything else by its class."""
+    kind = type(value)
+    if kind in _PRIMITIVES:
+        return replace(info, kind="value", type=kind.__name__, dtype=kind.__name__, value=value)
+    return replace(info, kind="object", type="object", dtype=f"{kind.__module__}.{kind.__qualname__}")
 
 
 def entry_rows(snapshot: Snapshot, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
