@@ -305,7 +305,7 @@ def test_verify_names_each_damaged_file_and_exits_1(written, tmp_path):
     run = messy_copy(written, tmp_path)
     code, out, _ = run_cli("verify", str(run))
     assert code == 0, out
-    assert "sizes only; checksums not recorded" in out and "all intact" in out
+    assert "no checksums in 1 of these snapshots (not written by this plugin)" in out and "all intact" in out
     assert "my_notes" not in out and STAGING not in out  # only snapshots are verified
 
     truncated = truncate(run / "epoch_1_step_5")
@@ -331,7 +331,7 @@ def test_verify_checks_recorded_checksums(written, tmp_path):
     run = fresh_copy(written, tmp_path)
     snap = run / "epoch_1_step_8"
     code, out, _ = run_cli("verify", str(snap))
-    assert code == 0 and "sizes+checksums" in out and "sizes only" not in out
+    assert code == 0 and "sizes+checksums" in out and "no checksums" not in out
 
     rel = biggest_file(snap)
     data = bytearray((snap / rel).read_bytes())
@@ -559,6 +559,71 @@ def test_export_writes_weights_that_load_without_the_trainer(written, tmp_path):
     code, _, err = run_cli("export", snap, str(tmp_path / "x.safetensors"), "--key", "optimizer")
     assert code == 2 and "cannot export 'optimizer' as safetensors" in err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# -- DCP checkpoints: the plugin's, stock dcp.save's, torchtnt's DCP saver's -------------------------
+
+
+def test_every_command_reads_dcp_checkpoints_of_the_plugin_stock_dcp_and_torchtnt(written, tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
+
+    unit = ToyUnit()
+    train(unit, StatefulLoader(make_data(20)), max_epochs=2,
+          callbacks=[TorchSnapshotSaver(str(tmp_path / "ours"), save_every_n_train_steps=4, format="dcp")])
+    ours = tmp_path / "ours" / "epoch_2_step_10"
+    model = torch.nn.Linear(4, 3)
+    with warnings.catch_warnings():  # stock DCP warns that it runs without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save({"model": model.state_dict(), "step": 7, "lrs": [0.5, 0.25]}, checkpoint_id=str(tmp_path / "stock" / "epoch_0_step_7"))
+        theirs = ToyUnit(seed=5)
+        train(theirs, StatefulLoader(make_data(16)), max_epochs=1,
+              callbacks=[DistributedCheckpointSaver(str(tmp_path / "tnt"), save_every_n_train_steps=4, async_checkpoint=False)])
+    stock, tnt = tmp_path / "stock" / "epoch_0_step_7", tmp_path / "tnt" / "epoch_0_train_step_4"
+
+    # inspect: the plugin's DCP snapshot by the same paths as its torchsnapshot original, progress summarised
+    code, out, _ = run_cli("inspect", str(ours))
+    assert code == 0 and "train_progress: epoch 2, step 10" in out and "rng_state: torch CPU, python, numpy" in out, out
+    rows = {r["path"]: r for r in as_json("inspect", str(ours))["entries"]}
+    original = {r["path"]: r for r in as_json("inspect", str(written[0] / "run" / "epoch_2_step_10"))["entries"]}
+    assert set(rows) == set(original)
+    assert rows["0/model/0.weight"]["shape"] == [16, 4] and rows["0/train_progress/num_steps_completed"]["value"] == 10
+    rows = {r["path"]: r for r in as_json("inspect", str(stock))["entries"]}
+    assert rows["0/step"]["value"] == 7 and [rows[f"0/lrs/{i}"]["value"] for i in (0, 1)] == [0.5, 0.25]
+    assert rows["0/model/weight"]["kind"] == "tensor" and rows["0/model/weight"]["dtype"] == "float32"
+    assert as_json("inspect", str(tnt))["summary"]["train_progress"]["num_steps_completed"] == 4
+
+    # diff: a DCP snapshot and a torchsnapshot one of the same run, entry by entry
+    doc = as_json("diff", str(ours), str(written[0] / "run" / "epoch_2_step_10"), expect=1)
+    assert "0/model/0.weight" in {d["path"] for d in doc["differences"]}  # another run's weights
+    assert not [d for d in doc["differences"] if d["change"] != "changed"], doc["differences"]
+    code, out, _ = run_cli("diff", str(ours), str(ours))
+    assert code == 0 and out.strip().endswith("identical")
+    doc = as_json("diff", str(tnt), str(tmp_path / "ours" / "epoch_0_step_4"), expect=1)
+    assert {d["path"] for d in doc["differences"] if d["change"] == "removed"} == set()  # the plugin's is a superset
+
+    # export: the weights of each, as they were saved
+    for snapshot, expected in ((ours, weights(unit)), (stock, model.state_dict()), (tnt, None)):
+        code, text, err = run_cli("export", str(snapshot), str(tmp_path / f"{snapshot.parent.name}.pt"))
+        assert code == 0 and "exported model" in text, (snapshot, err)
+        if expected is not None:
+            assert_bitwise_equal(torch.load(tmp_path / f"{snapshot.parent.name}.pt", weights_only=True), expected)
+
+    # ls and verify: the plugin's with checksums; the others say plainly that they hold none
+    code, out, _ = run_cli("verify", str(ours))
+    assert code == 0 and "sizes+checksums" in out and "no checksums" not in out, out
+    for snapshot in (stock, tnt):
+        code, out, _ = run_cli("verify", str(snapshot))
+        assert code == 0 and "intact" in out, out
+        assert ("no checksums: this snapshot was not written by this plugin; its files' sizes and its metadata's "
+                "consistency are checked") in out, out
+        code, out, _ = run_cli("ls", str(snapshot.parent))
+        line = next(line for line in out.splitlines() if line.startswith("no checksums in "))
+        assert snapshot.name in line and "(not written by this plugin): verify checks" in line, out
+        assert {e["checksums_recorded"] for e in as_json("ls", str(snapshot.parent))["entries"]} == {False}
+    assert {e["checksums_recorded"] for e in as_json("ls", str(tmp_path / "ours"))["entries"]} == {True}
 
 
 # -- the console script, in a process of its own ---------------------------------------------------

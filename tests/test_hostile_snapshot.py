@@ -4,9 +4,11 @@ traceback, or drive the terminal.
 
 Each case crafts the newest of two snapshots written by a real torchtnt run, as an attacker
 would (the metadata edited, its checksum and the index's seal written again), and runs it through
-restore_from_latest, restore by path, and all six CLI commands. The cases that do not edit
-torchsnapshot's metadata run for DCP's format too (through ls, verify and prune). Files outside the snapshot are
-FIFOs: opening one for reading would release a writer thread, which the test then sees."""
+restore_from_latest, restore by path, and every CLI command. The cases that do not edit
+torchsnapshot's metadata run for DCP's format too. A DCP ``.metadata`` that is a hostile pickle
+(one that would run code, one naming a class outside DCP's) is refused by restore and by every
+command, naming what it names, with nothing run. Files outside the snapshot are FIFOs: opening one
+for reading would release a writer thread, which the test then sees."""
 
 from __future__ import annotations
 
@@ -238,19 +240,21 @@ PARAMS = [("torchsnapshot", case) for case in CASES] + [("dcp", case) for case i
 
 
 def cli_commands(run: Path, tmp: Path, fmt: str) -> list[list[str]]:
-    commands = [
+    """Every command, on the run or its newest snapshot (each convert to a new DST)."""
+    return [
         ["ls", str(run)],
+        ["ls", str(run / NEW)],
         ["verify", str(run)],
         ["verify", str(run / NEW)],
         ["prune", str(run), "--keep-last", "1", "--dry-run"],
+        ["inspect", str(run / NEW)],
+        ["diff", str(run / OLD), str(run / NEW)],
+        ["export", str(run / NEW), str(tmp / "out.pt"), "--key", "extra", "--force"],
+        ["convert", str(run / NEW), str(tmp / "to_dcp" / NEW), "--to", "dcp"],
+        ["convert", str(run / NEW), str(tmp / "to_torchsnapshot" / NEW), "--to", "torchsnapshot"],
+        ["convert", str(run / NEW), str(tmp / "weights.pt"), "--to", "torch", "--key", "extra"],
+        ["convert", str(run / NEW), str(tmp / "weights"), "--to", "safetensors"],
     ]
-    if fmt == "torchsnapshot":  # the commands that read entries read torchsnapshot's manifest
-        commands += [
-            ["inspect", str(run / NEW)],
-            ["diff", str(run / OLD), str(run / NEW)],
-            ["export", str(run / NEW), str(tmp / "out.pt"), "--key", "extra", "--force"],
-        ]
-    return commands
 
 
 @pytest.mark.parametrize("fmt,case", PARAMS, ids=[f"{fmt}-{case}" for fmt, case in PARAMS])
@@ -301,6 +305,61 @@ def test_a_hostile_snapshot_opens_nothing_outside_runs_nothing_and_prints_no_tra
 
     assert not fifo.opened(), case
     assert not (tmp_path / "marker").exists(), case
+
+
+def _metadata_with(snapshot: Path, planted: Any) -> bytes:
+    """The snapshot's own ``.metadata`` with ``planted`` in one of its fields."""
+    meta = pickle.loads((snapshot / DCP_METADATA).read_bytes())  # the test's own snapshot
+    meta.storage_meta.save_id = planted
+    return pickle.dumps(meta)
+
+
+#: hostile .metadata pickles: (the bytes, from the snapshot and the marker's path; what they name)
+HOSTILE_METADATA: dict[str, tuple[Callable[[Path, str], bytes], str]] = {
+    "a pickle that would run code": (lambda s, marker: pickle.dumps(_Planted(marker)), "posix.mkdir"),
+    "code planted inside DCP's metadata": (lambda s, marker: _metadata_with(s, _Planted(marker)), "posix.mkdir"),
+    "a class outside DCP's": (lambda s, marker: _metadata_with(s, __import__("datetime").date(2026, 1, 1)), "datetime.date"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_METADATA))
+def test_a_hostile_dcp_metadata_is_refused_by_restore_and_every_command_and_nothing_runs(writes, tmp_path, case):
+    run = tmp_path / "run"
+    shutil.copytree(writes("dcp"), run)
+    make, named = HOSTILE_METADATA[case]
+    marker = tmp_path / "marker"
+    data = make(run / NEW, str(marker))
+    (run / NEW / DCP_METADATA).write_bytes(data)
+    _reseal(run / NEW, {DCP_METADATA: data})
+    refusal = f".metadata names {named}, which is not one of DCP's metadata classes: it was refused unread"
+
+    for args in cli_commands(run, tmp_path, "dcp"):
+        result = CliRunner().invoke(cli, args, catch_exceptions=True)
+        out = result.stdout + result.stderr
+        assert result.exception is None or isinstance(result.exception, SystemExit), (args, out, result.exception)
+        assert "Traceback" not in out and refusal in out, (args, out)
+        if args[0] in ("ls", "prune") and args[1] == str(run):  # a listing: the row is damaged, the line names it
+            assert result.exit_code == 0 and f"{NEW}: {refusal}" in result.stdout, (args, out)
+        elif args[0] == "verify":  # damage found
+            assert result.exit_code == 1 and f"{NEW}: {refusal}" in result.stdout, (args, out)
+        elif args[0] == "ls":  # one snapshot's files and its status
+            assert result.exit_code == 0 and "damaged" in result.stdout, (args, out)
+        else:  # a damaged snapshot named by path: bad input, one line
+            assert result.exit_code == 2 and result.stdout == "", (args, out)
+            assert result.stderr.count("\n") == 1 and result.stderr.startswith("tnt-snapshot: error: "), (args, out)
+    assert not any(p.exists() for p in (tmp_path / "to_dcp", tmp_path / "to_torchsnapshot", tmp_path / "weights.pt",
+                                        tmp_path / "weights", tmp_path / "out.pt"))
+
+    fresh = ToyUnit(seed=3)
+    fresh.extra = Holder({"w": torch.zeros(16), "obj": None})
+    with pytest.raises(SnapshotCorruptError, match=named.replace(".", r"\.")):
+        TorchSnapshotSaver.restore(str(run / NEW), fresh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert TorchSnapshotSaver.restore_from_latest(str(run), fresh)
+    assert fresh.train_progress.num_steps_completed == 2
+    assert any(named in str(w.message) and NEW in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert not marker.exists()
 
 
 def test_the_fifo_detector_sees_a_read_open(tmp_path):

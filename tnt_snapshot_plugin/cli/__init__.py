@@ -41,7 +41,7 @@ else:
     _MISSING = None
 
 if _MISSING is None:
-    from tnt_snapshot_plugin.cli import diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
+    from tnt_snapshot_plugin.cli import convert, diff, export, inspect, ls, prune, verify  # noqa: F401  (each registers its command)
     from tnt_snapshot_plugin.cli.app import cli, main
     from tnt_snapshot_plugin.cli.output import safe
     from tnt_snapshot_plugin.cli.prune import PruneCandidate, select_for_pruning

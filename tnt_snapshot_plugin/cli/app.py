@@ -63,7 +63,9 @@ def open_target(target: str, storage_options: Optional[dict[str, Any]], what: st
         raise UsageProblem(str(exc)) from None
 
 
-def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Store, str]:
+def split_path(target: str) -> tuple[str, str]:
+    """(the directory, the snapshot's name) of a snapshot's path or URL (its metadata file's:
+    that snapshot); UsageProblem where it names no snapshot."""
     text = target.rstrip("/")
     scheme, sep, rest = target.partition("://")
     if sep and not rest.strip("/"):
@@ -83,6 +85,12 @@ def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tupl
         head = "/"  # file:///name
     elif not head or head.endswith(":/"):
         raise UsageProblem(f"{target!r} names a bucket or root, not a snapshot")
+    return head, name
+
+
+def split_target(target: str, storage_options: Optional[dict[str, Any]]) -> tuple[Store, str]:
+    """The store of a snapshot's directory and the snapshot's name, for a command that reads it."""
+    head, name = split_path(target)
     store = open_target(head, storage_options)
     _not_a_directory_of_snapshots(store, name, target, storage_options)
     return store, name

@@ -1,15 +1,19 @@
-"""A snapshot's entries for ``inspect``, ``diff`` and ``export``, whatever its format: the
-format lists them (``Format.entries``: each entry's kind, dtype, shape, bytes) and reads their
+"""A snapshot's entries for ``inspect``, ``diff``, ``export`` and ``convert``, whatever its format:
+the format lists them (``Format.entries``: each entry's kind, dtype, shape, bytes) and reads their
 values (``Format.read_entry``, ``Format.read_key``; torch, imported lazily), from a snapshot the
-check restore makes (``format.verify.check``) finds intact."""
+check restore makes (``format.verify.check``) finds intact. A stored object whose format does not
+record what it holds (DCP's pickled values) is read to show it: a number, a string or bytes as a
+value, a list leaf by leaf (the paths torchsnapshot's format gives its items, so that ``diff``
+compares the two formats entry by entry), anything else by its class."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from tnt_snapshot_plugin.cli.app import UsageProblem
 from tnt_snapshot_plugin.cli.survey import FileInfo, snapshot_files
-from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError
+from tnt_snapshot_plugin.errors import SnapshotCorruptError, SnapshotError, UnrestorableStateError
 from tnt_snapshot_plugin.format import verify
 from tnt_snapshot_plugin.format.base import EntryInfo
 from tnt_snapshot_plugin.format.files import SnapshotFiles
@@ -18,13 +22,17 @@ from tnt_snapshot_plugin.stores import Store
 
 #: The plugin's reserved entries (app_state.RESERVED_KEYS; not imported: that module imports torch).
 RESERVED = ("rng_state", "train_dataloader")
+#: The largest stored object of unknown type that is read to show what it holds.
+SMALL_OBJECT_BYTES = 64 * 1024
+#: The types shown as values (torchsnapshot's format records these in its metadata).
+_PRIMITIVES = (int, float, str, bool, bytes)
 
 
 class Snapshot:
     """One snapshot as the commands read it: its verdict (format, parsed metadata), its leaf
     entries by path ``RANK/KEY/...``, and its files, read as restore reads them (checksums)."""
 
-    def __init__(self, store: Store, name: str) -> None:
+    def __init__(self, store: Store, name: str, *, decode_objects: bool = True) -> None:
         self.store, self.name = store, name
         files, _ = snapshot_files(store, name)
         if not any(m in files for m in metadata_files()):
@@ -35,8 +43,11 @@ class Snapshot:
         self.verdict = verify.require_intact(store, name)
         assert self.verdict.format is not None
         self.format = self.verdict.format
-        self.entries = self.format.entries(self.verdict)
         self._files: Optional[SnapshotFiles] = None
+        self._values: dict[str, Any] = {}  # the leaves of stored lists (_decoded), by path
+        self.entries = self.format.entries(self.verdict)
+        if decode_objects:
+            self.entries = self._decoded(self.entries)
 
     @property
     def index(self) -> Optional[dict[str, Any]]:
@@ -55,14 +66,53 @@ class Snapshot:
 
     def value(self, path: str) -> Any:
         """The value of leaf entry ``path``."""
+        if path in self._values:
+            return self._values[path]
         return self.format.read_entry(self.files, self.verdict, path)
 
     def key(self, key: str) -> Any:
         """App-state entry ``key`` whole, as plain data."""
         return self.format.read_key(self.files, self.verdict, key)
 
+    def _decoded(self, entries: dict[str, EntryInfo]) -> dict[str, EntryInfo]:
+        """``entries`` with each small object of unknown type read: a value, or its class."""
+        out = dict(entries)
+        for path, info in entries.items():
+            if info.kind != "object" or info.dtype is not None or (info.nbytes or 0) > SMALL_OBJECT_BYTES:
+                continue
+            try:
+                value = self.value(path)
+            except UnrestorableStateError:
+                continue  # a type this process does not allow-list: an object of unknown type
+            if type(value) is list:  # listed leaf by leaf, as torchsnapshot's format stores a list
+                del out[path]
+                out.update(self._leaves(path, info, value))
+            else:
+                out[path] = _described(info, value)
+        return out
+
+    def _leaves(self, path: str, info: EntryInfo, value: list[Any]) -> dict[str, EntryInfo]:
+        """The leaf entries of a stored list, by the paths torchsnapshot's format gives them."""
+        from tnt_snapshot_plugin.format.torchsnapshot.writer import flatten
+
+        _, leaves = flatten("list", value)
+        out: dict[str, EntryInfo] = {}
+        for sub, item in leaves.items():
+            leaf = path + sub.removeprefix("list")
+            self._values[leaf] = item
+            out[leaf] = _described(replace(info, nbytes=None, locations=[]), item)
+        return out
+
     def top_keys(self) -> set[str]:
         return {path.split("/")[1] for path in self.entries if path.startswith("0/")}
+
+
+def _described(info: EntryInfo, value: Any) -> EntryInfo:
+    """``info`` of an object that was read: a primitive as a value, anything else by its class."""
+    kind = type(value)
+    if kind in _PRIMITIVES:
+        return replace(info, kind="value", type=kind.__name__, dtype=kind.__name__, value=value)
+    return replace(info, kind="object", type="object", dtype=f"{kind.__module__}.{kind.__qualname__}")
 
 
 def entry_rows(snapshot: Snapshot, files: dict[str, FileInfo]) -> list[dict[str, Any]]:
@@ -150,7 +200,7 @@ class _Payloads:
     """The raw bytes of one snapshot's entries, read through the store (inside the snapshot
     only), a few files kept at once."""
 
-    def __init__(self, store: Store, name: str) -> None:
+    def __init__(self, store: Store, name: str, *, decode_objects: bool = True) -> None:
         self.store, self.name = store, name
         self.cache: dict[str, bytes] = {}
 

@@ -23,22 +23,22 @@ def inspect_command(target: str, as_json: bool, endpoint_url: Optional[str], reg
     """Every entry of SNAPSHOT: key path, kind, dtype, shape, bytes, replicated."""
     store, name = split_target(target, s3_options(endpoint_url, region))
     files, _ = snapshot_files(store, name)
-    snapshot = Snapshot(store, name)
-    index = snapshot.index or {}
-    summary = summarize(snapshot)
+    snap = Snapshot(store, name)
+    recorded = snap.index or {}
+    summary = summarize(snap)
     parsed = SnapshotName.parse(name)
     head = {
         "snapshot": store.child(name),
-        "epoch": index.get("epoch", parsed.epoch if parsed else None),
-        "step": index.get("step", parsed.step if parsed else None),
-        "world_size": index.get("world_size", snapshot.world_size),
-        "format": snapshot.format.name,
+        "epoch": recorded.get("epoch", parsed.epoch if parsed else None),
+        "step": recorded.get("step", parsed.step if parsed else None),
+        "world_size": recorded.get("world_size", snap.world_size),
+        "format": snap.format.name,
         "bytes": sum(f.size for f in files.values()),
         "files": len(files),
         "writer": "tnt_snapshot_plugin" if INDEX_FNAME in files else ("torchtnt" if parsed and parsed.phase_aware else None),
     }
     if as_json:
-        emit_json({**head, "summary": summary, "entries": entry_rows(snapshot, files)})
+        emit_json({**head, "summary": summary, "entries": entry_rows(snap, files)})
         return 0
     out = console()
     say(out,
@@ -47,7 +47,7 @@ def inspect_command(target: str, as_json: bool, endpoint_url: Optional[str], reg
     for line in summary_lines(summary):
         say(out, line)
     table = new_table("KEY", "KIND", "DTYPE", "SHAPE/VALUE", "BYTES", "REPLICATED", right=("BYTES",))
-    table.extend(_text_rows(snapshot, files))
+    table.extend(_text_rows(snap, files))
     print_table(out, table)
     kinds: dict[str, int] = {}
     for row in table.rows:

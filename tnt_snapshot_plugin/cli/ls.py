@@ -90,6 +90,10 @@ def ls_command(dirpath: str, as_json: bool, endpoint_url: Optional[str], region:
     total = sum(i.nbytes for i in infos if i.kind == "snapshot")
     parts = [f"{n} {s}" for s, n in counts.items()]
     pick = next((i.name for i in infos if i.restore), None)
+    unchecked = [i.name for i in infos if i.without_checksums]
+    if unchecked:
+        say(out, f"no checksums in {', '.join(unchecked[:3])}{' and more' if len(unchecked) > 3 else ''} "
+                 "(not written by this plugin): verify checks their files' sizes and their metadata's consistency")
     say(out, f"{', '.join(parts) or 'empty'}; {human_size(total)} in snapshots")
     say(out, f"* restore_from_latest would restore {pick}" if pick else "restore_from_latest would find nothing to restore")
     return 0
@@ -120,6 +124,8 @@ def _ls_snapshot(target: str, opts: Optional[dict[str, Any]], as_json: bool) -> 
         about.append(f"world size {info.world_size}")
     if info.committed_at is not None:
         about.append(f"committed {when(info.committed_at)}")
+    if info.without_checksums:
+        about.append("no checksums (not written by this plugin): its files' sizes and metadata are checked")
     say(out, f"{store.child(name)}: {info.status}; {len(rows)} files, {human_size(info.nbytes)}"
              + "".join(f"; {a}" for a in about))
     return 0

@@ -119,23 +119,32 @@ def emit_json(payload: dict[str, Any]) -> None:
 
 
 class Progress:
-    """A transient progress bar on stderr (terminals only); yields ``advance(nbytes)``."""
+    """A transient progress bar on stderr (terminals only); yields ``advance(nbytes)``.
+    ``label``: what it shows beside the bar; ``total``: the bytes expected (None: unknown)."""
 
-    def __init__(self, console: Console, *, enabled: bool) -> None:
+    def __init__(self, console: Console, *, enabled: bool, label: str = "verifying", total: Optional[int] = None) -> None:
         self.enabled = enabled
         self.console = console
+        self.label = label
+        self.total = total
         self.bar: Any = None
+        self._task: Any = None
 
     def __enter__(self) -> Optional[Callable[[int], None]]:
         if not self.enabled:
             return None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-        self.bar = Progress("verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             console=self.console, transient=True)
         self.bar.start()
-        task = self.bar.add_task("verify", total=None)
+        task = self._task = self.bar.add_task(self.label, total=self.total)
         return lambda n: self.bar.advance(task, n)
+
+    def stage(self, label: str, total: Optional[int]) -> None:
+        """Show ``label`` and count ``total`` bytes from zero (a next stage of the work)."""
+        if self.bar is not None:
+            self.bar.reset(self._task, total=total, description=label)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:

@@ -248,6 +248,7 @@ def _prune(store: Store, keep_last: int, keep_best: Optional[str], mode: Optiona
             "failed": failed,
             "keep": [{"name": n, "reason": verdict[n]} for n in order if verdict[n] is not None],
             "untouched": [i.name for i in infos if i.name not in verdict],
+            "damaged": {i.name: i.problems for i in infos if i.status == STATUS_DAMAGED},
         })
     else:
         _report(infos, order, verdict, doomed if dry_run else deleted, failed, dry_run)
@@ -282,6 +283,9 @@ def _report(infos: list[SnapshotInfo], order: list[str], verdict: dict[str, Opti
             "would delete" if dry_run else ("deleted" if name in gone else "FAILED"), style="red")
         table.add_row(name, action, reason or f"older than the kept ones ({human_size(sizes[name])})")
     print_table(out, table)
+    for i in infos:
+        for problem in i.problems if i.status == STATUS_DAMAGED else ():
+            say(out, f"{i.name}: {problem}", style="red")
     others = [i.name for i in infos if i.name not in verdict]
     if others:
         say(out, f"not snapshots, left alone: {', '.join(others)}")

@@ -151,6 +151,13 @@ class SnapshotInfo:
         return self.verdict.metadata if self.verdict is not None else None
 
     @property
+    def without_checksums(self) -> bool:
+        """A committed snapshot another tool wrote (no index of the plugin's): it records no
+        checksums; its files' sizes and its metadata's consistency are what can be checked."""
+        verdict = self.verdict
+        return verdict is not None and verdict.index is None and verdict.index_problem is None
+
+    @property
     def writer(self) -> Optional[str]:
         if self.index is not None or self.kind == "lock" or (self.verdict is not None and self.verdict.index_problem):
             return "tnt_snapshot_plugin"
@@ -202,6 +209,7 @@ class SnapshotInfo:
             "written_by": (self.index or {}).get("writer"),  # {"host", "pid", "run_id"} when recorded
             "restore": self.restore,
             "checksums_checked": self.checksummed,
+            "checksums_recorded": None if self.verdict is None else not self.without_checksums,
             "problems": list(self.problems),
             "note": self.note,
             "holder": self.holder,  # lock and lease files: {"host", "pid", "run_id", "started_at", ...}

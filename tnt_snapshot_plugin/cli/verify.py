@@ -76,6 +76,15 @@ def verify_command(target: str, as_json: bool, endpoint_url: Optional[str], regi
     return 1 if bad else 0
 
 
+def no_checksums(names: list[str], among: int) -> str:
+    """The line saying that snapshots ``names`` (of ``among``) hold no checksums."""
+    if among == 1:
+        return ("no checksums: this snapshot was not written by this plugin; its files' sizes and its "
+                "metadata's consistency are checked")
+    return (f"no checksums in {len(names)} of these snapshots (not written by this plugin): their files' "
+            "sizes and their metadata's consistency are checked")
+
+
 def _checked(i: SnapshotInfo) -> str:
     if i.status == STATUS_INCOMPLETE:
         return "-"
@@ -95,11 +104,11 @@ def _report(target: str, infos: list[SnapshotInfo], bad: list[SnapshotInfo], sin
         for problem in i.problems:
             say(out, f"{i.name}: {problem}", style="red")
     for i in infos:
-        for note in i.note.split("; ") if i.note and "checksums not recorded" not in i.note else ():
+        for note in i.note.split("; ") if i.note and not i.without_checksums else ():
             say(out, f"{i.name}: {note}")
-    unchecked = [i.name for i in infos if "checksums not recorded" in i.note]
+    unchecked = [i.name for i in infos if i.without_checksums]
     if unchecked:
-        say(out, "sizes only; checksums not recorded by " + ("this snapshot" if len(infos) == 1 else f"{len(unchecked)} of these snapshots"))
+        say(out, no_checksums(unchecked, len(infos)))
     if not infos:
         say(out, f"no snapshots in {target}")
     if not single:

@@ -35,7 +35,8 @@ saved whole as one pickled value, as torchsnapshot's format does.
 * :mod:`.layout`: the state dict <-> fully qualified names, and back into state dicts.
 * :mod:`.metadata`: ``.metadata`` read by a restricted unpickler and validated (the one reader).
 * :mod:`.writing`: the seam's writer; :mod:`.checking`: the format's part of ``verify``;
-  :mod:`.reading`: the seam's reader.
+  :mod:`.reading`: the seam's reader; :mod:`.entries`: the entries and values the command line
+  reads.
 
 Importing this package imports no torch: the modules that do are imported when used.
 """
@@ -48,6 +49,7 @@ from tnt_snapshot_plugin.format.registry import BUILTIN_METADATA
 
 if TYPE_CHECKING:
     from tnt_snapshot_plugin.distributed import Collectives
+    from tnt_snapshot_plugin.format.base import EntryInfo
     from tnt_snapshot_plugin.format.dcp.reading import DcpReader
     from tnt_snapshot_plugin.format.dcp.writing import DcpWriter
     from tnt_snapshot_plugin.format.files import SnapshotFiles
@@ -85,6 +87,21 @@ class DcpFormat:
         from tnt_snapshot_plugin.format.dcp.reading import DcpReader
 
         return DcpReader(files, collectives, verdict, weights_only=weights_only)
+
+    def entries(self, verdict: Verdict) -> dict[str, EntryInfo]:
+        from tnt_snapshot_plugin.format.dcp.entries import entries
+
+        return entries(verdict.metadata)
+
+    def read_entry(self, files: SnapshotFiles, verdict: Verdict, path: str) -> Any:
+        from tnt_snapshot_plugin.format.dcp.entries import read_entry
+
+        return read_entry(files, verdict.metadata, path)
+
+    def read_key(self, files: SnapshotFiles, verdict: Verdict, key: str) -> Any:
+        from tnt_snapshot_plugin.format.dcp.entries import read_key
+
+        return read_key(files, verdict.metadata, key)
 
     def __repr__(self) -> str:
         return "DcpFormat()"

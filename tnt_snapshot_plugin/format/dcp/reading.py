@@ -276,7 +276,7 @@ class DcpReader:
             raise self._corrupt(record.relative_path, name, "its value holds a tensor on the meta device, which has no data")
         return value
 
-    def _value(self, name: str) -> Any:
+    def value(self, name: str) -> Any:
         """The whole value of entry ``name``, read without a target."""
         md = self.parsed.entries[name]
         if type(md) is TensorStorageMetadata:
@@ -297,8 +297,8 @@ class DcpReader:
                 if len(by_rank) < self.world_size:
                     differ.append(name)
                     continue
-                first = self._value(by_rank[0])
-                equal = all(_same_value(first, self._value(by_rank[r])) for r in range(1, self.world_size))
+                first = self.value(by_rank[0])
+                equal = all(_same_value(first, self.value(by_rank[r])) for r in range(1, self.world_size))
                 (same if equal else differ).append(name)
         except Exception as exc:  # damaged bytes: every rank raises it as corruption
             return [], [], f"{type(exc).__name__}: {exc}"
