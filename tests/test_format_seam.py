@@ -180,3 +180,15 @@ def test_a_format_nobody_registered_cannot_be_read(tmp_path, fmt):
     unregister_format(fmt.name)
     verdict = verify.check(LocalStore(str(tmp_path)), "epoch_0_step_1")
     assert not verdict.intact and "torchsave-test" in (verdict.problem or "")
+
+
+@pytest.mark.parametrize("bad", ["xyz", "", 3, None])
+def test_a_bad_format_is_refused_naming_the_formats_before_the_dirpath_is_made(tmp_path, bad):
+    from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+    from tnt_snapshot_plugin.errors import ConfigError
+
+    dirpath = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^format must be .*'torchsnapshot', 'dcp'.*got ") as refused:
+        TorchSnapshotSaver(str(dirpath), format=bad)
+    assert repr(bad) in str(refused.value)
+    assert not dirpath.exists()

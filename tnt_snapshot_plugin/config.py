@@ -298,8 +298,8 @@ def _format(value: Any) -> Any:
     if isinstance(getattr(value, "name", None), str) and isinstance(getattr(value, "metadata_file", None), str):
         return value
     raise ConfigError(
-        f"format must be the name of an on-disk format ('torchsnapshot') or a Format object "
-        f"(tnt_snapshot_plugin.format.base.Format), got {value!r}"
+        f"format must be the name of an on-disk format ('torchsnapshot', 'dcp', or one registered "
+        f"with register_format) or a Format object (tnt_snapshot_plugin.Format), got {value!r}"
     )
 
 

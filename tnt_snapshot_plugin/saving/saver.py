@@ -70,6 +70,7 @@ from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, is_initialized
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotFailedWarning, UnrestorableStateError
 from tnt_snapshot_plugin.format.objects import LoadCheck
+from tnt_snapshot_plugin.format.registry import get_format
 from tnt_snapshot_plugin.hooks import new_plugin_manager
 from tnt_snapshot_plugin.metrics import MetricsReporter
 from tnt_snapshot_plugin.naming import SnapshotName
@@ -108,6 +109,7 @@ class Snapshotter:
         weights_only: bool = True,
         metric: Optional[Callable[[], Optional[tuple[str, float]]]] = None,
     ) -> None:
+        get_format(config.format)  # a name no format answers to is refused before dirpath is made
         self.config = config
         #: the plugin hooks: a manager of this saver's own (entry-point plugins loaded) unless given
         self.hooks = SaverHooks(
