@@ -661,8 +661,8 @@ def world_of_one():
 
 
 def test_a_world_of_one_process_falls_back_and_restores_share_one_group(snapshots, world_of_one, monkeypatch):
-    # With a process group initialised, the restore used to make (and destroy) a gloo group each
-    # time, and a damaged newest snapshot raised as under a real multi-rank job.
+    # With a process group of one initialised, restores share one gloo group (none made and
+    # destroyed each time), and a damaged newest snapshot falls back as without a group.
     dirpath, step_weights = snapshots
     drop_index_and_truncate(largest_data_file(dirpath / "epoch_0_step_4"))
     made = []

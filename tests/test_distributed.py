@@ -351,9 +351,10 @@ def test_a_flipped_byte_on_one_rank_makes_every_rank_fall_back_together(tmp_path
 
 
 def test_a_users_load_state_dict_failing_on_one_rank_stops_every_rank(tmp_path):
-    """Rank 0 loaded everything and used to return, to train on alone and wait in training's
-    first collective for the process group's timeout; now it raises DistributedError naming
-    rank 1's error, and rank 1 raises its own, as in one process."""
+    """Rank 0 loads everything and rank 1's load_state_dict fails: rank 0 does not return to
+    train on alone (and wait in training's first collective for the process group's timeout);
+    it raises DistributedError naming rank 1's error, and rank 1 raises its own, as in one
+    process."""
     rank0, rank1 = run_ranks("own_error", tmp_path)
     assert (rank1["error"], rank1["message"]) == ("ValueError", "this rank's own load_state_dict failed")
     assert rank0["error"] == "DistributedError", rank0

@@ -215,8 +215,9 @@ class Collectives:
 
 
 #: How much training time passes between two agreements of :class:`AgreedFlag`, at most about:
-#: rank 0 sets the number of steps between them from its step time. Starting a gloo all-reduce
-#: costs about 0.4 ms on the project's machine; once per step that was 0.4 ms a step.
+#: rank 0 sets the number of steps between them from its step time. A gloo all-reduce has a
+#: fixed cost that, paid at every step, would be a step's cost of its own
+#: (``benchmarks/hooks.py`` measures the hooks under torch.distributed).
 AGREE_EVERY_S = 0.25
 #: ... and never more steps than this between two agreements.
 AGREE_MAX_STEPS = 1000

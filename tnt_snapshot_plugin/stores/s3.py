@@ -60,8 +60,8 @@ MULTIPART_BYTES = 64 * 1024 * 1024
 
 #: botocore's loader of its own data files (the S3 service model, the endpoint rules), the one
 #: thing the stores' clients share: read-only data botocore ships, loaded once per process, so
-#: building a store's client costs about 10 ms instead of 65 ms (measured on the project's
-#: machine). No client, session, credential or connection is shared: each store builds its own.
+#: that building a store's client does not parse the service model again. No client, session,
+#: credential or connection is shared: each store builds its own.
 _data_loader: Optional[Any] = None
 _data_loader_lock = threading.Lock()
 
