@@ -197,6 +197,29 @@ def test_a_symlink_out_of_a_local_snapshot_is_refused(tmp_path):
     assert not (tmp_path / "planted").exists()
 
 
+def test_is_inside_resolves_the_links_on_the_way_and_nothing_else_leads_out(tmp_path):
+    """The check that keeps a manifest's file inside its snapshot: a link (of the file or of a
+    folder on the way) is followed, wherever it points; a missing file is inside (its read fails)."""
+    from tnt_snapshot_plugin.stores.fileio import is_inside
+
+    real = tmp_path / "real"
+    (real / "snap" / "0").mkdir(parents=True)
+    (real / "snap" / "0" / "f").write_bytes(b"x")
+    (tmp_path / "secret").write_bytes(b"s")
+    os.symlink(real, tmp_path / "root")  # the root itself a link: resolved once
+    os.symlink(tmp_path / "secret", real / "snap" / "0" / "out")
+    os.symlink(tmp_path, real / "snap" / "up")
+    os.symlink(real / "snap" / "0" / "f", real / "snap" / "0" / "in")
+    root = str(tmp_path / "root" / "snap")
+    for rel, inside in [
+        ("0/f", True), ("0/in", True), ("0/missing", True), ("./0/f", True),
+        ("0/out", False), ("up/secret", False), ("up/real/snap/0/f", True),
+        ("../secret", False), ("0/../../secret", False), (str(tmp_path / "secret"), False),
+    ]:
+        assert is_inside(root, rel) is inside, rel
+        assert is_inside(root, rel, os.path.realpath(root)) is inside, rel
+
+
 def test_begin_commit_list_verify_remove(store):
     assert listing.complete_snapshots(store) == []
     write_snapshot(store, "epoch_0_step_1")

@@ -71,9 +71,33 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
 _sync_file_range = _load_sync_file_range()
 
 
-def is_inside(root: str, rel: str) -> bool:
-    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``."""
-    return os.path.realpath(os.path.join(root, rel)).startswith(os.path.join(os.path.realpath(root), ""))
+def is_inside(root: str, rel: str, real_root: Optional[str] = None) -> bool:
+    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``.
+    ``real_root``: ``os.path.realpath(root)``, for a caller that checks many files of one root.
+    Only ``rel``'s own components are looked at (one ``lstat`` each, not one for every component
+    of the whole path); a ``rel`` that is absolute, holds ``..`` or passes through a symlink is
+    resolved whole."""
+    if real_root is None:
+        real_root = os.path.realpath(root)
+    parts = rel.split("/")
+    if rel.startswith("/") or ".." in parts:
+        return _resolves_inside(real_root, rel)
+    path = real_root
+    for part in parts:
+        if part in ("", "."):
+            continue
+        path = os.path.join(path, part)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return True  # missing: the open that follows reports it
+        if stat.S_ISLNK(mode):
+            return _resolves_inside(real_root, rel)
+    return True
+
+
+def _resolves_inside(real_root: str, rel: str) -> bool:
+    return os.path.realpath(os.path.join(real_root, rel)).startswith(os.path.join(real_root, ""))
 
 
 def byte_views(data: Sequence[Any]) -> list[Any]:
@@ -217,10 +241,11 @@ def read_ahead(root: str, files: Iterable[tuple[str, Optional[int]]], limit: int
     if advise is None:
         return 0
     announced = 0
+    real_root = os.path.realpath(root)
     for location, size in files:
-        if announced >= limit or size == 0:
-            continue
-        if not is_inside(root, location):
+        if announced >= limit:
+            break
+        if size == 0 or not is_inside(root, location, real_root):
             continue
         try:
             fd = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -307,8 +332,9 @@ def preadv_into(
     for index, (location, offset, buf) in enumerate(reads):
         by_file.setdefault(location, []).append((offset, buf, index))
         nbytes += buf.nbytes
+    real_root = os.path.realpath(root)
     for location in by_file:
-        if not is_inside(root, location):
+        if not is_inside(root, location, real_root):
             raise error(
                 f"the manifest of {root} names the file {location!r}, outside the snapshot: "
                 "the snapshot is damaged"
