@@ -226,9 +226,15 @@ class _Restore:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
         request, coll = self.request, self.coll
         verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
-        reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
-        present = reader.keys()
+        error: Optional[SnapshotError] = None
+        try:
+            reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+            present = reader.keys()
+        except SnapshotError as exc:  # raised after the ranks' decision on plugins, which all make
+            error, present = exc, set()
         self.pm = self.plugins_for(present)
+        if error is not None:
+            raise error
         wanted = self.wanted()
         restore_rng = True
         if reader.world_size != coll.world_size:
