@@ -220,6 +220,27 @@ def test_is_inside_resolves_the_links_on_the_way_and_nothing_else_leads_out(tmp_
         assert is_inside(root, rel, os.path.realpath(root)) is inside, rel
 
 
+def test_read_ahead_announces_the_files_inside_up_to_its_limit_and_never_raises(tmp_path):
+    """A hint: the bytes announced are those of regular files inside the root, in order, up to
+    the limit; a missing file, a FIFO, a link out and a path with ".." are skipped."""
+    from tnt_snapshot_plugin.stores.fileio import read_ahead
+
+    root = tmp_path / "snap"
+    (root / "0").mkdir(parents=True)
+    (root / "0" / "a").write_bytes(b"a" * 1000)
+    (root / "0" / "b").write_bytes(b"b" * 3000)
+    (tmp_path / "secret").write_bytes(b"s" * 500)
+    os.symlink(tmp_path / "secret", root / "out")
+    os.mkfifo(root / "fifo")
+    files = [("missing", None), ("fifo", None), ("out", None), ("../secret", None), ("0/a", None), ("0/b", 2000)]
+    assert read_ahead(str(root), files) == 3000
+    assert read_ahead(str(root), files, limit=1500) == 1500
+    assert read_ahead(str(root), [("0/a", 0)]) == 0
+    store = LocalStore(str(tmp_path))
+    store.read_ahead("snap", files)  # the store's hint: nothing raised, for any name
+    store.read_ahead("../elsewhere", files)
+
+
 def test_begin_commit_list_verify_remove(store):
     assert listing.complete_snapshots(store) == []
     write_snapshot(store, "epoch_0_step_1")
