@@ -170,9 +170,10 @@ class _Restore:
             read_index=self.verdict is None,
         )
         self.files.read_ahead()  # the disk reads the payloads while the reads are planned
-        self.format = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
-        if self.format is None:
+        fmt = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
+        if fmt is None:
             raise verify.damaged(self.path, "it holds the metadata of no format this version reads")
+        self.format = fmt
         self.store, self.name = store, name
         return store, name
 
