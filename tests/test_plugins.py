@@ -150,6 +150,50 @@ def test_a_plugin_on_one_saver_never_reaches_another_saver_or_its_restore(tmp_pa
     assert seen == ["epoch_0_step_2_loss=0.5"]
 
 
+def test_a_restore_without_a_manager_loads_the_entry_point_plugins_only_for_entries_it_does_not_name(
+    tmp_path, monkeypatch
+):
+    """Loading the entry-point plugins reads every installed distribution (milliseconds): a
+    restore given no manager does it only when the snapshot holds an entry the request does not
+    name, which a plugin's extra state may claim; never when a manager is passed in."""
+    from tnt_snapshot_plugin.restoring import request
+
+    made = []
+
+    def counted():
+        made.append(new_plugin_manager())
+        return made[-1]
+
+    monkeypatch.setattr(request, "new_plugin_manager", counted)
+
+    class Counter:
+        def state_dict(self):
+            return {"n": 1}
+
+        def load_state_dict(self, state):
+            pass
+
+    class Extra:
+        @hookimpl
+        def tnt_snapshot_plugin_extra_state(self, event, epoch, step):
+            return {"plugin_extra": Counter()}
+
+    plain = saver(tmp_path / "plain", save_every_n_train_steps=1)
+    extra = saver(tmp_path / "extra", save_every_n_train_steps=1)
+    extra.register(Extra())
+    drive(plain, 1)
+    drive(extra, 1)
+    target = {"model": torch.nn.Linear(2, 2)}
+    restore(str(tmp_path / "plain" / "epoch_0_step_1"), target)
+    assert made == []
+    restore(str(tmp_path / "extra" / "epoch_0_step_1"), target, plugin_manager=extra.plugin_manager)
+    assert made == []
+    restore(str(tmp_path / "extra" / "epoch_0_step_1"), {**target, "plugin_extra": Counter()})
+    assert made == []  # named by the app state: no plugin needed to claim it
+    restore(str(tmp_path / "extra" / "epoch_0_step_1"), target)
+    assert len(made) == 1 and isinstance(made[0], PluginManager)
+
+
 @pytest.mark.frameworks
 def test_each_new_manager_loads_the_entry_point_plugins_afresh():
     first, second = new_plugin_manager(), new_plugin_manager()

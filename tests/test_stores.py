@@ -197,6 +197,50 @@ def test_a_symlink_out_of_a_local_snapshot_is_refused(tmp_path):
     assert not (tmp_path / "planted").exists()
 
 
+def test_is_inside_resolves_the_links_on_the_way_and_nothing_else_leads_out(tmp_path):
+    """The check that keeps a manifest's file inside its snapshot: a link (of the file or of a
+    folder on the way) is followed, wherever it points; a missing file is inside (its read fails)."""
+    from tnt_snapshot_plugin.stores.fileio import is_inside
+
+    real = tmp_path / "real"
+    (real / "snap" / "0").mkdir(parents=True)
+    (real / "snap" / "0" / "f").write_bytes(b"x")
+    (tmp_path / "secret").write_bytes(b"s")
+    os.symlink(real, tmp_path / "root")  # the root itself a link: resolved once
+    os.symlink(tmp_path / "secret", real / "snap" / "0" / "out")
+    os.symlink(tmp_path, real / "snap" / "up")
+    os.symlink(real / "snap" / "0" / "f", real / "snap" / "0" / "in")
+    root = str(tmp_path / "root" / "snap")
+    for rel, inside in [
+        ("0/f", True), ("0/in", True), ("0/missing", True), ("./0/f", True),
+        ("0/out", False), ("up/secret", False), ("up/real/snap/0/f", True),
+        ("../secret", False), ("0/../../secret", False), (str(tmp_path / "secret"), False),
+    ]:
+        assert is_inside(root, rel) is inside, rel
+        assert is_inside(root, rel, os.path.realpath(root)) is inside, rel
+
+
+def test_read_ahead_announces_the_files_inside_up_to_its_limit_and_never_raises(tmp_path):
+    """A hint: the bytes announced are those of regular files inside the root, in order, up to
+    the limit; a missing file, a FIFO, a link out and a path with ".." are skipped."""
+    from tnt_snapshot_plugin.stores.fileio import read_ahead
+
+    root = tmp_path / "snap"
+    (root / "0").mkdir(parents=True)
+    (root / "0" / "a").write_bytes(b"a" * 1000)
+    (root / "0" / "b").write_bytes(b"b" * 3000)
+    (tmp_path / "secret").write_bytes(b"s" * 500)
+    os.symlink(tmp_path / "secret", root / "out")
+    os.mkfifo(root / "fifo")
+    files = [("missing", None), ("fifo", None), ("out", None), ("../secret", None), ("0/a", None), ("0/b", 2000)]
+    assert read_ahead(str(root), files) == 3000
+    assert read_ahead(str(root), files, limit=1500) == 1500
+    assert read_ahead(str(root), [("0/a", 0)]) == 0
+    store = LocalStore(str(tmp_path))
+    store.read_ahead("snap", files)  # the store's hint: nothing raised, for any name
+    store.read_ahead("../elsewhere", files)
+
+
 def test_begin_commit_list_verify_remove(store):
     assert listing.complete_snapshots(store) == []
     write_snapshot(store, "epoch_0_step_1")

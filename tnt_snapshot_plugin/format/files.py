@@ -53,6 +53,13 @@ class SnapshotFiles:
                 index = index_file.parse(data, path)
         return cls(store, name, path, index, concurrency=concurrency)
 
+    def read_ahead(self) -> None:
+        """Tell the store that the files the index lists are read next (in name order, as the
+        reads take them), so that a store that can fetch ahead starts now (``Store.read_ahead``);
+        nothing for a snapshot without an index, or one whose files each rank's part lists."""
+        if self._parts is None and self._sizes:
+            self.store.read_ahead(self.name, sorted(self._sizes.items()))
+
     def _load_parts(self, rels: Any) -> None:
         if self._parts is None:
             return

@@ -218,7 +218,7 @@ class _Fallbacks:
             if not self.damaged:
                 self.before = _optional_state(self.request.app_state, self.optional)
             try:
-                loaded = self._request_for(name).restore(path, checked[0] if checked else None)
+                loaded = self._request_for(name).restore(path, checked[0] if checked else None, store=self.store)
             except SnapshotCorruptError as exc:
                 if self.coll.world_size > 1 and not getattr(exc, "all_ranks", False):
                     raise  # raised on this rank only: the others cannot follow to another snapshot

@@ -34,8 +34,9 @@ from tnt_snapshot_plugin.errors import (
 from tnt_snapshot_plugin.format import verify
 from tnt_snapshot_plugin.format.base import FormatReader
 from tnt_snapshot_plugin.format.files import SnapshotFiles
+from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.objects import allowed_globals
-from tnt_snapshot_plugin.format.registry import format_of, get_format
+from tnt_snapshot_plugin.format.registry import format_of, get_format, metadata_files
 from tnt_snapshot_plugin.hooks import extra_state_sources, new_plugin_manager
 from tnt_snapshot_plugin.restoring.agreement import (
     StatefulError,
@@ -60,8 +61,11 @@ class RestoreRequest:
     adapter reads a framework's own checkpoint this way). ``io_concurrency``: files (object-store
     ranges) a rank reads at once (None: the store's default). ``weights_only=False`` unpickles
     object entries with full pickle (trusted snapshots only). ``plugin_manager``: the saver's
-    (its ``tnt_snapshot_plugin_extra_state`` and ``after_restore`` hooks are called); None: a new
-    manager with the entry-point plugins only. ``planner``: a DCP ``LoadPlanner`` that plans the
+    (its ``tnt_snapshot_plugin_extra_state`` and ``after_restore`` hooks are called); None: the
+    entry-point plugins, loaded only when the snapshot holds entries that neither ``app_state``
+    nor ``optional_keys`` name (entries a plugin's extra state may claim; on several ranks, when
+    any rank's snapshot view holds one): a restore of the app state's own entries reads no
+    entry points and calls no hooks. ``planner``: a DCP ``LoadPlanner`` that plans the
     tensor reads of a snapshot in DCP's format (``DcpReader.plan_with``); ConfigError for a
     snapshot in a format that has no planner.
     """
@@ -91,12 +95,15 @@ class RestoreRequest:
         with Collectives.create(process_group, collective_timeout(collective_timeout_s), for_restore=True) as collectives:
             yield self.replace(collectives=collectives)
 
-    def restore(self, path: str, checked: Optional[verify.Verdict] = None) -> list[str]:
+    def restore(self, path: str, checked: Optional[verify.Verdict] = None, *, store: Optional[Store] = None) -> list[str]:
         """Load snapshot ``path``; the keys loaded (the RNG state last). ``checked``: rank 0's
         verdict on it (``verify.check``), whose parsed metadata is used instead of reading it
         again; without one, rank 0 makes that check first, and a snapshot it finds damaged is
-        refused on every rank (SnapshotCorruptError) before anything is read into the state."""
-        return _Restore(self, path, checked).run()
+        refused on every rank (SnapshotCorruptError) before anything is read into the state.
+        ``store``: the open store of the directory holding ``path`` (rank 0's, as every rank's
+        is under torch.distributed), used instead of opening one (an S3 store makes a client,
+        tens of milliseconds)."""
+        return _Restore(self, path, checked, store).run()
 
 
 @dataclass
@@ -114,10 +121,15 @@ class _Checked:
 class _Restore:
     """The phases of one restore of ``path``."""
 
-    def __init__(self, request: RestoreRequest, path: str, checked: Optional[verify.Verdict]) -> None:
+    def __init__(
+        self, request: RestoreRequest, path: str, checked: Optional[verify.Verdict], store: Optional[Store] = None
+    ) -> None:
         self.request = request
+        self.opened = store  # the caller's store of the snapshot's directory, or None
         self.coll = request.collectives or Collectives(None)
-        self.pm = request.plugin_manager if request.plugin_manager is not None else new_plugin_manager()
+        #: the hooks called: the request's manager; without one, the entry-point plugins where
+        #: the snapshot holds entries the request does not name (``plugins_for``), else none
+        self.pm: Optional[pluggy.PluginManager] = request.plugin_manager
         self.path = path
         self.verdict = checked
         self.started = time.perf_counter()
@@ -137,7 +149,8 @@ class _Restore:
         states, own_error = self.read(checked, order)
         keys = self.load(checked, order, states, own_error)
         logger.info("restored snapshot %s in %.3fs (%s)", self.path, time.perf_counter() - self.started, ", ".join(keys))
-        self.pm.hook.tnt_snapshot_plugin_after_restore(path=self.path, keys=keys)
+        if self.pm is not None:
+            self.pm.hook.tnt_snapshot_plugin_after_restore(path=self.path, keys=keys)
         return keys
 
     # -- resolve ------------------------------------------------------------------------------
@@ -146,7 +159,9 @@ class _Restore:
         """The snapshot (rank 0's path), complete, and intact as ``verify.check`` finds it."""
         self.path, checked = self.coll.broadcast((self.path, self.verdict is not None))
         dirpath, name = split_snapshot_path(self.path)
-        store = open_store(dirpath, self.request.storage_options)
+        store = self.opened if self.opened is not None else open_store(dirpath, self.request.storage_options)
+        if not checked:  # the index and metadata read next, fetched together
+            store.read_ahead(name, [(INDEX_FNAME, None), *((metadata, None) for metadata in metadata_files())])
         require_complete(store, name, self.path, self.coll)
         if not checked:
             self.verdict = self.checked(store, name)
@@ -158,9 +173,11 @@ class _Restore:
             index=self.verdict.index if self.verdict is not None else None,
             read_index=self.verdict is None,
         )
-        self.format = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
-        if self.format is None:
+        self.files.read_ahead()  # the disk reads the payloads while the reads are planned
+        fmt = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
+        if fmt is None:
             raise verify.damaged(self.path, "it holds the metadata of no format this version reads")
+        self.format = fmt
         self.store, self.name = store, name
         return store, name
 
@@ -185,10 +202,24 @@ class _Restore:
 
     # -- check --------------------------------------------------------------------------------
 
+    def plugins_for(self, present: set[str]) -> Optional[pluggy.PluginManager]:
+        """The request's manager; without one, a new manager with the entry-point plugins
+        (``new_plugin_manager``: the installed distributions read, a few milliseconds) only when
+        the snapshot holds entries the request does not name, which a plugin's extra state may
+        claim; on several ranks when any rank's view holds one (the ranks decide alike: a
+        plugin's ``load_state_dict`` may run collectives). None: no hooks to call."""
+        if self.request.plugin_manager is not None:
+            return self.request.plugin_manager
+        named = set(self.request.app_state) | set(self.request.optional_keys) | {RNG_STATE_KEY}
+        unnamed = bool(present - named)
+        if self.coll.world_size > 1:
+            unnamed = any(self.coll.all_gather(unnamed))
+        return new_plugin_manager() if unnamed else None
+
     def wanted(self) -> dict[str, Any]:
         """The app state and every plugin's extra state, their keys checked for collisions."""
         app_state = self.request.app_state
-        sources = extra_state_sources(self.pm, "restore", -1, -1)
+        sources = extra_state_sources(self.pm, "restore", -1, -1) if self.pm is not None else []
         # Adapters check the unit's own keys before adding reserved entries (the train dataloader).
         check_collisions([k for k in app_state if k not in RESERVED_KEYS], sources)
         wanted = dict(app_state)
@@ -199,11 +230,16 @@ class _Restore:
     def check(self, store: Store, name: str) -> _Checked:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
         request, coll = self.request, self.coll
-        wanted = self.wanted()
-        assert self.format is not None  # resolve() found it
         verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
-        assert self.format is not None  # resolve() found it
-        reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+        error: Optional[SnapshotError] = None
+        try:
+            reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+            present = reader.keys()
+        except SnapshotError as exc:  # raised after the ranks' decision on plugins, which all make
+            error, present = exc, set()
+        self.pm = self.plugins_for(present)
+        if error is not None:
+            raise error
         if request.planner is not None:
             plan_with = getattr(reader, "plan_with", None)
             if plan_with is None:
@@ -212,7 +248,7 @@ class _Restore:
                     f"{self.format.name} format, which has no planner: pass planner=None to restore it"
                 )
             plan_with(request.planner)
-        present = reader.keys()
+        wanted = self.wanted()
         restore_rng = True
         if reader.world_size != coll.world_size:
             mapped = present if request.rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present

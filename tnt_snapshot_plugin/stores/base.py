@@ -160,6 +160,13 @@ class Store:
         the store's default; ``max_per_rank_io_concurrency``)."""
         raise NotImplementedError
 
+    def read_ahead(self, name: str, files: Sequence[tuple[str, Optional[int]]]) -> None:
+        """A hint: files of child ``name`` (``(rel, size)`` each, size None: the whole file) are
+        read soon, in that order. A store that can fetch ahead without holding the caller
+        starts now (local disk: the kernel reads the first of them into the page cache while
+        restore checks the metadata and plans its reads); by default nothing happens. Never
+        raises: a file that is missing or outside the snapshot is left to the read itself."""
+
     def publish(self, staging: str, final: str) -> None:
         """:class:`AtomicRename`'s last step: make child ``staging`` durable and rename it to
         ``final``, replacing a snapshot of the plugin's already named ``final`` (never anything

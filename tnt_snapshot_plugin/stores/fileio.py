@@ -7,6 +7,8 @@
 * Reads: :func:`preadv_into` (bytes straight into caller-owned buffers, each file in offset
   order, one ``preadv`` per run of adjacent ranges, a few files at once on the caller's
   :class:`ReadThreads`, with the kernel told ahead which ranges follow).
+* Read-ahead: :func:`read_ahead` (a hint, early in a restore: the kernel starts reading the
+  files that follow while the caller checks and plans).
 * Path check: :func:`is_inside` (a local path, symlinks resolved): a file named by a manifest
   never escapes its snapshot.
 
@@ -18,10 +20,9 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
-
-import numpy as np
 
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
 # to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
@@ -38,6 +39,10 @@ IOV_MAX = 1024
 #: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
+#: :func:`read_ahead` announces at most this many bytes: it runs on the caller's thread (the
+#: kernel takes about 0.3 ms a MiB to start the reads, on the project's machine), early in a
+#: restore, so that the disk reads while the metadata is checked and the reads planned.
+READ_AHEAD_EARLY_BYTES = 16 * 1024 * 1024
 #: :func:`preadv_into` reads up to this many files at once. Measured on the project's machine
 #: (64 files of 16 MiB from a cold page cache, 8 rounds): one file at a time 0.63-2.3 s (median
 #: 1.43 s), two at a time 0.56-1.12 s (0.62 s), four 0.54-0.85 s (0.57 s); mmap and copy 0.75 s.
@@ -66,9 +71,33 @@ def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
 _sync_file_range = _load_sync_file_range()
 
 
-def is_inside(root: str, rel: str) -> bool:
-    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``."""
-    return os.path.realpath(os.path.join(root, rel)).startswith(os.path.join(os.path.realpath(root), ""))
+def is_inside(root: str, rel: str, real_root: Optional[str] = None) -> bool:
+    """Whether ``root/rel`` (symlinks resolved) lies inside the directory ``root``.
+    ``real_root``: ``os.path.realpath(root)``, for a caller that checks many files of one root.
+    Only ``rel``'s own components are looked at (one ``lstat`` each, not one for every component
+    of the whole path); a ``rel`` that is absolute, holds ``..`` or passes through a symlink is
+    resolved whole."""
+    if real_root is None:
+        real_root = os.path.realpath(root)
+    parts = rel.split("/")
+    if rel.startswith("/") or ".." in parts:
+        return _resolves_inside(real_root, rel)
+    path = real_root
+    for part in parts:
+        if part in ("", "."):
+            continue
+        path = os.path.join(path, part)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return True  # missing: the open that follows reports it
+        if stat.S_ISLNK(mode):
+            return _resolves_inside(real_root, rel)
+    return True
+
+
+def _resolves_inside(real_root: str, rel: str) -> bool:
+    return os.path.realpath(os.path.join(real_root, rel)).startswith(os.path.join(real_root, ""))
 
 
 def byte_views(data: Sequence[Any]) -> list[Any]:
@@ -87,11 +116,10 @@ def byte_views(data: Sequence[Any]) -> list[Any]:
 
 def is_flat_bytes(buf: Any) -> bool:
     """Whether ``buf`` is a flat ``uint8`` numpy array (``format.common.flat_bytes``): a byte
-    view already, used as it is."""
-    return type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype is _UINT8
-
-
-_UINT8 = np.dtype(np.uint8)
+    view already, used as it is. numpy is not imported here: a process that has not imported
+    it holds no such array."""
+    np = sys.modules.get("numpy")
+    return np is not None and type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype.char == "B"
 
 
 def write_gathered(fd: int, views: list[memoryview]) -> None:
@@ -203,6 +231,40 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def read_ahead(root: str, files: Iterable[tuple[str, Optional[int]]], limit: int = READ_AHEAD_EARLY_BYTES) -> int:
+    """Ask the kernel to start reading ``files`` of ``root`` (``(file, size)`` each, in the order
+    they will be read; size None: the whole file) into the page cache, up to ``limit`` bytes in
+    all (a file that does not fit is announced up to the limit); the bytes announced. A hint
+    only: a file that is missing, not a regular file or outside ``root`` is skipped, and no
+    error is raised (the read that follows reports it)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return 0
+    announced = 0
+    real_root = os.path.realpath(root)
+    for location, size in files:
+        if announced >= limit:
+            break
+        if size == 0 or not is_inside(root, location, real_root):
+            continue
+        try:
+            fd = os.open(os.path.join(root, location), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            length = min(info.st_size if size is None else size, limit - announced)
+            advise(fd, 0, length, os.POSIX_FADV_WILLNEED)
+            announced += length
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return announced
+
+
 def _runs(items: list[tuple[int, memoryview, int]]) -> Iterator[tuple[int, list[memoryview], list[int]]]:
     """Sorted ``(offset, buffer, index)`` reads grouped into runs of adjacent byte ranges (the
     tensors packed end to end in one file), at most IOV_MAX buffers each: one ``preadv`` call a
@@ -270,8 +332,9 @@ def preadv_into(
     for index, (location, offset, buf) in enumerate(reads):
         by_file.setdefault(location, []).append((offset, buf, index))
         nbytes += buf.nbytes
+    real_root = os.path.realpath(root)
     for location in by_file:
-        if not is_inside(root, location):
+        if not is_inside(root, location, real_root):
             raise error(
                 f"the manifest of {root} names the file {location!r}, outside the snapshot: "
                 "the snapshot is damaged"
@@ -426,6 +489,7 @@ __all__ = [
     "fsync_dir",
     "is_inside",
     "preadv_into",
+    "read_ahead",
     "write_durably",
     "write_gathered",
 ]

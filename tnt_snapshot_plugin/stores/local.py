@@ -38,6 +38,7 @@ from tnt_snapshot_plugin.stores.base import (
     Done,
     Read,
     Store,
+    check_child_name,
 )
 from tnt_snapshot_plugin.stores.commit import AtomicRename
 from tnt_snapshot_plugin.stores.ownership import busy_error, hold_lost, holder_text, writer_of_token
@@ -264,6 +265,13 @@ class LocalStore(Store):
                 f"{exc.filename or root}: a file the snapshot names cannot be read "
                 f"({exc.strerror}); the snapshot is damaged"
             ) from exc
+
+    def read_ahead(self, name: str, files: Sequence[tuple[str, Optional[int]]]) -> None:
+        try:
+            check_child_name(self.url, name)
+        except SnapshotError:
+            return  # a hint: the read itself refuses the name
+        fileio.read_ahead(os.path.join(self.root, name), files)
 
     def begin(self, staging: str, writer: dict[str, Any]) -> None:
         self._inside_dirs = set()
