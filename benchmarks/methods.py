@@ -251,7 +251,9 @@ class DCP(Method):
       memory, synchronously, before it returns);
     * ``process``: ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``: the copy, then the
       write in a daemon process DCP spawns at the first save and keeps (its start, several
-      seconds of importing torch and joining a gloo group, falls in the warm-up snapshot);
+      seconds of importing torch and joining a gloo group, falls in the warm-up snapshot); the
+      tensors reach it through shared memory, with torch's ``file_system`` sharing strategy
+      (with the default ``file_descriptor``, 10,000 tensors fail: "Too many open files");
     * ``stager``: ``async_stager=DefaultStager(...)``, one stager kept across saves (it reuses
       its staging buffers), staging in its background thread. ``DefaultStager()`` with its
       default ``StagingOptions`` raises on a machine without an accelerator (``AssertionError:
@@ -284,9 +286,16 @@ class DCP(Method):
                 )
             )
         if self.mode == "process":
+            import torch.multiprocessing as mp
+
             # The daemon's gloo group meets at MASTER_ADDR, else at the host's fully qualified
             # name, which need not resolve to an address of this host.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            # The staged tensors go to the daemon through shared memory, by default one open file
+            # descriptor per tensor: at 10,000 tensors that meets a limit of 20,000 open files
+            # ("Too many open files"). torch's remedy is the file_system sharing strategy.
+            self._sharing = mp.get_sharing_strategy()
+            mp.set_sharing_strategy("file_system")
 
     def save(self, step: int) -> tuple[float, float, str]:
         import torch.distributed.checkpoint as dcp
@@ -321,6 +330,10 @@ class DCP(Method):
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self.mode == "process":
+            import torch.multiprocessing as mp
+
+            mp.set_sharing_strategy(self._sharing)
 
 
 class TorchtntDCPSaver(_TntMethod):
