@@ -5,6 +5,7 @@ process, interleaved (on, off, off, on, ...), medians.
     python benchmarks/checksum_cost.py                     # 1 GiB (64 x 16 MiB) and 10,000 x 4 KiB
     python benchmarks/checksum_cost.py --states 1GiB --reps 5
     python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
+    python benchmarks/checksum_cost.py --states 1GiB --format dcp      # the snapshots in DCP's format
 
 Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payload``,
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
@@ -19,6 +20,10 @@ only: ``writer_job.record_views`` returns a record of no algorithm and ``writer_
 hasher that hashes nothing (the files are written in the same pieces), and restore then finds no record of its algorithm to check (nothing checked).
 "on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
 and reading threads: CPU spent, not time added, when they overlap other threads' I/O).
+
+``--format dcp`` takes the same snapshots in DCP's format (``SnapshotConfig(format="dcp")``): its
+writer hands the writer job the same payloads (one view a record), so the same two steps are
+timed or replaced, and its reader verifies through the same ``Verifier.check_reads``.
 
 Reported per state: durable and restore medians on and off; what checksums add to each (the
 difference of the medians, and the time inside the checksum calls) as a share of the time without
@@ -150,10 +155,12 @@ def cpu_seconds() -> float:
 
 
 def checksum_cost(
-    model: torch.nn.Module, target: torch.nn.Module, reps: int, workdir: Optional[str] = None, log: Any = None
+    model: torch.nn.Module, target: torch.nn.Module, reps: int, workdir: Optional[str] = None, log: Any = None,
+    format: str = "torchsnapshot",
 ) -> dict[str, Any]:
     """Durable save of ``model`` and cold restore into ``target`` (same shapes), with and without
-    checksums, ``reps`` rounds after one warm-up round; medians and shares (see module doc)."""
+    checksums, ``reps`` rounds after one warm-up round, snapshots in ``format``; medians and
+    shares (see module doc)."""
     from tnt_snapshot_plugin import SnapshotConfig, Snapshotter, restore
 
     sources = list(model.state_dict().values())
@@ -169,7 +176,9 @@ def checksum_cost(
                 with checksums_mode(name == "on", timer):
                     saver = Snapshotter(
                         dirpath,
-                        SnapshotConfig.build(async_snapshot=False, save_on_train_end=False, preemption_signals=[]),
+                        SnapshotConfig.build(
+                            async_snapshot=False, save_on_train_end=False, preemption_signals=[], format=format,
+                        ),
                     )
                     saver.train_start(["model"], 0, 0)
                     timer.reset()
@@ -204,7 +213,7 @@ def checksum_cost(
                 shutil.rmtree(dirpath)
                 if log is not None:
                     print(
-                        f"    checksums {name}: durable {durable:.3f}s (hashing {timer.write_s:.3f}s), "
+                        f"    checksums {name} ({format}): durable {durable:.3f}s (hashing {timer.write_s:.3f}s), "
                         f"restore {restored:.3f}s (verifying {timer.read_s:.3f}s)",
                         file=log, flush=True,
                     )
@@ -213,6 +222,7 @@ def checksum_cost(
     on = {k: median(v) for k, v in samples["on"].items()}
     off = {k: median(v) for k, v in samples["off"].items()}
     return {
+        "format": format,
         "tensors": len(sources),
         "state_bytes": sum(t.numel() * t.element_size() for t in sources),
         "reps": reps,
@@ -250,6 +260,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=None, help="instead: this many tensors of --tensor-kib")
     parser.add_argument("--tensor-kib", type=int, default=None)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--format", default="torchsnapshot", choices=("torchsnapshot", "dcp"),
+                        help="the snapshots' on-disk format")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -267,9 +279,9 @@ def main() -> None:
     for label, (count, numel) in states.items():
         print(f"{label}: {count} x {numel * 4 // 1024} KiB", flush=True)
         model, target = make_model(count, numel, 0), make_model(count, numel, 1)
-        results[label] = checksum_cost(model, target, args.reps, args.dir, log=sys.stdout)
+        results[label] = checksum_cost(model, target, args.reps, args.dir, log=sys.stdout, format=args.format)
         del model, target
-        print(describe(label, results[label]), flush=True)
+        print(describe(f"{label} ({args.format})", results[label]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

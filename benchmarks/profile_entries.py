@@ -5,6 +5,7 @@ snapshot's stall, the synchronous snapshot (the write itself, to durable) and th
     python benchmarks/profile_entries.py                       # 10,000 x 4 KiB, 3 rounds
     python benchmarks/profile_entries.py --count 2000 --top 40 --phases restore
     python benchmarks/profile_entries.py --dump /tmp/prof      # also save .prof files (snakeviz, pstats)
+    python benchmarks/profile_entries.py --format dcp          # the snapshots in DCP's format
     py-spy record --idle --threads -f raw -o sync.txt -- \\
         python benchmarks/profile_entries.py --top 0 --phases sync --rounds 10
 
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="functions listed (0: no cProfile, timing only)")
     parser.add_argument("--phases", nargs="*", default=list(PHASES), choices=PHASES)
     parser.add_argument("--io-threads", type=int, default=None, help="the saver's max_per_rank_io_concurrency")
+    parser.add_argument("--format", default="torchsnapshot", choices=("torchsnapshot", "dcp"),
+                        help="the snapshots' on-disk format")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--dump", default=None, help="a directory for the .prof files")
     args = parser.parse_args()
@@ -116,7 +119,8 @@ def main() -> None:
         def saver(asynchronous: bool) -> Any:
             if asynchronous not in savers:
                 config = SnapshotConfig.build(
-                    async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[], **knobs
+                    async_snapshot=asynchronous, save_on_train_end=False, preemption_signals=[],
+                    format=args.format, **knobs,
                 )
                 s = savers[asynchronous] = Snapshotter(os.path.join(root, f"async{asynchronous}"), config)
                 s.train_start(["model"], 0, 0)

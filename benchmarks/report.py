@@ -25,6 +25,10 @@ TARGETS = {
     "checksums": 0.05,  # checksums add <= 5% to durable (at 1 GiB) and to restore time
     "first_stall": 1.2,  # the first async snapshot stalls <= 1.2x the second
 }
+#: The plugin's row in DCP's format against the stock DCP rows (issue 34): large states; at many
+#: small tensors durable and restore <= 1/3 of the fastest stock DCP row's (3x faster). The stall
+#: and the checksums are held to the limits above, as the plugin's other rows.
+TARGETS_DCP = {"durable_vs_dcp": 1.0, "restore_vs_dcp": 1.0, "small_vs_dcp": 1 / 3}
 #: States of many small tensors (10,000 x 4 KiB; --quick: 500 x 4 KiB), issue 11.
 TARGETS_SMALL = {
     "stall_copy": 1.5,  # async stall <= the model's state_dict() time + 1.5x the copy floor
@@ -179,7 +183,7 @@ def size_targets(size: dict[str, Any]) -> list[dict[str, Any]]:
     best_restore = _best(rows, "restore_s")
     out: list[dict[str, Any]] = []
     add = out.append
-    plugin_rows = [r for r in rows if not r.get("peer")]
+    plugin_rows = [r for r in rows if not r.get("peer") and r.get("format") != "dcp"]
     for r in plugin_rows:
         mode = "async" if r["async"] else "sync"
         name = f"{mode}: "
@@ -247,6 +251,61 @@ def size_targets(size: dict[str, Any]) -> list[dict[str, Any]]:
             f"restore {_fmt_s(sums['on']['restore'])} with, {_fmt_s(sums['off']['restore'])} without "
             f"({_pct(sums['restore_added'])}); inside Verifier.check_reads: {_fmt_s(sums['on']['hash_read'])} = "
             f"{sums['restore_verifying'] * 100:.1f}% of the restore (summed over the reading threads)",
+        ))
+    return out + dcp_targets(size)
+
+
+def dcp_targets(size: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of the plugin's rows in DCP's format (issue 34): the stall as the plugin's other
+    rows; durable and restore against the fastest stock DCP row (``family`` "dcp"); the checksums
+    at 1 GiB in DCP's format (``checksums_dcp``)."""
+    scope = size["label"]
+    rows = size["methods"]
+    floors = size["floors"]
+    small = profile(size) == "small"
+    stock = [r for r in rows if r.get("family") == "dcp" and "error" not in r]
+    out: list[dict[str, Any]] = []
+    add = out.append
+    for r in (r for r in rows if not r.get("peer") and r.get("format") == "dcp"):
+        name = f"dcp format, {'async' if r['async'] else 'sync'}: "
+        if "error" in r or r.get("stall_s") is None:
+            add(_target(scope, name + "ran", None, 1.0, "x", f"failed: {r.get('error', 'no figures')[:80]}"))
+            continue
+        stall = r["stall_s"]
+        if r["async"] and small:
+            budget = floors.get("state_dict_s", 0.0) + TARGETS_SMALL["stall_copy"] * floors["copy_s"]
+            add(_target(scope, name + "stall / (state_dict() + 1.5x copy floor)", stall / budget, 1.0, "x",
+                        f"stall {_fmt_s(stall)}; budget {_fmt_s(budget)}"))
+        elif r["async"]:
+            add(_target(scope, name + "stall / copy floor", stall / floors["copy_s"], TARGETS["stall"], "x",
+                        f"stall {_fmt_s(stall)}, copy floor {_fmt_s(floors['copy_s'])}"))
+        for key, what, limit in (
+            ("durable_s", "durable", TARGETS_DCP["durable_vs_dcp"]),
+            ("restore_s", "restore", TARGETS_DCP["restore_vs_dcp"]),
+        ):
+            peers = [p for p in stock if p.get(key) is not None]
+            if r.get(key) is None or not peers:
+                add(_target(scope, name + f"{what} / fastest stock DCP row", None, limit, "x"))
+                continue
+            fastest = min(peers, key=lambda p: p[key])
+            add(_target(
+                scope, name + f"{what} / fastest stock DCP row", r[key] / fastest[key],
+                TARGETS_DCP["small_vs_dcp"] if small else limit, "x",
+                f"{_fmt_s(r[key])} vs {_fmt_s(fastest[key])} ({fastest['name']})",
+            ))
+    sums = size.get("checksums_dcp")
+    if sums is not None:
+        add(_target(
+            scope, "dcp format, checksums: added durable time / durable without", sums["durable_added"],
+            None if small else TARGETS["checksums"], "%",
+            f"sync save {_fmt_s(sums['on']['durable'])} with, {_fmt_s(sums['off']['durable'])} without; "
+            f"inside the checksum calls: {_fmt_s(sums['on']['hash_write'])} = "
+            f"{sums['durable_hashing'] * 100:.1f}% of durable (summed over the I/O threads)",
+        ))
+        add(_target(
+            scope, "dcp format, checksums: added restore time / restore without", sums["restore_added"], None, "%",
+            f"restore {_fmt_s(sums['on']['restore'])} with, {_fmt_s(sums['off']['restore'])} without; "
+            f"inside Verifier.check_reads: {_fmt_s(sums['on']['hash_read'])}",
         ))
     return out
 

@@ -141,7 +141,10 @@ def save_phase(
     first = tensors_of(model)[0]
     os.makedirs(root, exist_ok=True)
     peak = PeakRSS()
-    result: dict[str, Any] = {"name": method.name, "peer": method.peer, "async": method.asynchronous}
+    result: dict[str, Any] = {
+        "name": method.name, "peer": method.peer, "async": method.asynchronous,
+        "format": method.format or None, "family": method.family or None,
+    }
     stalls: list[float] = []
     durables: list[float] = []
     previous: Optional[str] = None
@@ -286,6 +289,14 @@ def run_size(
         except Exception as exc:
             size["checksums_error"] = f"{type(exc).__name__}: {exc}"
             print(f"  checksum cost: FAILED {size['checksums_error']}", file=log, flush=True)
+        if any(m.format == "dcp" for m in methods):
+            # The same in DCP's format, when the plugin's DCP row runs.
+            print(f"  checksum cost in DCP's format ({reps} rounds, interleaved) ...", file=log, flush=True)
+            try:
+                size["checksums_dcp"] = checksum_cost(model, target, reps, workdir, log, format="dcp")
+            except Exception as exc:
+                size["checksums_dcp_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  checksum cost (dcp): FAILED {size['checksums_dcp_error']}", file=log, flush=True)
     return size
 
 

@@ -22,13 +22,17 @@ HANG_S = 3600
 METHODS = [
     "tnt_snapshot_plugin async",
     "tnt_snapshot_plugin sync",
+    "tnt_snapshot_plugin (dcp) async",
     "torchtnt TorchSnapshotSaver async",
     "torchtnt TorchSnapshotSaver sync",
     "torchsnapshot Snapshot.async_take",
     "torchsnapshot Snapshot.take",
     "torch.save / torch.load(mmap=True)",
     "torch.distributed.checkpoint async_save",
+    "torch.distributed.checkpoint async_save (PROCESS)",
+    "torch.distributed.checkpoint async_save + DefaultStager",
     "torch.distributed.checkpoint save",
+    "torchtnt DistributedCheckpointSaver async",
     "Lightning save_checkpoint + AsyncCheckpointIO",
     "Lightning ModelCheckpoint (save_checkpoint)",
 ]
@@ -97,6 +101,9 @@ def test_smoke_benchmark_produces_the_table_and_the_json(tmp_path):
         sums = size["checksums"]
         assert sums["on"]["durable"] > 0 and sums["off"]["restore"] > 0
         assert sums["on"]["hash_write"] > 0 and sums["off"]["hash_write"] == 0
+        dcp_sums = size["checksums_dcp"]  # the same in DCP's format (the plugin's DCP row ran)
+        assert dcp_sums["format"] == "dcp" and dcp_sums["on"]["durable"] > 0
+        assert dcp_sums["on"]["hash_write"] > 0 and dcp_sums["off"]["hash_write"] == 0
     first = results["first_stall"]
     assert len(first["prepared"]["stalls"]) == len(first["not prepared"]["stalls"]) == 1
     # the step time during a write (benchmarks/step_during_write.py): every method, both steps
@@ -129,6 +136,16 @@ def test_smoke_benchmark_produces_the_table_and_the_json(tmp_path):
     small = [t["target"] for t in results["sizes"][1]["targets"]]
     assert "async: stall / (state_dict() + 1.5x copy floor)" in small
     assert "checksums: added restore time / restore without" in small
+    # the plugin's DCP row is held to its own targets, against the fastest stock DCP row
+    for size in results["sizes"]:
+        dcp = [t for t in size["targets"] if t["target"].startswith("dcp format")]
+        assert [t["target"] for t in dcp if "stock DCP" in t["target"]] == [
+            "dcp format, async: durable / fastest stock DCP row",
+            "dcp format, async: restore / fastest stock DCP row",
+        ], dcp
+        assert all(t["value"] is not None for t in dcp), dcp
+        # ... and not to the torchsnapshot rows' (one async row of those: one async stall target)
+        assert sum(t["target"].startswith("async: stall") for t in size["targets"]) == 1
 
     table = table_file.read_text()
     assert table in proc.stdout  # printed too
