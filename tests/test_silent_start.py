@@ -29,6 +29,7 @@ from tnt_snapshot_plugin import (
     ProgressOnlyWarning,
     SnapshotCorruptError,
     SnapshotFallbackWarning,
+    StateMismatchError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, train_toy, weights
@@ -99,10 +100,13 @@ def test_a_dirpath_of_other_tools_checkpoints_names_them(tmp_path):
     message = _only(seen, NothingToRestoreWarning)
     assert f"dirpath {dirpath} holds no snapshot to restore, only " in message
     assert "other tools' checkpoint files (epoch=0-step=4.ckpt, last.ckpt)" in message
-    assert "torch.distributed.checkpoint checkpoints (dcp_step_4)" in message
-    assert "snapshots never committed, without .snapshot_metadata or .metadata (epoch_0_train_step_4)" in message
+    assert "torch.distributed.checkpoint checkpoints under names that order nothing, restored by path only (dcp_step_4)" in message
+    assert (
+        "other tools' checkpoints without their metadata file (.snapshot_metadata or .metadata), which nothing "
+        "says are complete (epoch_0_train_step_4)"
+    ) in message
     assert "other files (notes.txt): nothing was restored" in message
-    assert "pass the dirpath the saver wrote to" in message
+    assert "pass the dirpath the saver wrote to, or restore a checkpoint by path" in message
 
 
 def test_a_dirpath_whose_snapshots_are_all_damaged_raises_and_names_each(tmp_path):
@@ -319,18 +323,21 @@ def test_a_restore_target_that_is_not_a_unit_fails_at_once_saying_what_to_pass(t
 
 
 @pytest.mark.slow
-def test_lightning_last_in_a_dirpath_of_other_checkpoints_warns_naming_them(tmp_path):
+def test_lightning_last_on_a_last_ckpt_that_is_no_lightning_checkpoint_says_so_naming_it(tmp_path):
+    """ckpt_path="last" resumes from the newest ModelCheckpoint file of the dirpath when no
+    snapshot is newer; a file of that name that Lightning did not write is refused, named, before
+    Lightning reads it, never a KeyError from inside Lightning, never a silent fresh start."""
     from lightning_toy import ToyModule, make_trainer, plain_loader
 
     from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as LightningSaver
 
     dirpath = tmp_path / "ckpts"
     dirpath.mkdir()
-    torch.save({"state_dict": {}}, dirpath / "last.ckpt")  # ModelCheckpoint's, in the saver's dirpath
+    torch.save({"state_dict": {}}, dirpath / "last.ckpt")  # named as ModelCheckpoint's, not written by it
     saver = LightningSaver(str(dirpath), every_n_epochs=1)
-    with pytest.warns(NothingToRestoreWarning) as seen:
+    with pytest.raises(StateMismatchError) as refused:
         make_trainer(tmp_path, [saver], max_epochs=1).fit(ToyModule(), plain_loader(8), ckpt_path="last")
-    message = _only(seen, NothingToRestoreWarning)
-    assert message.startswith(f'ckpt_path="last": dirpath {dirpath} holds no snapshot to restore, only ')
-    assert "only other tools' checkpoint files (last.ckpt): nothing was restored" in message
-    assert "training starts from the beginning" in message
+    message = str(refused.value)
+    assert message.startswith(f"{dirpath / 'last.ckpt'} is not a Lightning checkpoint (no pytorch-lightning_version in it)")
+    assert "pass another ckpt_path" in message
+    assert not [p for p in dirpath.iterdir() if p.name.startswith("epoch_")]  # nothing was trained

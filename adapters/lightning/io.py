@@ -223,8 +223,12 @@ def load_model_checkpoint(path: str, map_location: Optional[Any]) -> dict[str, A
                 "with torch.serialization.add_safe_globals([...]) before fit; if you trust the file "
                 f'(you wrote it), pass fit(..., ckpt_path="{path}", weights_only=False)'
             ) from exc
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise StateMismatchError(f"{path} is not a Lightning checkpoint (no state_dict in it); pass another ckpt_path")
+    missing = [key for key in ("state_dict", "pytorch-lightning_version") if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise StateMismatchError(
+            f"{path} is not a Lightning checkpoint (no {' or '.join(missing)} in it): move it out of "
+            "the saver's dirpath, or pass another ckpt_path"
+        )
     return checkpoint
 
 

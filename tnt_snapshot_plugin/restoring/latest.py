@@ -291,8 +291,9 @@ def found_in(store: Store) -> Found:
     )
     return Found(
         f"holds no snapshot to restore, only {held}",
-        f"restore reads snapshots in the formats {', '.join(registry.names())} (directories holding "
-        f"{' or '.join(registry.metadata_files())}) only; pass the dirpath the saver wrote to",
+        f"restore_from_latest reads directories holding {' or '.join(registry.metadata_files())} "
+        "named epoch_E_step_S, epoch_E_train_step_S or step-N; pass the dirpath the saver wrote to, "
+        "or restore a checkpoint by path",
         False,
     )
 
@@ -316,7 +317,7 @@ def _kind(store: Store, name: str, is_dir: bool) -> str:
             )
         return f"snapshots never committed, without {' or '.join(registry.metadata_files())}"
     if store.has_file(name, ".metadata"):
-        return "torch.distributed.checkpoint checkpoints"
+        return "torch.distributed.checkpoint checkpoints under names that order nothing, restored by path only"
     return "other directories"
 
 
