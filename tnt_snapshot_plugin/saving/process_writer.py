@@ -49,7 +49,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Optional
 
-
 from tnt_snapshot_plugin.errors import ConfigError, SnapshotWriteError, causes
 from tnt_snapshot_plugin.format.base import Payload
 from tnt_snapshot_plugin.saving.payloads import DEFAULT_IO_THREADS, PayloadWrites, io_pool
