@@ -7,7 +7,7 @@ process, interleaved (on, off, off, on, ...), medians.
     python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
     python benchmarks/checksum_cost.py --states 1GiB --format dcp      # the snapshots in DCP's format
 
-Where the checksums are computed: on the write side in ``writer_job.SnapshotWriter._write_payload``,
+Where the checksums are computed: on the write side in ``saving.payloads.write_one`` (``writer_job``),
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
 of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
 ``checksums.Verifier.check_reads`` (``check`` for each read but the common one), called as each
@@ -82,7 +82,7 @@ class _Timer:
 def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     """The plugin with its checksum steps timed (on) or replaced by nothing (off)."""
     from tnt_snapshot_plugin.format import checksums
-    from tnt_snapshot_plugin.saving import writer as writer_job
+    from tnt_snapshot_plugin.saving import payloads as writer_job  # where the writers hash
 
     # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
     assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"

@@ -37,6 +37,7 @@ from tnt_snapshot_plugin import (
     restore_from_latest,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.config import Knobs
 from tnt_snapshot_plugin.stores import fileio
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, train_toy, weights
 
@@ -510,10 +511,11 @@ class DiskControl(Callback):
             self.disk.free()
 
 
-def test_disk_full_warns_once_until_a_snapshot_succeeds(small_disk, caplog):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_disk_full_warns_once_until_a_snapshot_succeeds(small_disk, caplog, writer):
     caplog.set_level(logging.INFO, logger="tnt_snapshot_plugin")
     dirpath = small_disk.snapshots
-    saver = TorchSnapshotSaver(small_disk.dirpath, save_every_n_train_steps=1)
+    saver = TorchSnapshotSaver(small_disk.dirpath, save_every_n_train_steps=1, knob_options=Knobs(writer=writer))
     by_step: dict[int, list[str]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -559,9 +561,12 @@ def test_disk_full_warns_once_until_a_snapshot_succeeds(small_disk, caplog):
         assert_bitwise_equal(weights(fresh), record.weights[step])
 
 
-def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(small_disk):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_disk_full_with_raise_policy_stops_training_and_keeps_older_snapshots(small_disk, writer):
     dirpath = small_disk.snapshots
-    saver = TorchSnapshotSaver(small_disk.dirpath, save_every_n_train_steps=1, on_save_error="raise")
+    saver = TorchSnapshotSaver(
+        small_disk.dirpath, save_every_n_train_steps=1, on_save_error="raise", knob_options=Knobs(writer=writer)
+    )
     record = Record()
     unit = ToyUnit()
     with pytest.raises(SnapshotWriteError, match=r"epoch_0_step_3 \(epoch 0, step 3\) failed.*No space left on device"):

@@ -29,7 +29,7 @@ from torchtnt.framework.train import train
 
 from tnt_snapshot_plugin import SnapshotFailedWarning, SnapshotWriteError
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
-from tnt_snapshot_plugin.saving import writer as writer_job
+from tnt_snapshot_plugin.saving import payloads as writer_job
 from toy import (
     Holder,
     StatefulLoader,
@@ -59,7 +59,7 @@ def test_a_write_refused_after_a_failed_one_is_never_the_error_reported(tmp_path
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     faulty.hook("write_payload", before=no_space)
-    submit = writer_job._Writes.submit
+    submit = writer_job.PayloadWrites.submit
     submitted: list[str] = []
 
     def submit_after_the_failure(self: Any, payload: Any) -> None:
@@ -70,7 +70,7 @@ def test_a_write_refused_after_a_failed_one_is_never_the_error_reported(tmp_path
         submitted.append(payload.rel)
         submit(self, payload)
 
-    monkeypatch.setattr(writer_job._Writes, "submit", submit_after_the_failure)
+    monkeypatch.setattr(writer_job.PayloadWrites, "submit", submit_after_the_failure)
     unit = ToyUnit()
     unit.payload = Holder({"big": torch.randn(OWN_FILE)})
     saver = TorchSnapshotSaver(dirpath, save_every_n_train_steps=1, async_snapshot=False, on_save_error="raise")

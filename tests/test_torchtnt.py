@@ -15,6 +15,7 @@ from tnt_snapshot_plugin import (
     StateMismatchError,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
+from tnt_snapshot_plugin.config import Knobs
 from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, seed_everything, weights
 
 
@@ -73,13 +74,16 @@ def run_uninterrupted(epochs: int) -> dict[str, torch.Tensor]:
     return weights(unit)
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 @pytest.mark.parametrize("fail_at_step", [7, 10, 13])  # mid-epoch, epoch boundary, mid-epoch 2
-def test_resume_after_exception_is_bitwise_identical(tmp_path, fail_at_step):
+def test_resume_after_exception_is_bitwise_identical(tmp_path, fail_at_step, writer):
     expected = run_uninterrupted(epochs=2)
 
     seed_everything(7)
     unit = ToyUnit(seed=0, fail_at_step=fail_at_step)
-    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=3, save_every_n_epochs=1)
+    saver = TorchSnapshotSaver(
+        str(tmp_path), save_every_n_train_steps=3, save_every_n_epochs=1, knob_options=Knobs(writer=writer)
+    )
     with pytest.raises(RuntimeError, match="injected failure"):
         train(unit, StatefulLoader(make_data(40), seed=3), max_epochs=2, callbacks=[saver])
 

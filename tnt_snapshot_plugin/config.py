@@ -93,10 +93,18 @@ class Knobs:
     default: 8 local files, ``fileio.READ_THREADS``; on S3, ``stores.s3.FETCH_WORKERS`` ranged
     GETs). ``enable_storage_optimization``: accepted and ignored; the files are torchsnapshot's
     format, uncompressed. (The torchtnt adapter maps torchtnt's ``KnobOptions`` onto it.)
+
+    ``writer``: who writes the payload files of asynchronous snapshots. ``"thread"``: I/O threads
+    of the training process. ``"process"``: a writer process per rank, started at train start,
+    reading the staging buffers from shared memory (``saving/process_writer.py``): its Python never
+    holds the training process's GIL. It needs a store the writer process can open again from
+    its URL (local disk, ``s3://``, fsspec URLs; ConfigError otherwise) and
+    ``async_snapshot=True``. None: ``saving.writer.DEFAULT_WRITER``, where the store allows it.
     """
 
     max_per_rank_io_concurrency: Optional[int] = None
     enable_storage_optimization: bool = False
+    writer: Optional[str] = None
 
     def __post_init__(self) -> None:
         positive_int_or_none("max_per_rank_io_concurrency", self.max_per_rank_io_concurrency)
@@ -104,6 +112,14 @@ class Knobs:
             raise ConfigError(
                 f"enable_storage_optimization must be True or False, got {self.enable_storage_optimization!r}"
             )
+        if self.writer not in WRITERS:
+            raise ConfigError(
+                f"writer must be 'thread', 'process' or None (the default), got {self.writer!r}"
+            )
+
+
+#: The writers of asynchronous snapshots ``Knobs(writer=...)`` names (None: the default).
+WRITERS = (None, "thread", "process")
 
 
 #: The directions a metric ranks snapshots in: the lowest value is best, or the highest.
@@ -231,6 +247,11 @@ class SnapshotConfig:
         )
         if knobs is not None and not isinstance(knobs, Knobs):
             raise ConfigError(f"knobs must be a Knobs (tnt_snapshot_plugin.config) or None, got {knobs!r}")
+        if knobs is not None and knobs.writer == "process" and async_snapshot is False:
+            raise ConfigError(
+                "knobs.writer='process' writes asynchronous snapshots in a writer process, but "
+                "async_snapshot=False writes each snapshot on the training thread; pass one of them"
+            )
         return cls(
             best=_best(best_metric, best_mode, best_k, dict(names or {})),
             save_every_n_train_steps=positive_int_or_none("save_every_n_train_steps", save_every_n_train_steps),

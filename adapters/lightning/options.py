@@ -97,6 +97,7 @@ def saver_config(arguments: dict[str, Any]) -> SnapshotConfig:
         best_k=best_k,
         names={"best_metric": "monitor", "best_mode": "mode", "best_k": "save_top_k"},
         format=a.get("format", "torchsnapshot"),
+        knobs=a.get("knobs"),
     )
 
 

@@ -183,6 +183,9 @@ class TorchSnapshotSaver(ModelCheckpoint):
         format: the on-disk format: ``"torchsnapshot"`` (default) or ``"dcp"``
             (``torch.distributed.checkpoint``'s, which ``dcp.load`` reads). ``ckpt_path`` resumes
             from either.
+        knobs: :class:`~tnt_snapshot_plugin.config.Knobs` (I/O threads per rank; ``writer``:
+            ``"thread"`` or ``"process"``, who writes the payload files of asynchronous
+            snapshots) or None (the defaults).
 
     ``ModelCheckpoint``'s ``filename``, ``save_weights_only``, ``auto_insert_metric_name``,
     ``enable_version_counter`` and ``save_on_exception`` have no meaning here: passing one raises
@@ -228,6 +231,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
         plugin_manager: Optional[pluggy.PluginManager] = None,
         weights_only: bool = True,
         format: Any = "torchsnapshot",
+        knobs: Any = None,
         **not_applicable: Any,
     ) -> None:
         # ModelCheckpoint.__init__ configures the .ckpt files this class replaces by snapshots.
@@ -243,7 +247,7 @@ class TorchSnapshotSaver(ModelCheckpoint):
             keep_last_n_checkpoints=keep_last_n_checkpoints, async_snapshot=async_snapshot,
             save_on_train_end=save_on_train_end, on_save_error=on_save_error,
             preemption_signals=preemption_signals, collective_timeout_s=collective_timeout_s,
-            weights_only=weights_only, format=format,
+            weights_only=weights_only, format=format, knobs=knobs,
         )
         self._config = saver_config(self._arguments)
         self.verbose, self.save_last = verbose, save_last

@@ -24,7 +24,9 @@ How a snapshot is taken (asynchronous mode):
    into reused staging buffers. This copy is the whole stall; training then mutates its tensors
    freely.
 2. on a background thread: :class:`~tnt_snapshot_plugin.saving.writer.SnapshotWriter` writes the copies in
-   torchsnapshot's format under a staging name (every file fsynced and checksummed); the ranks
+   torchsnapshot's format under a staging name (every file fsynced and checksummed; with
+   ``Knobs(writer="process")`` the payload files by the rank's writer process, which reads the
+   copies from shared memory and is started at train start and stopped at train end); the ranks
    agree whether every rank wrote everything; rank 0 commits (the manifest and the index, with
    the commit sequence number, by the store's commit strategy); retention (retention.py)
    deletes older snapshots only then.
@@ -206,6 +208,7 @@ class Snapshotter:
         self._coll.on_rank0(self._store.check_writable)
         self._writer = SnapshotWriter(self._store, self._coll, self.config, self._load_check)
         self._writer.protected = self.protected
+        self._stager = Stager(allocate=self._writer.allocate)  # shared with a writer process, if any
         self._guard = RunGuard(self._store, self._coll, self._writer, self.hooks.name, self._metric)
 
     def register(self, plugin: Any, name: Optional[str] = None) -> Optional[str]:
@@ -252,6 +255,7 @@ class Snapshotter:
                 stacklevel=3,
             )
         self.trigger.start(self._flag_coll, self.collectives.rank)
+        self.writer.start()  # the writer process, if any: started once a run, not per snapshot
 
     def prepare(self, app_state: Callable[[], Mapping[str, Any]]) -> None:
         """Allocate and touch the staging buffers of asynchronous snapshots now, for the state
@@ -373,7 +377,7 @@ class Snapshotter:
         self.report_metrics(None)
         self._prepare_again = None
         if self.jobs.pending is None:
-            self._stager = Stager()
+            self._stager = Stager(allocate=None if self._writer is None else self._writer.allocate)
             if self._writer is not None:
                 self._writer.close()
             self.jobs.close()

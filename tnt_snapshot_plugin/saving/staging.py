@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from operator import attrgetter, eq
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -96,9 +96,9 @@ def _normal_tensors() -> Any:
     return torch.inference_mode(False)
 
 
-def _arena_views(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_Group]]:
+def _arena_views(values: list[torch.Tensor], empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[torch.Tensor], list[_Group]]:
     """Staging buffers for ``values`` (CPU plain tensors): views, in order, into one new flat
-    tensor per dtype; and the groups that copy into them (see _Layout)."""
+    tensor per dtype (``empty(numel, dtype)``); and the groups that copy into them (see _Layout)."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, value in enumerate(values):
         by_dtype.setdefault(value.dtype, []).append(i)
@@ -106,7 +106,7 @@ def _arena_views(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_
     groups: list[_Group] = []
     for dtype, indices in by_dtype.items():
         with _normal_tensors():  # reused by later snapshots, taken outside inference mode too
-            arena = torch.empty(sum(values[i].numel() for i in indices), dtype=dtype)
+            arena = empty(sum(values[i].numel() for i in indices), dtype)
         at = 0
         for i in indices:
             n = values[i].numel()
@@ -138,9 +138,13 @@ class Stager:
     dict whose keys and tensor shapes are those of last time is matched to its buffers in one
     pass without rebuilding anything. Tensors on an accelerator are copied into pinned host buffers with non-blocking
     copies and one synchronisation per device at the end.
+
+    ``allocate(numel, dtype)``: where every buffer comes from, a new flat tensor (the process
+    writer's shared memory; its buffers are then not pinned); None: ``torch.empty``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None) -> None:
+        self._allocate = allocate
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._used: set[tuple[Any, ...]] = set()
@@ -152,6 +156,9 @@ class Stager:
         self._cats: list[_Cat] = []
         #: the last stage's source tensors, until the caller takes them (``take_sources``)
         self._sources: Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]] = None
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype) if self._allocate is None else self._allocate(numel, dtype)
 
     @staticmethod
     def _on_device(tensor: torch.Tensor) -> bool:
@@ -212,14 +219,18 @@ class Stager:
     def _buffer(self, where: tuple[Any, ...], obj: torch.Tensor) -> tuple[torch.Tensor, bool]:
         on_device = self._on_device(obj)
         buf = self._buffers.get(where)
+        pin = on_device and self._allocate is None and _can_pin()
         if (
             buf is None
             or buf.shape != obj.shape
             or buf.dtype != obj.dtype
-            or (on_device and not buf.is_pinned() and _can_pin())
+            or (pin and not buf.is_pinned())
         ):
             with _normal_tensors():
-                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=on_device and _can_pin())
+                if self._allocate is None:
+                    buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin)
+                else:
+                    buf = self._allocate(obj.numel(), obj.dtype).view(obj.shape)
             self._buffers[where] = buf
         self._used.add(where)
         return buf, on_device
@@ -299,7 +310,7 @@ class Stager:
                 out = {k: self._copy(v, where + (k,)) for k, v in obj.items()}
                 groups: list[_Group] = []
             else:
-                buffers, groups = _arena_views(values)
+                buffers, groups = _arena_views(values, self._empty)
                 out = dict(zip(obj, buffers, strict=True))
                 self._schedule_groups(groups, values)
             if type(obj) is not dict:

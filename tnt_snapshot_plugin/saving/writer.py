@@ -8,7 +8,10 @@ synchronous snapshot). For each snapshot, on every rank:
 2. rank 0 marks the staging directory as the plugin's (its writer marker);
 3. the snapshot's format encodes the state (``format.base.FormatWriter.encode``) and hands each
    payload file to this writer as soon as it is complete: it is written through the store,
-   several files at once, each file's checksum computed from the bytes in hand (``checksums``);
+   several files at once, each file's checksum computed from the bytes in hand (``checksums``):
+   on this process's I/O threads (``saving/payloads.py``), or, with ``Knobs(writer="process")``,
+   by the rank's writer process from staging buffers in shared memory
+   (``saving/process_writer.py``);
 4. on several ranks, each rank writes its files' sizes and checksums as its part of the index
    (``index.part_bytes``);
 5. one collective gathers every rank's records (what the format sends) and outcome, with its
@@ -24,13 +27,11 @@ that restore would pick is left behind. Cadence, staging copies and reaping stay
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Union
 
 from tnt_snapshot_plugin.config import SnapshotConfig
 from tnt_snapshot_plugin.distributed import Collectives, raise_if_any_failed
@@ -45,23 +46,29 @@ from tnt_snapshot_plugin.errors import (
 )
 from tnt_snapshot_plugin.format import index as index_file
 from tnt_snapshot_plugin.format import listing
-from tnt_snapshot_plugin.format.base import Format, Payload
-from tnt_snapshot_plugin.format.checksums import new_hasher, record_views, record_whole
+from tnt_snapshot_plugin.format.base import Format
+from tnt_snapshot_plugin.format.checksums import record_whole
 from tnt_snapshot_plugin.format.index import seal as seal_index
 from tnt_snapshot_plugin.format.objects import LoadCheck
 from tnt_snapshot_plugin.format.registry import DEFAULT, get_format
 from tnt_snapshot_plugin.policies import preservation, retention
 from tnt_snapshot_plugin.policies.retaining import Retention
+from tnt_snapshot_plugin.saving.payloads import DEFAULT_IO_THREADS, PayloadWrites, io_pool, writing
+from tnt_snapshot_plugin.saving.process_writer import (
+    ProcessPayloads,
+    SharedStaging,
+    WriterProcess,
+    process_wanted,
+)
 from tnt_snapshot_plugin.stores import DirLock, Store
 from tnt_snapshot_plugin.stores.commit import buffers
 from tnt_snapshot_plugin.stores.ownership import writer_identity
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: Files written at once by one rank, unless ``max_per_rank_io_concurrency`` says otherwise.
-DEFAULT_IO_THREADS = 4
+#: The writer of asynchronous snapshots when ``Knobs(writer=None)``: "thread" or "process"
+#: (docs/performance.md, "Step time during a write", says why).
+DEFAULT_WRITER = "thread"
 
 
 class SnapshotWriter:
@@ -89,6 +96,29 @@ class SnapshotWriter:
         self._pool: Optional[ThreadPoolExecutor] = None
         #: the run's hold on dirpath (rank 0; RunGuard sets it), checked before each commit
         self.lock: Optional[DirLock] = None
+        #: the writer process and the staging buffers it shares (``Knobs(writer="process")``;
+        #: ConfigError here for a store it cannot open)
+        self.process: Optional[WriterProcess] = None
+        self.shared: Optional[SharedStaging] = None
+        if process_wanted(config, store, DEFAULT_WRITER):
+            self.shared = SharedStaging()
+            self.process = WriterProcess(
+                store.url, config.storage_options, config.storage_timeout_s, self._io_threads()
+            )
+
+    @property
+    def allocate(self) -> Any:
+        """The staging buffers' allocator for the saver's stager (``Stager(allocate=...)``): in
+        the memory shared with the writer process; None: the stager's own."""
+        return None if self.shared is None else self.shared.allocate
+
+    def start(self) -> None:
+        """Training starts: the writer process (if any) starts now, not at the first snapshot."""
+        if self.process is not None:
+            try:
+                self.process.start()
+            except OSError as exc:  # tried again, and reported, by the first snapshot
+                logger.warning("tnt_snapshot_plugin: could not start the writer process: %s", exc)
 
     @property
     def protected(self) -> set[str]:
@@ -100,12 +130,16 @@ class SnapshotWriter:
         self.retention.protected = names
 
     def close(self) -> None:
-        """Let the I/O threads and the format's buffers go (training is over); a later snapshot
-        makes them again."""
+        """Let the I/O threads, the writer process and the format's buffers go (training is
+        over); a later snapshot makes them again."""
         self.encoder.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        if self.process is not None:
+            self.process.stop()
+        if self.shared is not None:
+            self.shared.collect()  # the buffers the saver let go of
 
     def new_run(self) -> None:
         """Forget the last run: its next commit lists the directory again."""
@@ -143,7 +177,7 @@ class SnapshotWriter:
         check_loadable(self.load_check, coll, job)
         writer = writer_identity(run_id)
         coll.on_rank0(lambda: self._begin(job, writer))
-        writes = _Writes(self, job.staging)
+        writes = self._payloads(job.staging)
         records, error = encoder.encode(job, writes)
         try:  # every write submitted is waited for, even after a failure (then discarded)
             sizes, sums = writes.finish()
@@ -155,7 +189,7 @@ class SnapshotWriter:
             listing_, error = _write_part(store, coll.rank, job, sizes, sums)
         # Every rank's records (what its format sends) and its files' listing, to rank 0, which
         # alone commits: one collective, and no rank but rank 0 holds the others' records.
-        gathered = coll.gather((encoder.outgoing(records), listing_) if error is None else None)
+        gathered: Any = coll.gather((encoder.outgoing(records), listing_) if error is None else None)
         try:
             # the state's own fault on every rank that failed: the same on every rank
             raise_if_any_failed(coll, error, f"writing snapshot {job.name}", together=UnrestorableStateError)
@@ -205,30 +239,16 @@ class SnapshotWriter:
             isinstance(e, StorageUnavailableError) for e in causes(failure)
         )
 
-    def _io_pool(self) -> Optional[ThreadPoolExecutor]:
-        """The I/O threads (None: write on the calling thread, ``max_per_rank_io_concurrency`` 1)."""
-        threads = self.config.knobs.max_per_rank_io_concurrency or DEFAULT_IO_THREADS
-        if threads <= 1:
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tnt-snapshot-io")
-        return self._pool
+    def _io_threads(self) -> int:
+        return self.config.knobs.max_per_rank_io_concurrency or DEFAULT_IO_THREADS
 
-    def _write_payload(self, staging: str, payload: Payload) -> tuple[str, int, dict[str, Any]]:
-        """Write one payload file; (its name, size, checksum record)."""
-        store = self.store
-        # From the bytes in hand: a file of one payload hashed piece by piece as it is written
-        # (in the CPU's cache), packed tensors each on its own just before (they are small).
-        hasher = None
-        if not payload.packed:
-            hasher = new_hasher()
-        else:
-            checksum = record_views(payload.views, payload.bounds)
-        with _writing(store, staging, payload.rel):
-            store.write_payload(staging, payload.rel, payload.views, None if hasher is None else hasher.update)
-        if hasher is not None:
-            checksum = hasher.record()
-        return payload.rel, sum(v.nbytes for v in payload.views), checksum
+    def _payloads(self, staging: str) -> Union[PayloadWrites, ProcessPayloads]:
+        """Where this snapshot's payload files go: the writer process, or this process's I/O threads."""
+        if self.process is not None and self.shared is not None:
+            return ProcessPayloads(self.process, self.shared, staging)
+        if self._pool is None:
+            self._pool = io_pool(self._io_threads())
+        return PayloadWrites(self.store, self._pool, staging)
 
     # -- commit (rank 0) ----------------------------------------------------------------------
 
@@ -352,119 +372,6 @@ def check_loadable(load_check: LoadCheck, coll: Collectives, job: Any) -> None:
         raise error
 
 
-class _Writes:
-    """The payload files of one snapshot on this rank, each written as soon as it is submitted:
-    on the writer's I/O threads (several files at once), or at once on the calling thread.
-
-    The first write that fails, by the time it fails, is the snapshot's failure: the writes not
-    started by then are refused (:class:`_NotWritten`), and those refusals are never the error
-    reported, whatever order the writes were submitted in."""
-
-    def __init__(self, writer: SnapshotWriter, staging: str) -> None:
-        self._writer = writer
-        self._staging = staging
-        self.pool = writer._io_pool()
-        self._pending: list[Future[tuple[str, int, dict[str, Any]]]] = []
-        self._done: list[tuple[str, int, dict[str, Any]]] = []
-        #: the exception submit() raised, if any: a failure to store, not to encode
-        self.failed: Optional[BaseException] = None
-        #: the first write that failed: the writes not started yet are not made (a storage that
-        #: stopped answering then costs the writes in flight, not every file of the snapshot)
-        self._broken: Optional[BaseException] = None
-        self._lock = threading.Lock()
-
-    @property
-    def copies(self) -> bool:
-        """Whether nothing reads a payload's buffers once :meth:`submit` returns: written at once,
-        or the store's ``start_payload`` has copied them (local disk: into the page cache)."""
-        return self.pool is None or self._writer.store.start_payload_copies
-
-    def submit(self, payload: Payload) -> None:
-        try:
-            self._check_broken()
-            self._submit(payload)
-        except BaseException as exc:
-            self._note(exc)
-            self.failed = exc
-            raise
-
-    def _note(self, exc: BaseException) -> None:
-        """Keep ``exc`` as the failure of this snapshot's writes unless one failed before it."""
-        if isinstance(exc, _NotWritten):
-            return
-        with self._lock:
-            if self._broken is None:
-                self._broken = exc
-
-    def _check_broken(self) -> None:
-        broken = self._broken
-        if broken is not None:
-            raise _NotWritten(
-                f"not written: an earlier write of this snapshot failed ({type(broken).__name__})"
-            ) from broken
-
-    def _on_pool(self, fn: Callable[..., T], *args: Any, must_run: bool = False) -> Future[T]:
-        """``fn(*args)`` on an I/O thread, unless a write has failed by the time it starts
-        (``must_run``: even then, it releases what was started)."""
-
-        def run() -> T:
-            if not must_run:
-                self._check_broken()
-            try:
-                return fn(*args)
-            except BaseException as exc:
-                self._note(exc)
-                raise
-
-        assert self.pool is not None
-        return self.pool.submit(run)
-
-    def _submit(self, payload: Payload) -> None:
-        writer, staging = self._writer, self._staging
-        if self.pool is None:
-            self._done.append(writer._write_payload(staging, payload))
-        elif payload.packed:
-            # A pack (at most pack_bytes of small tensors): hashed and handed to the store here,
-            # on the planning thread; an I/O thread only waits for the disk (store.start_payload).
-            store, rel = writer.store, payload.rel
-            checksum = record_views(payload.views, payload.bounds)
-            with _writing(store, staging, rel):
-                finish = store.start_payload(staging, rel, payload.views)
-            result = (rel, sum(v.nbytes for v in payload.views), checksum)
-
-            def complete() -> tuple[str, int, dict[str, Any]]:  # holds no buffer of the pack
-                with _writing(store, staging, rel):
-                    finish()
-                return result
-
-            # a store that began the write (local disk: an open file) must finish it
-            self._pending.append(self._on_pool(complete, must_run=store.start_payload_copies))
-        else:  # a file of its own: written (and hashed as it is written) on an I/O thread
-            self._pending.append(self._on_pool(writer._write_payload, staging, payload))
-
-    def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
-        """Wait for every write; the files' sizes and checksum records. Raises the first write
-        that failed (by the time it failed), once all writes have ended."""
-        wait(self._pending)
-        if self._broken is not None:
-            raise self._broken
-        for future in self._pending:
-            self._done.append(future.result())
-        sizes: dict[str, int] = {}
-        sums: dict[str, dict[str, Any]] = {}
-        for rel, size, checksum in self._done:
-            sizes[rel] = size
-            sums[rel] = checksum
-        return sizes, sums
-
-
-class _NotWritten(SnapshotWriteError):
-    """A write refused because an earlier write of the same snapshot failed: a consequence,
-    never the failure reported (:meth:`_Writes.finish` raises the earlier one)."""
-
-    consequence = True  # distributed.is_consequence
-
-
 def _write_part(
     store: Store, rank: int, job: Any, sizes: dict[str, int], sums: dict[str, dict[str, Any]]
 ) -> tuple[Any, Optional[BaseException]]:
@@ -473,7 +380,7 @@ def _write_part(
     data = index_file.part_bytes(sizes, sums)
     rel = index_file.part_rel(rank)
     try:
-        with _writing(store, job.staging, rel):
+        with writing(store, job.staging, rel):
             store.write_payload(job.staging, rel, [memoryview(data)])
     except Exception as exc:
         return None, as_write_error(exc, f"snapshot {job.name}")
@@ -489,17 +396,4 @@ def _listed(world_size: int, listings: list[Any]) -> tuple[dict[str, int], dict[
     return {}, {}, sum(listing[1] for listing in listings)
 
 
-@contextlib.contextmanager
-def _writing(store: Store, staging: str, rel: str) -> Iterator[None]:
-    """A store's failure to write file ``rel`` as a SnapshotWriteError naming it."""
-    try:
-        yield
-    except SnapshotError:
-        raise
-    except Exception as exc:
-        raise SnapshotWriteError(
-            f"writing {rel} of {store.child(staging)} failed: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-__all__ = ["DEFAULT_IO_THREADS", "SnapshotWriter"]
+__all__ = ["DEFAULT_IO_THREADS", "DEFAULT_WRITER", "SnapshotWriter"]
