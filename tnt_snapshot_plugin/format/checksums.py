@@ -7,13 +7,12 @@ file is written. A file of several small tensors packed end to end also gets one
 tensor: the reader reads such tensors by byte range, and each range is verified on its own.
 They are ``"bounds": [0, end_1, ..., end_n]`` (the tensors lie end to end) and ``"digests"``,
 the n hex digests (16 characters each) one after the other: two JSON values a file, where a
-list a tensor (``"ranges": [[start, end, HEX], ...]``, which snapshots written before 2026-12
-hold, and which is still read) made 10,000 small lists to parse, hold and collect.
+list a tensor (``"ranges": [[start, end, HEX], ...]``, an older layout, which is read too)
+makes 10,000 small lists to parse, hold and collect.
 
-xxh3_64 (the ``xxhash`` package) was measured against google-crc32c on the project's machine
-(benchmarks/checksum_speed.py): 17-19 GB/s on 64 MiB, 49 GB/s on 1 MiB and 23 GB/s on 4 KiB
-buffers, against 8-14, 24 and 12 GB/s for crc32c, which also refuses memoryviews (a copy per
-buffer). Either is well above the disk (1.0-2.7 GB/s cold reads, NOTES.md).
+xxh3_64 (the ``xxhash`` package) hashes faster than google-crc32c at every buffer size that
+``benchmarks/checksum_speed.py`` measures, releases the GIL, and takes memoryviews, which
+crc32c refuses (a copy per buffer); either is above a disk's bandwidth.
 
 A read whose bytes differ from the record raises :class:`SnapshotCorruptError` naming the file,
 the byte range and, where the reader knows it, the entry. Snapshots without checksums (older

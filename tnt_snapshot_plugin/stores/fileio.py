@@ -27,8 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 # Large buffers go to the kernel in slices of this size, and after each slice the kernel is asked
 # to start writing it back (sync_file_range, Linux): the disk then works while the next slice is
 # copied, and the final fdatasync mostly waits for writes already in flight instead of starting
-# all of them. Measured on the project's machine (1 GiB in 16 MiB writes, 2 runs): write then
-# fdatasync 0.22-0.54 GB/s; with the writeback started after each write 0.45-0.58 GB/s.
+# all of them (``benchmarks/run.py``'s durable time at 1 GiB measures it against the disk's floor).
 WRITE_SLICE = 8 * 1024 * 1024
 #: ``write_durably``'s ``feed`` gets a single buffer in pieces of this size, each just before it
 #: is written (hashed while in the CPU's cache: the bytes cross memory once for both).
@@ -40,15 +39,12 @@ IOV_MAX = 1024
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
 #: :func:`read_ahead` announces at most this many bytes: it runs on the caller's thread (the
-#: kernel takes about 0.3 ms a MiB to start the reads, on the project's machine), early in a
-#: restore, so that the disk reads while the metadata is checked and the reads planned.
+#: kernel's time to start the reads grows with the bytes announced), early in a restore, so that the disk reads while the metadata is checked and the reads planned.
 READ_AHEAD_EARLY_BYTES = 16 * 1024 * 1024
-#: :func:`preadv_into` reads up to this many files at once. Measured on the project's machine
-#: (64 files of 16 MiB from a cold page cache, 8 rounds): one file at a time 0.63-2.3 s (median
-#: 1.43 s), two at a time 0.56-1.12 s (0.62 s), four 0.54-0.85 s (0.57 s); mmap and copy 0.75 s.
-#: Later, restores of that state through the plugin, side by side in three runs of 6-12 rounds
-#: (medians): four files at once 694, 679, 681 ms, eight 629, 643, 619 ms; no difference at
-#: 64 MiB (16 files) or at 10,000 small tensors (10 packed files).
+#: :func:`preadv_into` reads up to this many files at once: several reads in flight keep a cold
+#: disk busier than one at a time, and reading into the target tensors beats mmap and a copy
+#: (``benchmarks/run.py``'s cold restores at 1 GiB, 64 MiB and 10,000 x 4 KiB, and
+#: ``benchmarks/restore_phases.py``, measure it).
 READ_THREADS = 8
 #: The most files :func:`preadv_into` reads at once, whatever ``threads`` asks.
 MAX_READ_THREADS = 32
@@ -363,7 +359,7 @@ READ_THREAD_IDLE_S = 2.0
 
 class ReadThreads:
     """Reading threads, owned by whoever reads (a local store): started as reads ask for them
-    (starting one costs up to about 1 ms on the project's machine), at most ``limit``, each ending
+    (starting one has a cost of its own), at most ``limit``, each ending
     after :data:`READ_THREAD_IDLE_S` without work, so reads close together (the keys of one
     restore, a fallback to an older snapshot) reuse them. In a forked child, the first read starts
     threads of its own."""
