@@ -76,7 +76,7 @@ from toy import StatefulLoader, ToyUnit, make_data, seed_everything  # noqa: E40
 
 KEEP_LAST = 1
 #: What the runs import on first use: imported by the server once, not by each child.
-for _module in ("adapters.plugins", "format.torchsnapshot.inflate", "format.torchsnapshot.pieces",
+for _module in ("adapters.plugins", "format.torchsnapshot.inflate",
                 "format.torchsnapshot.reader", "format.torchsnapshot.targets",
                 "metrics", "restoring"):
     importlib.import_module(f"tnt_snapshot_plugin.{_module}")

@@ -27,7 +27,16 @@ from tnt_snapshot_plugin.errors import (
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.stores.base import LEASE_FNAME, PROOF_FNAMES, WRITER_FNAME, Buffer, DirLock, Store
+from tnt_snapshot_plugin.stores.base import (
+    LEASE_FNAME,
+    PROOF_FNAMES,
+    WRITER_FNAME,
+    Buffer,
+    DirLock,
+    Done,
+    Read,
+    Store,
+)
 from tnt_snapshot_plugin.stores.commit import MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fileio import byte_views
 from tnt_snapshot_plugin.stores.ownership import (
@@ -38,7 +47,7 @@ from tnt_snapshot_plugin.stores.ownership import (
     writer_gone,
     writer_of_token,
 )
-from tnt_snapshot_plugin.stores.ranged_reads import RangedReads
+from tnt_snapshot_plugin.stores.ranged_reads import read_ranges
 
 #: What to install for URL schemes the built-in stores do not serve.
 FSSPEC_HINT = "pip install 'tnt-snapshot-plugin[fsspec]'"
@@ -125,7 +134,7 @@ def fs_errors(url: str, write: bool = False) -> Iterator[None]:
         raise StorageUnavailableError(f"{url}: the storage failed the request ({type(exc).__name__}: {exc})") from exc
 
 
-class FsspecStore(RangedReads, Store):
+class FsspecStore(Store):
     """A snapshot directory on an fsspec filesystem (see the module docstring)."""
 
     protocol = MetadataWrittenLast()
@@ -234,6 +243,13 @@ class FsspecStore(RangedReads, Store):
                 feed(view)
         with fs_errors(f"{self.child(name)}/{rel}", write=True):
             self.fs.pipe_file(self._path(name, rel), b"".join(views))
+
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
+        """:meth:`Store.read_into` by ranged requests, several at once."""
+        self._check_reads(name, reads)
+        read_ranges(lambda rel, start, end: self._fetch(name, rel, start, end), reads, done, concurrency)
 
     def _fetch(self, name: str, rel: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of file ``rel`` of child ``name`` (fewer if the file ends first)."""

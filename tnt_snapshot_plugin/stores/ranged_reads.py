@@ -8,7 +8,7 @@ supply the one request (``fetch(file, start, end)``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from tnt_snapshot_plugin.errors import SnapshotCorruptError
 
@@ -68,25 +68,15 @@ def fetch_ranges(
         return sum(pool.map(one, jobs))
 
 
-class RangedReads:
-    """``Store.read_into`` for a store whose one request is ``_fetch(name, rel, start, end)``
-    (S3, fsspec): the reads filled by :func:`fetch_ranges`, all reported done at the end (the
-    ranged reads land in any order, on worker threads)."""
-
-    if TYPE_CHECKING:  # provided by the store
-        def _check_reads(self, name: str, reads: Sequence[Any]) -> None: ...
-        def _fetch(self, name: str, rel: str, start: int, end: int) -> bytes: ...
-
-    def read_into(
-        self, name: str, reads: Sequence[Any], done: Optional[Callable[[list[int]], None]] = None,
-        concurrency: Optional[int] = None,
-    ) -> None:
-        self._check_reads(name, reads)
-        fetch_ranges(
-            lambda rel, start, end: self._fetch(name, rel, start, end),
-            reads,
-            error=SnapshotCorruptError,
-            workers=concurrency or FETCH_WORKERS,
-        )
-        if done is not None:
-            done(list(range(len(reads))))
+def read_ranges(
+    fetch: Callable[[str, int, int], bytes],
+    reads: Sequence[Any],
+    done: Optional[Callable[[list[int]], None]] = None,
+    concurrency: Optional[int] = None,
+) -> None:
+    """``Store.read_into`` for a store whose one request is ``fetch(rel, start, end)`` (S3,
+    fsspec): the reads filled by :func:`fetch_ranges`, all reported done at the end (the ranged
+    reads land in any order, on worker threads)."""
+    fetch_ranges(fetch, reads, error=SnapshotCorruptError, workers=concurrency or FETCH_WORKERS)
+    if done is not None:
+        done(list(range(len(reads))))

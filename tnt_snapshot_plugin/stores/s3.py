@@ -28,7 +28,16 @@ from tnt_snapshot_plugin.errors import (
     SnapshotWriteError,
     StorageUnavailableError,
 )
-from tnt_snapshot_plugin.stores.base import LEASE_FNAME, WRITER_FNAME, Buffer, DirLock, Store, is_missing_key
+from tnt_snapshot_plugin.stores.base import (
+    LEASE_FNAME,
+    WRITER_FNAME,
+    Buffer,
+    DirLock,
+    Done,
+    Read,
+    Store,
+    is_missing_key,
+)
 from tnt_snapshot_plugin.stores.commit import MetadataBytes, MetadataWrittenLast
 from tnt_snapshot_plugin.stores.fileio import byte_views
 from tnt_snapshot_plugin.stores.ownership import (
@@ -41,8 +50,8 @@ from tnt_snapshot_plugin.stores.ownership import (
 from tnt_snapshot_plugin.stores.ranged_reads import (
     FETCH_CHUNK_BYTES,
     FETCH_WORKERS,
-    RangedReads,
     fetch_ranges,
+    read_ranges,
 )
 
 S3_OPTION_KEYS = frozenset(
@@ -457,7 +466,7 @@ def _lease_warning(store: S3Store, exc: BaseException, conditional: bool = False
     )
 
 
-class S3Store(RangedReads, Store):
+class S3Store(Store):
     protocol = MetadataWrittenLast()
     #: Payloads larger than this go up as a multipart upload in parts of this size.
     multipart_bytes = MULTIPART_BYTES
@@ -579,6 +588,13 @@ class S3Store(RangedReads, Store):
             with contextlib.suppress(Exception):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
             raise
+
+    def read_into(
+        self, name: str, reads: Sequence[Read], done: Optional[Done] = None, concurrency: Optional[int] = None
+    ) -> None:
+        """:meth:`Store.read_into` by ranged requests, several at once."""
+        self._check_reads(name, reads)
+        read_ranges(lambda rel, start, end: self._fetch(name, rel, start, end), reads, done, concurrency)
 
     def _fetch(self, name: str, rel: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of file ``rel`` of child ``name`` (fewer if the object ends first)."""
