@@ -12,6 +12,7 @@ from typing import Any
 
 import launching
 import pytest
+import torch
 from dir_listing import complete_in_commit_order, staging_by_name
 from lightning_toy import ResumableLoader, ToyModule, make_trainer, optimizer_tensors
 from lightning_toy import assert_bitwise_equal as assert_same_tensors
@@ -204,3 +205,83 @@ def test_a_store_the_writer_process_cannot_open_is_refused_before_any_work():
         saver = TorchSnapshotSaver("memory://run", save_every_n_train_steps=1, knob_options=PROCESS)
         train(unit, StatefulLoader(make_data(8)), max_epochs=1, callbacks=[saver])
     assert unit.train_progress.num_steps_completed == 0
+
+
+def test_a_buffer_freed_by_a_collection_inside_an_allocation_does_not_deadlock(monkeypatch):
+    """A staging buffer caught in a reference cycle is freed by whatever garbage collection
+    runs next; one set off by an allocation, under the staging's lock on the same thread, must
+    not wait for that lock."""
+    import gc
+    import threading
+
+    from tnt_snapshot_plugin.saving.process_writer import SharedStaging
+
+    shared = SharedStaging()
+    real_place = SharedStaging._place
+
+    def place_after_a_collection(self, nbytes):
+        gc.collect()  # stands in for an automatic collection at this point
+        return real_place(self, nbytes)
+
+    cycle: list = [shared.allocate(16, torch.float32)]
+    cycle.append(cycle)  # only a collection frees it
+    del cycle
+    monkeypatch.setattr(SharedStaging, "_place", place_after_a_collection)
+    done = threading.Event()
+    allocated: list = []
+
+    def allocate() -> None:
+        allocated.append(shared.allocate(16, torch.float32))
+        done.set()
+
+    thread = threading.Thread(target=allocate, daemon=True)
+    thread.start()
+    assert done.wait(30), "the allocation waited for the lock its own thread holds"
+    assert allocated[0].numel() == 16
+    monkeypatch.undo()
+    allocated.clear()
+    shared.close()
+
+
+def test_close_unmaps_every_segment_none_of_whose_buffers_is_alive():
+    from tnt_snapshot_plugin.saving.process_writer import SharedStaging
+
+    def staging_fds() -> int:
+        # Distinct memory files: Python's mmap keeps a duplicate of the descriptor it maps.
+        return len({link for link in _fd_links() if "tnt-snapshot-staging" in link})
+
+    before = staging_fds()
+    shared = SharedStaging()
+    small, large = shared.allocate(16, torch.float32), shared.allocate(32 * 1024 * 1024, torch.uint8)
+    assert shared.nbytes > 0 and staging_fds() == before + 2
+    del small, large
+    shared.close()
+    assert shared.nbytes == 0 and staging_fds() == before  # the small buffers' segment too
+    again = shared.allocate(16, torch.float32)  # a later snapshot maps new ones
+    assert again.numel() == 16 and staging_fds() == before + 1
+    del again
+    shared.close()
+    assert staging_fds() == before
+
+
+def _fd_links() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor that listed the directory, closed by now
+            continue
+    return links
+
+
+def test_a_relative_dirpath_is_the_one_the_saver_resolved_after_a_chdir(tmp_path, monkeypatch):
+    """The writer process starts at train start: a relative dirpath means the directory it
+    named when the saver was made, as for the thread writer, not one under a later cwd."""
+    monkeypatch.chdir(tmp_path)
+    saver = TorchSnapshotSaver("run", save_every_n_train_steps=2, knob_options=PROCESS)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    train(ToyUnit(), StatefulLoader(make_data(4 * 4)), max_epochs=1, callbacks=[saver])
+    assert complete_in_commit_order(tmp_path / "run")[-1] == "epoch_1_step_4"
+    assert list(elsewhere.iterdir()) == []

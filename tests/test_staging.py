@@ -486,10 +486,10 @@ def test_a_changed_dict_lets_go_of_its_old_arena_before_making_the_new_one(monke
     alive_when_allocating: list[bool] = []
     real = staging._arena_views
 
-    def watching(values):
+    def watching(values, *rest):
         gc.collect()
         alive_when_allocating.append(old_arena() is not None)
-        return real(values)
+        return real(values, *rest)
 
     monkeypatch.setattr(staging, "_arena_views", watching)
     state["running_mean"] = torch.zeros(256)  # the layout changes

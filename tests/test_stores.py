@@ -170,7 +170,7 @@ def test_short_and_missing_files_are_corrupt_naming_the_file(store):
         store.read_into(name, [("0/model/nope", 0, memoryview(bytearray(1)))])
 
 
-@pytest.mark.parametrize("rel", ["../escape", "/etc/passwd", "a/../../b", "", "a//b", "./x"])
+@pytest.mark.parametrize("rel", ["../escape", "/etc/passwd", "a/../../b", "", "a//b", "./x", "a\x00b"])
 def test_a_path_escaping_the_snapshot_is_refused(store, rel, tmp_path):
     write_snapshot(store)
     staging = begin(store, "epoch_0_step_2")
@@ -214,7 +214,7 @@ def test_is_inside_resolves_the_links_on_the_way_and_nothing_else_leads_out(tmp_
     for rel, inside in [
         ("0/f", True), ("0/in", True), ("0/missing", True), ("./0/f", True),
         ("0/out", False), ("up/secret", False), ("up/real/snap/0/f", True),
-        ("../secret", False), ("0/../../secret", False), (str(tmp_path / "secret"), False),
+        ("../secret", False), ("0/../../secret", False), (str(tmp_path / "secret"), False), ("0/f\x00", False),
     ]:
         assert is_inside(root, rel) is inside, rel
         assert is_inside(root, rel, os.path.realpath(root)) is inside, rel

@@ -133,14 +133,16 @@ class _Restore:
         self.path = path
         self.verdict = checked
         self.started = time.perf_counter()
+        #: what this rank met opening the snapshot's files (resolve), raised by check
+        self.opening_error: Optional[BaseException] = None
 
     def run(self) -> list[str]:
         store, name = self.resolve()
         checked: Optional[_Checked] = None
-        error: Optional[SnapshotError] = None
+        error: Optional[BaseException] = None
         try:
             checked = self.check(store, name)
-        except SnapshotError as exc:
+        except Exception as exc:  # every rank reaches the agreement below, whatever it met
             error = exc
         # Damage any rank found (and nothing else) is raised on every rank as such: all fall back.
         raise_if_any_failed(self.coll, error, f"restoring {self.path}", together=SnapshotCorruptError)
@@ -167,18 +169,21 @@ class _Restore:
             self.verdict = self.checked(store, name)
         # every rank learns the format of rank 0's verdict (the others read the index themselves)
         fmt_name = self.coll.broadcast(self.verdict.format.name if self.verdict is not None and self.verdict.format else None)
-        # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
-        self.files = SnapshotFiles.open(
-            store, name, self.path, concurrency=self.request.io_concurrency,
-            index=self.verdict.index if self.verdict is not None else None,
-            read_index=self.verdict is None,
-        )
-        self.files.read_ahead()  # the disk reads the payloads while the reads are planned
-        fmt = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
-        if fmt is None:
-            raise verify.damaged(self.path, "it holds the metadata of no format this version reads")
-        self.format = fmt
         self.store, self.name = store, name
+        try:  # this rank's own reads: a failure is raised once every rank has checked (run)
+            # rank 0 under restore_from_latest: the index verify.check read and checked, not read again
+            self.files = SnapshotFiles.open(
+                store, name, self.path, concurrency=self.request.io_concurrency,
+                index=self.verdict.index if self.verdict is not None else None,
+                read_index=self.verdict is None,
+            )
+            self.files.read_ahead()  # the disk reads the payloads while the reads are planned
+            fmt = get_format(fmt_name) if fmt_name is not None else format_of(store, name, self.files.index)
+            if fmt is None:
+                raise verify.damaged(self.path, "it holds the metadata of no format this version reads")
+            self.format = fmt
+        except Exception as exc:
+            self.opening_error = exc
         return store, name
 
     def checked(self, store: Store, name: str) -> Optional[verify.Verdict]:
@@ -230,13 +235,15 @@ class _Restore:
     def check(self, store: Store, name: str) -> _Checked:
         """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
         request, coll = self.request, self.coll
-        verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
-        error: Optional[SnapshotError] = None
-        try:
-            reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
-            present = reader.keys()
-        except SnapshotError as exc:  # raised after the ranks' decision on plugins, which all make
-            error, present = exc, set()
+        error = self.opening_error
+        present: set[str] = set()
+        if error is None:
+            verdict = self.verdict if self.verdict is not None and self.verdict.format is self.format else None
+            try:
+                reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
+                present = reader.keys()
+            except Exception as exc:  # raised after the ranks' decision on plugins, which all make
+                error = exc
         self.pm = self.plugins_for(present)
         if error is not None:
             raise error

@@ -157,6 +157,18 @@ class _Segment:
         return True
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal, which the enum does not list
+        return f"signal {number}"
+
+
+def _close_segments(segments: dict[int, _Segment]) -> None:
+    for segment in list(segments.values()):
+        segment.close()
+
+
 class SharedStaging:
     """Staging buffers in memory shared with the writer process, for one saver.
 
@@ -166,7 +178,9 @@ class SharedStaging:
     writer process is then told to drop it)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a buffer's finalizer (_release) may run in a garbage collection that an
+        # allocation under the lock sets off, on the same thread.
+        self._lock = threading.RLock()
         self._segments: dict[int, _Segment] = {}
         #: (base address, segment) of every open segment, by address
         self._bases: list[int] = []
@@ -174,6 +188,8 @@ class SharedStaging:
         #: the segment small buffers are cut from now
         self._small: Optional[_Segment] = None
         self._next = 0
+        #: the segments still open when this object goes without close()
+        self._finalizer = weakref.finalize(self, _close_segments, self._segments)
 
     def allocate(self, numel: int, dtype: Any) -> Any:
         """A new flat tensor of ``numel`` elements of ``dtype`` in shared memory (uninitialised)."""
@@ -242,6 +258,13 @@ class SharedStaging:
                     at = self._by_base.index(segment)
                     del self._bases[at], self._by_base[at]
             return {s.id: (s.fd, s.size) for s in self._segments.values()}
+
+    def close(self) -> None:
+        """Training is over: close every segment none of whose buffers is alive, the one small
+        buffers are cut from included; a later :meth:`allocate` maps new ones."""
+        with self._lock:
+            self._small = None
+        self.collect()
 
     @property
     def nbytes(self) -> int:
@@ -392,7 +415,7 @@ class WriterProcess:
             how = "closed its socket and was killed"
         else:
             if code < 0:
-                how = f"was killed by {signal.Signals(-code).name}"
+                how = f"was killed by {_signal_name(-code)}"
             else:
                 how = f"exited with status {code}"
         self._ended = (
@@ -431,8 +454,10 @@ class ProcessPayloads:
         self.copies = False
         self.failed: Optional[BaseException] = None
         self._error: Optional[BaseException] = None
+        self._begun = False
         try:
             process.begin(staging, shared)
+            self._begun = True
         except Exception as exc:
             self._error = exc
 
@@ -448,6 +473,11 @@ class ProcessPayloads:
 
     def finish(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         if self._error is not None:
+            if self._begun:  # the files handed over are finished first: nothing writes into
+                try:  # the staging directory once the failed snapshot's cleanup removes it
+                    self._process.finish()
+                except Exception:
+                    pass
             raise self._error
         return self._process.finish()
 

@@ -60,7 +60,7 @@ from tnt_snapshot_plugin.saving.process_writer import (
     WriterProcess,
     process_wanted,
 )
-from tnt_snapshot_plugin.stores import DirLock, Store
+from tnt_snapshot_plugin.stores import DirLock, LocalStore, Store
 from tnt_snapshot_plugin.stores.commit import buffers
 from tnt_snapshot_plugin.stores.ownership import writer_identity
 
@@ -102,8 +102,10 @@ class SnapshotWriter:
         self.shared: Optional[SharedStaging] = None
         if process_wanted(config, store, DEFAULT_WRITER):
             self.shared = SharedStaging()
+            # A local dirpath as the store resolved it: the writer process may start after a chdir.
+            url = store.root if isinstance(store, LocalStore) else store.url
             self.process = WriterProcess(
-                store.url, config.storage_options, config.storage_timeout_s, self._io_threads()
+                url, config.storage_options, config.storage_timeout_s, self._io_threads()
             )
 
     @property
@@ -139,7 +141,7 @@ class SnapshotWriter:
         if self.process is not None:
             self.process.stop()
         if self.shared is not None:
-            self.shared.collect()  # the buffers the saver let go of
+            self.shared.close()  # the buffers the saver let go of
 
     def new_run(self) -> None:
         """Forget the last run: its next commit lists the directory again."""

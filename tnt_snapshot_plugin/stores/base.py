@@ -43,8 +43,9 @@ Done = Callable[[list[int]], None]
 
 def escapes(rel: str) -> bool:
     """Whether the relative file path ``rel`` (as a manifest or writer names it) is empty, absolute,
-    or has an empty, ``.`` or ``..`` component: such a path is never read or written."""
-    return not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in rel.split("/"))
+    holds a NUL byte, or has an empty, ``.`` or ``..`` component: such a path is never read or
+    written."""
+    return not rel or rel.startswith("/") or "\x00" in rel or any(p in ("", ".", "..") for p in rel.split("/"))
 
 
 def check_child_name(url: str, name: str) -> None:

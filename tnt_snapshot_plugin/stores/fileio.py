@@ -38,6 +38,8 @@ IOV_MAX = 1024
 #: :func:`preadv_into` keeps about this many bytes of upcoming reads announced to the kernel
 #: (``WILLNEED``), so the disk reads ahead while earlier buffers are being filled.
 READ_AHEAD_BYTES = 256 * 1024 * 1024
+#: ... and at most this many files ahead of the one being read (each announced file is open).
+READ_AHEAD_FILES = 64
 #: :func:`read_ahead` announces at most this many bytes: it runs on the caller's thread (the
 #: kernel's time to start the reads grows with the bytes announced), early in a restore, so that the disk reads while the metadata is checked and the reads planned.
 READ_AHEAD_EARLY_BYTES = 16 * 1024 * 1024
@@ -73,6 +75,8 @@ def is_inside(root: str, rel: str, real_root: Optional[str] = None) -> bool:
     Only ``rel``'s own components are looked at (one ``lstat`` each, not one for every component
     of the whole path); a ``rel`` that is absolute, holds ``..`` or passes through a symlink is
     resolved whole."""
+    if "\x00" in rel:
+        return False  # no file has such a name: never looked up
     if real_root is None:
         real_root = os.path.realpath(root)
     parts = rel.split("/")
@@ -440,7 +444,9 @@ def _read_files(
     total = 0
     try:
         for i, (location, items) in enumerate(plan):
-            while advise is not None and ahead < len(plan) and (ahead <= i or announced < read_ahead):
+            while advise is not None and ahead < len(plan) and (
+                ahead <= i or (announced < read_ahead and ahead - i < READ_AHEAD_FILES)
+            ):
                 loc, its = plan[ahead]
                 fd = fds[loc] = _open_regular(os.path.join(root, loc), error)
                 first, last = its[0][0], its[-1][0] + its[-1][1].nbytes
