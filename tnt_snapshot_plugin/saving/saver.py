@@ -80,7 +80,7 @@ from tnt_snapshot_plugin.saving.jobs import Job, JobRunner, SnapshotStats, is_dd
 from tnt_snapshot_plugin.saving.run_guard import RunGuard
 from tnt_snapshot_plugin.saving.saver_hooks import SaverHooks
 from tnt_snapshot_plugin.saving.staging import Stager, freeze_without_copy
-from tnt_snapshot_plugin.saving.trigger import StepOutcome, Trigger
+from tnt_snapshot_plugin.saving.trigger import STEP_PREEMPTED, STEP_QUIET, STEP_SNAPSHOT, StepOutcome, Trigger
 from tnt_snapshot_plugin.saving.writer import SnapshotWriter
 from tnt_snapshot_plugin.stores import Store, open_store
 
@@ -292,15 +292,18 @@ class Snapshotter:
         try:
             if self.jobs.pending is not None:
                 self._reap_if_done()
-            outcome, moment = trigger.at_step_end(epoch, step)
-            if outcome is StepOutcome.PREEMPTED:
+            outcome = trigger.at_step_end(epoch, step)
+            if outcome is STEP_QUIET:  # the clock read, not due: the trigger noted the step
+                return
+            if outcome is STEP_PREEMPTED:
                 self._preempt(epoch, step, collect)
-            elif outcome is StepOutcome.SNAPSHOT:
-                self._take(moment.event, epoch, step, functools.partial(collect, True))
-            elif outcome is StepOutcome.NOTHING:
+            elif outcome is STEP_SNAPSHOT:
+                self._take("step", epoch, step, functools.partial(collect, True))
+            else:
                 self._prepare_if_asked()
         finally:
-            trigger.ran(step, outcome)
+            if outcome is not STEP_QUIET:
+                trigger.ran(step)
 
     def epoch_end(self, epoch: int, step: int, collect: Collect) -> None:
         """A train epoch ended: snapshot if the epoch cadence (or a plugin) says so."""

@@ -36,6 +36,12 @@ class StepOutcome(enum.Enum):
     PREEMPTED = 3
 
 
+# The outcomes as module globals for the step ends' hot path: reading an Enum member through its
+# class costs several times a global read (benchmarks/hooks.py, the save_every_n_seconds row).
+STEP_QUIET, STEP_NOTHING = StepOutcome.QUIET, StepOutcome.NOTHING
+STEP_SNAPSHOT, STEP_PREEMPTED = StepOutcome.SNAPSHOT, StepOutcome.PREEMPTED
+
+
 class Trigger:
     """One saver's answer to "is this moment due?", and its step gate."""
 
@@ -142,17 +148,17 @@ class Trigger:
         if self.wall is not None:
             self.wall.restart()
 
-    def ran(self, step: int, outcome: Optional[StepOutcome]) -> None:
-        """The step end of ``step`` ran (``outcome`` None: it raised); the gates follow, unless it
-        was quiet (the clock read, not due: nothing they depend on changed)."""
+    def ran(self, step: int) -> None:
+        """The step end of ``step`` ran, or raised, after :meth:`at_step_end` found it not quiet:
+        the gates follow."""
         self.last_step = step
-        if outcome is not StepOutcome.QUIET:
-            self.regate()
+        self.regate()
 
     # -- decisions ----------------------------------------------------------------------------
 
-    def at_step_end(self, epoch: int, step: int) -> tuple[StepOutcome, Moment]:
-        """What the end of train step ``step`` is due (preemption polled, the wall clock read)."""
+    def at_step_end(self, epoch: int, step: int) -> StepOutcome:
+        """What the end of train step ``step`` is due (preemption polled, the wall clock read).
+        Unless it is QUIET, the caller reports the step end done with :meth:`ran`."""
         preemption, wall = self.preemption, self.wall
         agreed = GO_ON
         # In one process every step polls (the vote is the answer); under torch.distributed only
@@ -161,7 +167,7 @@ class Trigger:
             if preemption.due(step):
                 agreed = preemption.poll(GO_ON if wall is None else wall.vote(), step)
                 if agreed == PREEMPTED:
-                    return StepOutcome.PREEMPTED, Moment("preemption", epoch, step)
+                    return STEP_PREEMPTED
         elif wall is not None:
             flag = self._wall_flag
             if flag is None:
@@ -169,10 +175,13 @@ class Trigger:
             elif flag.due(step):
                 agreed = flag.poll(wall.vote(), step)
         time_due = agreed == TIME_DUE and wall is not None and wall.due(agreed)
-        moment = Moment("step", epoch, step, time_due=time_due)
         if wall is not None and not time_due and self.last_step <= step < self.untimed_gate:
-            return StepOutcome.QUIET, moment  # the clock says not yet, and no step cadence is due
-        return (StepOutcome.SNAPSHOT if self.due(moment) else StepOutcome.NOTHING), moment
+            # The clock says not yet, and no step cadence is due: nothing the gates depend on
+            # changed, only the step is noted.
+            self.last_step = step
+            return STEP_QUIET
+        due = self.due(Moment("step", epoch, step, time_due=time_due))
+        return STEP_SNAPSHOT if due else STEP_NOTHING
 
     def due(self, moment: Moment) -> bool:
         """Whether the policies, then the plugins, ask for a snapshot at ``moment``."""
