@@ -190,6 +190,34 @@ def phase_world2(rank: int, out: str, record: dict[str, Any]) -> None:
     record["world2_reads"] = reads.during(lambda: TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60))
     record["world2_parts"] = list(reads.parts)
     record["world2_state"] = whole_state(unit)
+    # Rank 1 alone gets its own saved group back with a byte flipped (as from a faulty read on its
+    # node), rank 0 reads the file as it is: the rank that finds the damage and the one that does
+    # not both raise, and neither waits on the other in a collective.
+    if rank == 1:
+        flip_in_reads_of_group(path, 1)
+    try:
+        TorchSnapshotSaver.restore(path, Unit("fsdp2", seed=22 + rank), collective_timeout_s=30)
+    except SnapshotCorruptError as exc:
+        record["world2_damaged"] = str(exc)
+
+
+def flip_in_reads_of_group(snapshot: str, group: int) -> None:
+    """From now on, this process's ranged reads of ``snapshot``'s metadata come back with a byte
+    of saved rank ``group``'s records flipped."""
+    import json
+
+    with open(os.path.join(snapshot, ".tnt_snapshot_index.json")) as f:
+        start, end, _digest = json.load(f)["ranks"]["regions"][group]
+    read_into = LocalStore.read_into
+
+    def flipping(store: LocalStore, name: str, reads: Any, *args: Any, **kwargs: Any) -> None:
+        read_into(store, name, reads, *args, **kwargs)
+        for rel, offset, dest in reads:
+            view = memoryview(dest).cast("B")
+            if rel == METADATA and offset <= (start + end) // 2 < offset + view.nbytes:
+                view[(start + end) // 2 - offset] ^= 0x20
+
+    LocalStore.read_into = flipping  # type: ignore[method-assign]
 
 
 PHASES: dict[str, Callable[[int, str, dict[str, Any]], None]] = {

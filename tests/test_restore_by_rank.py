@@ -124,6 +124,15 @@ def test_on_2_ranks_rank_1_reads_the_groups_of_the_shards_it_now_holds(runs):
         assert restored["world2_state"] == runs["save"][0]["at_step_4"]
 
 
+def test_damage_only_one_of_2_ranks_reads_fails_the_restore_on_both(runs):
+    """Rank 1 reads saved rank 1's group damaged as it opens the snapshot; rank 0 reads the file
+    whole and intact. Both raise SnapshotCorruptError naming the damage rank 1 found: rank 0 does
+    not go on alone to the world-size change's collective, where it would wait until the
+    collective timeout."""
+    for restored in runs["world2"]:
+        assert "records of rank 1 differ from the digest" in restored.get("world2_damaged", ""), restored["rank"]
+
+
 def test_each_rank_reads_the_parts_of_the_index_of_the_files_it_reads(runs):
     """Each rank writes its files' sizes and checksums as its own part of the index; a restoring
     rank reads the parts of the ranks whose files it reads, once each: its own for its shards;

@@ -145,6 +145,7 @@ class _Restore:
         except Exception as exc:  # every rank reaches the agreement below, whatever it met
             error = exc
         # Damage any rank found (and nothing else) is raised on every rank as such: all fall back.
+        # checked is None on a rank that learnt another rank failed: the agreement raises it.
         raise_if_any_failed(self.coll, error, f"restoring {self.path}", together=SnapshotCorruptError)
         assert checked is not None
         order = self.order(checked)
@@ -207,19 +208,22 @@ class _Restore:
 
     # -- check --------------------------------------------------------------------------------
 
-    def plugins_for(self, present: set[str]) -> Optional[pluggy.PluginManager]:
+    def plugins_for(self, present: set[str], failed: bool) -> tuple[Optional[pluggy.PluginManager], bool]:
         """The request's manager; without one, a new manager with the entry-point plugins
         (``new_plugin_manager``: the installed distributions read, a few milliseconds) only when
         the snapshot holds entries the request does not name, which a plugin's extra state may
-        claim; on several ranks when any rank's view holds one (the ranks decide alike: a
-        plugin's ``load_state_dict`` may run collectives). None: no hooks to call."""
-        if self.request.plugin_manager is not None:
-            return self.request.plugin_manager
+        claim. On several ranks the ranks decide alike (a plugin's ``load_state_dict`` may run
+        collectives): whether any rank's view holds such an entry, and whether any rank ``failed``
+        to read the snapshot's metadata, are agreed in one gather before any other collective.
+        Returns the manager (None: no hooks to call) and whether any rank failed."""
         named = set(self.request.app_state) | set(self.request.optional_keys) | {RNG_STATE_KEY}
         unnamed = bool(present - named)
         if self.coll.world_size > 1:
-            unnamed = any(self.coll.all_gather(unnamed))
-        return new_plugin_manager() if unnamed else None
+            views = self.coll.all_gather((unnamed, failed))
+            unnamed, failed = any(u for u, _ in views), any(f for _, f in views)
+        if self.request.plugin_manager is not None:
+            return self.request.plugin_manager, failed
+        return (new_plugin_manager() if unnamed else None), failed
 
     def wanted(self) -> dict[str, Any]:
         """The app state and every plugin's extra state, their keys checked for collisions."""
@@ -232,8 +236,9 @@ class _Restore:
             wanted.update(entries)
         return wanted
 
-    def check(self, store: Store, name: str) -> _Checked:
-        """What to load, checked against the snapshot; StateMismatchError where it does not fit."""
+    def check(self, store: Store, name: str) -> Optional[_Checked]:
+        """What to load, checked against the snapshot; StateMismatchError where it does not fit.
+        None where another rank failed to read the snapshot's metadata (:meth:`run` raises it)."""
         request, coll = self.request, self.coll
         error = self.opening_error
         present: set[str] = set()
@@ -242,11 +247,13 @@ class _Restore:
             try:
                 reader = self.format.reader(self.files, coll, verdict, weights_only=bool(request.weights_only))
                 present = reader.keys()
-            except Exception as exc:  # raised after the ranks' decision on plugins, which all make
+            except Exception as exc:  # raised after the ranks' agreement, which all make
                 error = exc
-        self.pm = self.plugins_for(present)
+        self.pm, any_failed = self.plugins_for(present, failed=error is not None)
         if error is not None:
             raise error
+        if any_failed:  # no rank goes on to the collectives below while another cannot
+            return None
         if request.planner is not None:
             plan_with = getattr(reader, "plan_with", None)
             if plan_with is None:
