@@ -33,6 +33,7 @@ from torchtnt.framework.train import train
 from tnt_snapshot_plugin import (
     SnapshotCorruptError,
     SnapshotFallbackWarning,
+    UnrestorableStateError,
     restore,
 )
 from tnt_snapshot_plugin.adapters.torchtnt import TorchSnapshotSaver
@@ -114,6 +115,23 @@ def test_a_staged_tensor_is_written_as_torch_save_writes_it_without_a_copy():
     assert any(isinstance(v, np.ndarray) and np.shares_memory(v, arena.numpy()) for v in views)
     small = arena[:10]
     assert len(serialized(small)) == 1 and torch.equal(torch.load(io.BytesIO(serialized(small)[0]), weights_only=True), small)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "quantized"])
+def test_a_tensor_dcp_cannot_restore_stops_the_first_snapshot_naming_its_entry(tmp_path, kind):
+    """DCP's reads copy each chunk into a dense tensor: a sparse or quantized tensor would be
+    written and then never restored. The first snapshot refuses it, naming the entry; nothing is
+    committed."""
+    with warnings.catch_warnings():  # torch deprecates making quantized tensors; they still load
+        warnings.simplefilter("ignore", UserWarning)
+        value = torch.eye(3).to_sparse() if kind == "sparse" else torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    unit = ToyUnit()
+    unit.extra = Holder({"dense": torch.ones(2), "odd": value})
+    saver = TorchSnapshotSaver(str(tmp_path), save_every_n_train_steps=2, format="dcp")
+    with pytest.raises(UnrestorableStateError, match=r"'extra/odd'.*format='torchsnapshot'") as info:
+        train(unit, StatefulLoader(make_data(16)), max_epochs=1, callbacks=[saver])
+    assert ("sparse" if kind == "sparse" else "quantized") in str(info.value)
+    assert listing.complete_snapshots(LocalStore(str(tmp_path))) == []
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,14 @@ class DcpWriter:
                         f"{'/'.join(map(str, path))!r} have the same name {name!r} in DCP's format, which "
                         "joins keys with dots; rename one of them, or save with format='torchsnapshot'"
                     )
+                if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_quantized):
+                    raise UnrestorableStateError(
+                        f"snapshot {job.name}: the app-state entry {'/'.join(map(str, path))!r} is a "
+                        f"{'quantized' if value.is_quantized else str(value.layout)} tensor, which DCP's "
+                        "format cannot restore (its reads copy chunks into dense tensors). Nothing was "
+                        "committed. Save with format='torchsnapshot', or store it as dense tensors "
+                        "(e.g. to_dense(), dequantize())"
+                    )
                 state[name] = value
                 mappings[name] = prefix + path
         sharded = {name: value for name, value in state.items() if isinstance(value, ShardedTensor)}
@@ -271,7 +279,7 @@ def serialized(tensor: torch.Tensor) -> list[Any]:
     under ``PACK_BYTES``; else the archive's own records copied, and the tensor's bytes as a view
     of its memory (not copied)."""
     tensor = _own_storage(tensor)
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.nbytes < PACK_BYTES:
+    if tensor.nbytes < PACK_BYTES:
         buf = io.BytesIO()
         torch.save(tensor, buf)
         return [buf.getbuffer()]
@@ -287,8 +295,6 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        return tensor.clone() if tensor.layout == torch.strided else tensor
     tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
         return tensor.contiguous()
