@@ -72,9 +72,9 @@ def build_model(wrapping: str, seed: int) -> torch.nn.Module:
         fully_shard(model[0], mesh=mesh)
         fully_shard(model[2], mesh=mesh)
         fully_shard(model, mesh=mesh)
-    else:
+    elif wrapping == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    return model
+    return model  # "plain": unwrapped
 
 
 class Unit(TrainUnit[Any]):
@@ -217,6 +217,31 @@ def restore_into(
 def phase_restore(rank: int, out: str, record: dict[str, Any]) -> None:
     for wrapping in WRAPPINGS:
         record[wrapping] = restore_into(wrapping, rank, out, seed=7 + rank, with_loader=True)
+    record["titan_fsdp2"] = restore_titan(rank, out)
+
+
+def restore_titan(rank: int, out: str) -> dict[str, Any]:
+    """A torchtitan-layout checkpoint of an unwrapped model (stock ``dcp.save`` by rank 0: the
+    parameters at the top level, ``optimizer`` flattened, ``train_state``), restored into an
+    FSDP2 unit on every rank: its whole state, and the saved one."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(out, "titan", "step-3")
+    source = Unit("plain", seed=11)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    source.model(x).pow(2).mean().backward()
+    source.optimizer.step()
+    if rank == 0:
+        state: dict[str, Any] = dict(source.model.state_dict())
+        state["optimizer"] = get_optimizer_state_dict(
+            source.model, source.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+        state["train_state"] = {"step": 3, "ntokens_seen": 96}
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+    dist.barrier()
+    unit = Unit("fsdp2", seed=12 + rank)
+    TorchSnapshotSaver.restore(path, unit, collective_timeout_s=60)
+    return {"expected": whole_state(source), "state": whole_state(unit), "steps": unit.train_progress.num_steps_completed}
 
 
 def damaged_copy(rank: int, out: str, dirname: str) -> None:

@@ -77,6 +77,7 @@ class TitanRun:
         seed_everything(0)
         self.unit = ToyUnit(seed=0)
         self.saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any], list[float]]] = {}
+        self.train_state_extra: dict[str, Any] = {}  # what else train_state holds
 
     def train_to(self, steps: int, save_at: tuple[int, ...]) -> None:
         unit = self.unit
@@ -97,7 +98,7 @@ class TitanRun:
         )
         state["lr_scheduler"] = {"last_epoch": unit.lr_scheduler.last_epoch}
         state["dataloader"] = {"dp_rank_0": b"opaque loader state", "world_size": 1}
-        state["train_state"] = {"step": step, "ntokens_seen": 32 * step}
+        state["train_state"] = {"step": step, "ntokens_seen": 32 * step, **self.train_state_extra}
         dcp.save(state, checkpoint_id=str(self.dirpath / f"step-{step}"))
         self.saved[step] = (weights(unit), optimizer_state(unit.optimizer), unit.lr_scheduler.get_last_lr())
 
@@ -139,6 +140,26 @@ def test_a_torchtitan_checkpoint_restored_by_path_honours_restore_options(tmp_pa
         )
     assert_bitwise_equal(weights(unit), run.saved[5][0])
     assert_same_optimizer(optimizer_state(unit.optimizer), before)
+    assert unit.train_progress.num_steps_completed == 0
+
+
+def test_an_older_torchtitan_train_state_the_allow_list_refuses_is_left_unread_when_progress_is_skipped(tmp_path):
+    """Older torchtitan versions pickled ``BytesIO`` lists into ``train_state``: refused by the
+    allow-list, naming it; with ``restore_train_progress=False`` it is not read, and the rest
+    restores."""
+    import io
+
+    run = TitanRun(tmp_path)
+    run.train_state_extra = {"log_steps": io.BytesIO(b"older torchtitan")}
+    run.train_to(3, save_at=(3,))
+    path = str(tmp_path / "step-3")
+    with pytest.raises(UnrestorableStateError, match="train_state"):
+        TorchSnapshotSaver.restore(path, ToyUnit(seed=7))
+    unit = ToyUnit(seed=7)
+    with pytest.warns(PartialRestoreWarning):
+        TorchSnapshotSaver.restore(path, unit, restore_options=RestoreOptions(restore_train_progress=False))
+    assert_bitwise_equal(weights(unit), run.saved[3][0])
+    assert_same_optimizer(optimizer_state(unit.optimizer), run.saved[3][1])
     assert unit.train_progress.num_steps_completed == 0
 
 
@@ -320,6 +341,24 @@ def test_a_lightning_run_switched_from_model_checkpoint_resumes_from_its_ckpt_on
     third.fit(ToyModule(seed=2), ResumableLoader(make_data(40), seed=3), ckpt_path="last")
     assert third.ckpt_path == newest  # the plugin's snapshot, not the .ckpt
     assert seen.seen["step"] == 10 and third.global_step == 12
+
+
+def test_lightning_passes_over_a_torchtitan_checkpoint_it_cannot_take(tmp_path):
+    """torchtitan's checkpoints map onto a torchtnt unit, not a LightningModule: on a dirpath
+    holding only one, ckpt_path="last" starts from the beginning, with the warning that says
+    nothing was found to resume from, and snapshots onward."""
+    from lightning_toy import ResumableLoader, ToyModule, make_trainer
+
+    from tnt_snapshot_plugin.adapters.lightning import TorchSnapshotSaver as LightningSaver
+
+    dirpath = tmp_path / "ckpts"
+    TitanRun(dirpath).train_to(2, save_at=(2,))
+    seen = AtTrainStart()
+    trainer = make_trainer(tmp_path, [LightningSaver(str(dirpath), save_every_n_train_steps=2), seen], max_steps=4)
+    with pytest.warns(NothingToRestoreWarning):
+        trainer.fit(ToyModule(seed=1), ResumableLoader(make_data(40), seed=3), ckpt_path="last")
+    assert seen.seen["step"] == 0 and trainer.global_step == 4
+    assert (dirpath / "epoch_0_step_4").is_dir()
 
 
 class Opaque:

@@ -82,6 +82,15 @@ def test_restore_in_new_processes_is_bitwise(runs, wrapping):
         assert result["state"] == expected
 
 
+def test_a_torchtitan_checkpoint_restores_into_an_fsdp2_unit_on_2_ranks(runs):
+    """torchtitan's checkpoints hold whole tensors by name; an FSDP2 unit's parameters are
+    DTensors sharded over the ranks: each rank takes its shard, the optimizer state too."""
+    for restored in runs["restore"]:
+        got = restored["titan_fsdp2"]
+        assert got["steps"] == 3
+        assert got["state"] == got["expected"]
+
+
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
 def test_next_step_matches_uninterrupted_run(runs, wrapping):
     for saved, restored in zip(runs["save"], runs["restore"], strict=True):

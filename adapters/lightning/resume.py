@@ -77,6 +77,7 @@ class Resume:
             storage_options=self._config.storage_options,
             collectives=Collectives(None),
             verified=True,
+            torchtitan=False,  # torchtitan's checkpoints map onto a torchtnt unit, not a LightningModule
         )
 
     def find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:

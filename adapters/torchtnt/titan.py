@@ -60,7 +60,13 @@ class TitanRestore:
         self.skip = skip
         self.strict = strict
         self.rest: dict[str, Any] = {}
-        self.request = base.replace(app_state={}, optional_keys=(), rest=self.rest)
+        # what RestoreOptions leaves out is not read (an older train_state the allow-list refuses)
+        unread = [TRAIN_STATE] if "train_progress" in skip else []
+        if not any(k not in skip for k in unit.tracked_optimizers()):
+            unread.append(OPTIMIZER)
+        if not any(k not in skip for k in unit.tracked_lr_schedulers()):
+            unread.append(LR_SCHEDULER)
+        self.request = base.replace(app_state={}, optional_keys=(), rest=self.rest, unread_keys=tuple(unread))
 
     def apply(self, path: str, rank: int) -> list[str]:
         """Load the entries read from checkpoint ``path`` into the unit; the unit's keys loaded.
@@ -83,8 +89,7 @@ class TitanRestore:
                 "restore a checkpoint saved with the model"
             )
         opt_key, optimizer = self._one("optimizer", {k: v for k, v in optimizers.items() if k not in self.skip}, path)
-        if optimizer is not None and OPTIMIZER in rest:
-            self._load_optimizer(module, optimizer, rest[OPTIMIZER], path)
+        if optimizer is not None and OPTIMIZER in rest and self._load_optimizer(module, optimizer, rest[OPTIMIZER], path):
             loaded.append(opt_key)
         sched_key, scheduler = self._one("LR scheduler", {k: v for k, v in schedulers.items() if k not in self.skip}, path)
         if scheduler is not None and LR_SCHEDULER in rest:
@@ -124,7 +129,9 @@ class TitanRestore:
                 "assign the model as an attribute of the unit (self.model = ...)"
             )
         try:
-            set_model_state_dict(module, state, options=StateDictOptions(strict=self.strict))
+            # full_state_dict: the values read are whole tensors, which a sharded (FSDP2) module
+            # takes only this way; a plain module takes them alike
+            set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=self.strict))
         except (RuntimeError, KeyError, ValueError) as exc:
             raise StateMismatchError(
                 f"cannot restore torchtitan checkpoint {path} into the unit's {key}: "
@@ -132,11 +139,12 @@ class TitanRestore:
                 "strict=False to load the parameters that match"
             ) from exc
 
-    def _load_optimizer(self, module: Any, optimizer: Any, state: dict[str, Any], path: str) -> None:
+    def _load_optimizer(self, module: Any, optimizer: Any, state: dict[str, Any], path: str) -> bool:
+        """Whether the optimizer's state was loaded (it needs the model and a dict)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if module is None or not isinstance(state, dict):
-            return
+            return False
         try:
             set_optimizer_state_dict(
                 module, optimizer, state,
@@ -148,6 +156,7 @@ class TitanRestore:
                 f"{' '.join(str(exc).split())}; restore into the optimizer that was saved, or "
                 "pass RestoreOptions(restore_optimizers=False)"
             ) from exc
+        return True
 
     @staticmethod
     def _load_scheduler(scheduler: Any, state: Any, path: str) -> None:

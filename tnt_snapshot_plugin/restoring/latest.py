@@ -42,17 +42,19 @@ def latest_snapshot(
     storage_options: Optional[dict[str, Any]] = None,
     collectives: Optional[Collectives] = None,
     verified: bool = False,
+    torchtitan: bool = True,
 ) -> Optional[str]:
     """The path of the newest complete snapshot in ``dirpath`` (rank 0 decides), or None.
 
     ``verified``: skip, with a SnapshotFallbackWarning, snapshots whose files are missing or
-    truncated.
+    truncated. ``torchtitan``: consider torchtitan's ``step-N`` checkpoints too (a restore into
+    something they do not map onto, a LightningModule, leaves them out).
     """
     coll = collectives or Collectives(None)
     store = open_store(dirpath, storage_options)
 
     def newest() -> Optional[str]:
-        for found in reversed(listing.complete_snapshots(store, torchtitan=True)):
+        for found in reversed(listing.complete_snapshots(store, torchtitan=torchtitan)):
             problem = verify.check(store, found.text).problem if verified else None
             if problem is None:
                 return store.child(found.text)

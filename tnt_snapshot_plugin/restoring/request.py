@@ -58,7 +58,8 @@ class RestoreRequest:
     ``app_state``: key -> Stateful. ``optional_keys`` may be absent from the snapshot (a warning
     names them); any other key the snapshot lacks raises StateMismatchError when ``strict``.
     ``rest``: a dict that gets every other entry of the snapshot as a plain state dict (an
-    adapter reads a framework's own checkpoint this way). ``io_concurrency``: files (object-store
+    adapter reads a framework's own checkpoint this way), except the ``unread_keys``, which are
+    not read at all. ``io_concurrency``: files (object-store
     ranges) a rank reads at once (None: the store's default). ``weights_only=False`` unpickles
     object entries with full pickle (trusted snapshots only). ``plugin_manager``: the saver's
     (its ``tnt_snapshot_plugin_extra_state`` and ``after_restore`` hooks are called); None: the
@@ -77,6 +78,7 @@ class RestoreRequest:
     plugin_manager: Optional[pluggy.PluginManager] = None
     strict: bool = True
     rest: Optional[dict[str, Any]] = None
+    unread_keys: Iterable[str] = ()
     io_concurrency: Optional[int] = None
     weights_only: bool = True
     planner: Optional[Any] = None
@@ -265,14 +267,18 @@ class _Restore:
         wanted = self.wanted()
         restore_rng = True
         if reader.world_size != coll.world_size:
-            mapped = present if request.rest is not None else (set(wanted) | {RNG_STATE_KEY}) & present
+            mapped = (
+                present - set(request.unread_keys) if request.rest is not None
+                else (set(wanted) | {RNG_STATE_KEY}) & present
+            )
             restore_rng = reader.fit_world_size(mapped)
         load = self.select(wanted, present)
         checked = _Checked(reader, present, load, restore_rng=restore_rng)
         if request.strict:
             checked.currents = reader.check_modules(load)
         if request.rest is not None:
-            checked.sinks = {key: Value() for key in sorted(present - set(wanted) - {RNG_STATE_KEY})}
+            unread = set(wanted) | {RNG_STATE_KEY} | set(request.unread_keys)
+            checked.sinks = {key: Value() for key in sorted(present - unread)}
             load.update(checked.sinks)
         return checked
 
