@@ -33,7 +33,7 @@ from tnt_snapshot_plugin.format.index import INDEX_FNAME
 from tnt_snapshot_plugin.format.torchsnapshot.common import METADATA_FNAME
 from tnt_snapshot_plugin.stores import LOCK_FNAME, open_store
 from tnt_snapshot_plugin.stores.s3 import S3Hints, hints_for
-from toy import StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, small_disk
+from toy import Holder, StatefulLoader, ToyUnit, assert_bitwise_equal, make_data, small_disk
 
 pytestmark = pytest.mark.slow
 
@@ -194,6 +194,28 @@ def test_export_of_an_optimizer_writes_its_whole_state_and_counts_what_it_wrote(
     others = leaf_count(expected["param_groups"])  # lr, betas' two, ..., params' indices
     assert (doc["tensors"], doc["other_values"]) == (tensors, others) and f"; {others} other values)" in text
     assert doc["bytes"] == sum(t.numel() * t.element_size() for s in expected["state"].values() for t in s.values())
+
+
+def test_tensors_whose_keys_join_to_one_name_are_not_written_as_safetensors(tmp_path):
+    """``{"a.b": x, "a": {"b": y}}``: both keys join to "a.b"; a safetensors file would keep
+    one tensor. export and convert refuse it, naming the name; torch.save keeps both."""
+    from tnt_snapshot_plugin import SnapshotConfig, Snapshotter
+
+    run = tmp_path / "run"
+    state = {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}
+    Snapshotter(str(run), SnapshotConfig.build(async_snapshot=False)).save(0, 1, {"w": Holder(state)})
+    snapshot = str(run / "epoch_0_step_1")
+    for args in (
+        ("export", snapshot, str(tmp_path / "w.safetensors"), "--key", "w"),
+        ("convert", snapshot, str(tmp_path / "w_folder"), "--to", "safetensors", "--key", "w"),
+    ):
+        code, _out, err = run_cli(*args)
+        assert code == 2 and "'a.b'" in err and "keep only one" in err, err
+        assert not os.path.exists(args[2])
+    code, _out, err = run_cli("export", snapshot, str(tmp_path / "w.pt"), "--key", "w")
+    assert code == 0, err
+    exported = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert torch.equal(exported["a.b"], state["a.b"]) and torch.equal(exported["a"]["b"], state["a"]["b"])
 
 
 def leaf_count(obj) -> int:

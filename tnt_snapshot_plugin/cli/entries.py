@@ -312,9 +312,10 @@ def weight_keys(snapshot: Snapshot) -> list[str]:
     return sorted(k for k, found in kinds.items() if found == {"tensor"} and k not in RESERVED)
 
 
-def tensor_leaves(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[str]]:
+def tensor_leaves(obj: Any, prefix: str = "", *, clashes: Optional[list[str]] = None) -> tuple[dict[str, Any], list[str]]:
     """The leaves of nested dicts/lists/tuples: the tensors as {"a.b.0": tensor}, and the paths
-    of the other values (numbers, strings, objects)."""
+    of the other values (numbers, strings, objects). A name that two tensors' paths join to
+    (``{"a.b": x, "a": {"b": y}}``: the first is not in the dict) goes to ``clashes``."""
     import torch
 
     tensors: dict[str, Any] = {}
@@ -322,6 +323,8 @@ def tensor_leaves(obj: Any, prefix: str = "") -> tuple[dict[str, Any], list[str]
 
     def walk(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
+            if path in tensors and clashes is not None:
+                clashes.append(path)
             tensors[path] = value
         elif isinstance(value, dict):
             for k, v in value.items():

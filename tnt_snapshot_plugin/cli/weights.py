@@ -88,7 +88,8 @@ def weights(snap: Snapshot, key: Optional[str], *, tensors_only: bool, command: 
     key, value = _entry_value(snap, key)
     if isinstance(value, torch.Tensor):
         value = {key.rstrip("/").rpartition("/")[2]: value}
-    tensors, others = tensor_leaves(value)
+    clashes: list[str] = []
+    tensors, others = tensor_leaves(value, clashes=clashes)
     if not tensors:
         holding = tensor_keys(snap)
         raise UsageProblem(
@@ -100,6 +101,12 @@ def weights(snap: Snapshot, key: Optional[str], *, tensors_only: bool, command: 
             f"cannot {command} {key!r} as safetensors: {others[0] or 'the entry'} is not a tensor (safetensors "
             f"holds tensors only, and {key!r} holds {len(others)} other values); write it with {instead}, "
             f"or choose a --key holding only tensors ({', '.join(weight_keys(snap)) or 'none in this snapshot'})"
+        )
+    if tensors_only and clashes:
+        raise UsageProblem(
+            f"cannot {command} {key!r} as safetensors: two of its tensors' keys join to the name "
+            f"{clashes[0]!r}, and a file of tensors by name would keep only one; write it with "
+            f"{instead}, or rename one of the keys"
         )
     return Weights(key, value, tensors, others)
 
