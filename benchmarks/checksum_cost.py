@@ -7,7 +7,7 @@ process, interleaved (on, off, off, on, ...), medians.
     python benchmarks/checksum_cost.py --count 2000 --tensor-kib 64    # any other state
     python benchmarks/checksum_cost.py --states 1GiB --format dcp      # the snapshots in DCP's format
 
-Where the checksums are computed: on the write side in ``saving.payloads.write_one`` (``writer_job``),
+Where the checksums are computed: on the write side in ``saving.payloads.write_one``,
 a file of one payload through a ``new_hasher()`` fed each piece just before it is written, a file
 of packed tensors by ``record_views`` just before (and the metadata at commit); on the read side
 ``checksums.Verifier.check_reads`` (``check`` for each read but the common one), called as each
@@ -16,7 +16,7 @@ batch of reads lands (``format.reader`` through the store's
 the other files' reads.
 
 "off" is the same saver and the same restore with those two steps replaced, in this benchmark
-only: ``writer_job.record_views`` returns a record of no algorithm and ``writer_job.new_hasher`` a
+only: ``payloads.record_views`` returns a record of no algorithm and ``payloads.new_hasher`` a
 hasher that hashes nothing (the files are written in the same pieces), and restore then finds no record of its algorithm to check (nothing checked).
 "on" is the plugin as shipped, with those calls timed (wall time inside them, summed over the I/O
 and reading threads: CPU spent, not time added, when they overlap other threads' I/O).
@@ -82,13 +82,13 @@ class _Timer:
 def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
     """The plugin with its checksum steps timed (on) or replaced by nothing (off)."""
     from tnt_snapshot_plugin.format import checksums
-    from tnt_snapshot_plugin.saving import payloads as writer_job  # where the writers hash
+    from tnt_snapshot_plugin.saving import payloads  # where the writers hash
 
     # Fail loudly if the engine moves its checksum calls: this benchmark would measure nothing.
-    assert callable(getattr(writer_job, "record_views", None)), "writer_job.record_views is gone"
-    assert callable(getattr(writer_job, "new_hasher", None)), "writer_job.new_hasher is gone"
-    real_record = writer_job.record_views
-    real_new_hasher = writer_job.new_hasher
+    assert callable(getattr(payloads, "record_views", None)), "payloads.record_views is gone"
+    assert callable(getattr(payloads, "new_hasher", None)), "payloads.new_hasher is gone"
+    real_record = payloads.record_views
+    real_new_hasher = payloads.new_hasher
     real_check_reads = checksums.Verifier.check_reads
     if on:
         perf = time.perf_counter
@@ -127,8 +127,8 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
             def record(self) -> Any:
                 return self._h.record()
 
-        writer_job.record_views = timed_record
-        writer_job.new_hasher = TimedHasher
+        payloads.record_views = timed_record
+        payloads.new_hasher = TimedHasher
         checksums.Verifier.check_reads = timed_check_reads  # type: ignore[method-assign]
     else:
 
@@ -139,13 +139,13 @@ def checksums_mode(on: bool, timer: _Timer) -> Iterator[None]:
             def record(self) -> Any:
                 return {"algo": "none", "value": ""}
 
-        writer_job.record_views = lambda views, bounds=None: {"algo": "none", "value": ""}
-        writer_job.new_hasher = NoHash
+        payloads.record_views = lambda views, bounds=None: {"algo": "none", "value": ""}
+        payloads.new_hasher = NoHash
     try:
         yield
     finally:
-        writer_job.record_views = real_record
-        writer_job.new_hasher = real_new_hasher
+        payloads.record_views = real_record
+        payloads.new_hasher = real_new_hasher
         checksums.Verifier.check_reads = real_check_reads  # type: ignore[method-assign]
 
 
