@@ -78,3 +78,17 @@ def test_torchtnt_resumes_a_stateful_dataloader_mid_epoch_bitwise(tmp_path, num_
     train(resumed, loader, max_epochs=2, callbacks=[TorchSnapshotSaver(str(tmp_path))])
     assert resumed.train_progress.num_steps_completed == 20
     assert_bitwise_equal(weights(resumed), weights(reference))
+    # the RNG state is set again right after the first fetch, by a wrapper gone after it
+    assert "get_next_train_batch" not in vars(resumed)
+
+
+def test_the_savers_add_no_hook_torchtnt_calls_at_every_batch():
+    """torchtnt calls a per-batch hook on every callback whose class overrides it: the savers
+    override only the step-end hook of the per-step ones."""
+    from torchtnt.framework.callback import Callback
+
+    from tnt_snapshot_plugin.adapters.torchtnt import DistributedCheckpointSaver, TorchSnapshotSaver
+
+    for saver in (TorchSnapshotSaver, DistributedCheckpointSaver):
+        for hook in ("on_train_get_next_batch_end", "on_train_step_start"):
+            assert getattr(saver, hook) is getattr(Callback, hook), (saver.__name__, hook)

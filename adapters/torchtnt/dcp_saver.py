@@ -150,10 +150,6 @@ class DistributedCheckpointSaver(Callback):
         """Validate there is no key collision in the app state; prepare for preemption."""
         self._saver.on_train_start(state, unit)
 
-    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
-        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator."""
-        self._saver.on_train_get_next_batch_end(state, unit)
-
     def on_train_step_end(self, state: State, unit: TrainUnit[Any]) -> None:
         """Snapshot if the step cadence (or a plugin) says so."""
         self._saver.on_train_step_end(state, unit)

@@ -244,16 +244,12 @@ class TorchSnapshotSaver(Callback):
             # global RNG). torchtnt starts the iterator again after the restore and calls no hook
             # between iter() and the first next(): set the state again after the first fetch.
             self._rng_after_first_fetch = restored
+            after_first_fetch(unit, self._reset_rng)
 
-    def on_train_get_next_batch_end(self, state: State, unit: TrainUnit[Any]) -> None:
-        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator.
-
-        torchtnt builds its list of callbacks per hook before any hook runs, before this saver
-        sees the unit and whether a restore handed it an RNG state; so this hook is always
-        listed, and on every other batch it reads one attribute.
-        """
-        if self._rng_after_first_fetch is not None:
-            rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+    def _reset_rng(self) -> None:
+        """(First batch of a mid-epoch resume) undo the RNG draws of the loader's new iterator."""
+        rng, self._rng_after_first_fetch = self._rng_after_first_fetch, None
+        if rng is not None:  # None: the run this was for ended before its first batch
             RNGState().load_state_dict(rng)
 
     def _started(self, state: State, unit: Any) -> None:
@@ -307,6 +303,7 @@ class TorchSnapshotSaver(Callback):
         finally:
             self._state = self._unit = None  # the next run starts afresh
             self._collect = not_started
+            self._rng_after_first_fetch = None
 
     def on_exception(
         self,
@@ -315,8 +312,34 @@ class TorchSnapshotSaver(Callback):
         exc: BaseException,
     ) -> None:
         """Wait for the pending snapshot; the newest complete snapshot stays intact."""
+        self._rng_after_first_fetch = None
         self._snapshotter.exception()
 
     restore = staticmethod(torchtnt_restore.restore)
     restore_from_latest = staticmethod(torchtnt_restore.restore_from_latest)
     restore_from_best = staticmethod(torchtnt_restore.restore_from_best)
+
+
+def after_first_fetch(unit: TrainUnit[Any], then: Callable[[], None]) -> None:
+    """Call ``then`` right after ``unit`` fetches its next train batch, once.
+
+    torchtnt dispatches a per-batch hook (``on_train_get_next_batch_end``) to a callback whose
+    class overrides it, decided when ``train`` starts, before any hook shows the saver the unit;
+    an override would cost every batch of every run a call. Instead the unit's own
+    ``get_next_train_batch`` is wrapped, on the instance, until its first call.
+    """
+    own = unit.__dict__.get("get_next_train_batch")  # an instance attribute of the user's, kept
+    fetch = unit.get_next_train_batch
+
+    def fetch_then(state: State, data_iter: Any) -> Any:
+        try:
+            batch = fetch(state, data_iter)
+        finally:
+            if own is None:
+                unit.__dict__.pop("get_next_train_batch", None)
+            else:
+                unit.get_next_train_batch = own  # type: ignore[method-assign]
+        then()
+        return batch
+
+    unit.get_next_train_batch = fetch_then  # type: ignore[method-assign]
